@@ -1,0 +1,69 @@
+"""MiniCPM-o 4.5 input encoder CUDA graphs: a fork-style patch set on vllm-omni.
+
+Installs the ``minicpmo_cg`` package (patch tool, main job) and ships, as package
+data, the adapter (``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py``)
+and the patch series (``patches/``) that the tool installs into vllm-omni / vLLM.
+
+Lanes are extras because the patch set supports two pinned vLLM/vllm-omni pairs;
+``lanes/<lane>.txt`` holds the exact pins CI uses (tests check they agree):
+    pip install -e ".[current,test]"     # vllm 0.30.0 + vllm-omni 0.30.0
+    pip install -e ".[legacy,test]"      # vllm 0.28.0 + vllm-omni 0.28.0 (+ vLLM patches)
+"""
+
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ADAPTER = os.path.join("vllm_omni", "model_executor", "models", "minicpmo_4_5", "encoder_cuda_graph.py")
+
+
+class BuildPyWithPayload(build_py):
+    """Copy the adapter and the patch series into ``minicpmo_cg/_payload`` of a built wheel.
+
+    An editable install reads them from the source tree instead (see ``minicpmo_cg/resources.py``).
+    """
+
+    def run(self):
+        super().run()
+        payload = os.path.join(self.build_lib, "minicpmo_cg", "_payload")
+        shutil.rmtree(payload, ignore_errors=True)
+        shutil.copytree(os.path.join(HERE, "patches"), os.path.join(payload, "patches"))
+        os.makedirs(os.path.join(payload, os.path.dirname(ADAPTER)), exist_ok=True)
+        shutil.copy2(os.path.join(HERE, ADAPTER), os.path.join(payload, ADAPTER))
+
+
+setup(
+    name="minicpmo-encoder-cuda-graphs",
+    version="0.1.0",
+    description="Exact-shape CUDA graphs for MiniCPM-o 4.5's vision and audio encoders on vllm-omni",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10,<3.14",
+    packages=find_packages(include=["minicpmo_cg", "minicpmo_cg.*"]),
+    cmdclass={"build_py": BuildPyWithPayload},
+    install_requires=[],  # torch/vLLM/vllm-omni come from a lane extra
+    extras_require={
+        "current": ["vllm==0.30.0", "vllm-omni==0.30.0"],
+        "legacy": ["vllm==0.28.0", "vllm-omni==0.28.0"],
+        "test": ["pytest>=9", "pytest-xdist>=3.8", "pyyaml"],
+        "demo": ["scikit-image>=0.24"],
+    },
+    entry_points={
+        "console_scripts": [
+            "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
+            "minicpmo-cg-demo = minicpmo_cg.main_job:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "License :: OSI Approved :: Apache Software License",
+    ],
+)
