@@ -1,0 +1,28 @@
+"""A ``VllmConfig`` for running the encoders outside an engine (main job, benchmark, tests).
+
+vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and the
+compilation/parallel configs; a full ``ModelConfig`` would need a checkpoint, which
+cannot be downloaded here. ``ModelConfig.__new__`` gives an instance without running
+its checkpoint-resolving ``__init__``; only the attributes the manager and the
+adapter factory read are set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
+    """Return a ``vllm.config.VllmConfig`` usable by the encoder graph adapter without a checkpoint.
+
+    Args:
+        enforce_eager: value of ``model_config.enforce_eager`` (``--enforce-eager``).
+    """
+    from vllm.config import ModelConfig, MultiModalConfig, VllmConfig
+
+    config = VllmConfig()
+    model_config = ModelConfig.__new__(ModelConfig)
+    object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
+    object.__setattr__(model_config, "enforce_eager", enforce_eager)
+    object.__setattr__(config, "model_config", model_config)
+    return config
