@@ -18,9 +18,11 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     Args:
         enforce_eager: value of ``model_config.enforce_eager`` (``--enforce-eager``).
     """
-    from vllm.config import ModelConfig, MultiModalConfig, VllmConfig
+    import torch
+    from vllm.config import DeviceConfig, ModelConfig, MultiModalConfig, VllmConfig
 
-    config = VllmConfig()
+    # Without a GPU vLLM cannot infer a device type; the encoders then only run eagerly.
+    config = VllmConfig() if torch.cuda.is_available() else VllmConfig(device_config=DeviceConfig(device="cpu"))
     model_config = ModelConfig.__new__(ModelConfig)
     object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
     object.__setattr__(model_config, "enforce_eager", enforce_eager)
