@@ -468,7 +468,7 @@ class EncoderCudaGraph:
             self.admission.record_ineligible()
             return self.forward(*inputs)
 
-        stream = torch.cuda.current_stream(device)
+        stream = self._replay_stream(device)
         key: GraphKey = (
             stream.cuda_stream,
             tuple(None if x is None else (tuple(x.shape), x.dtype, x.device) for x in inputs),
@@ -498,11 +498,14 @@ class EncoderCudaGraph:
                     del self._output_shapes[stale]
         elif decision is Admission.CAPACITY and not self._cap_logged:
             self._cap_logged = True
-            logger.warning(
-                "%s encoder CUDA graph cap reached (%d graphs); new shapes run eagerly for the "
-                "lifetime of the model (raise encoder_cuda_graph_max_graphs to capture more)",
-                self.name, self.options.max_graphs,
-            )
+            if self.options.max_graphs == 0:
+                logger.info("%s encoder CUDA graphs disabled (encoder_cuda_graph_max_graphs=0)", self.name)
+            else:
+                logger.warning(
+                    "%s encoder CUDA graph cap reached (%d graphs); new shapes run eagerly for the "
+                    "lifetime of the model (raise encoder_cuda_graph_max_graphs to capture more)",
+                    self.name, self.options.max_graphs,
+                )
         return out
 
     def get_cumulative_stats(self) -> dict[str, Any]:
@@ -553,6 +556,11 @@ class EncoderCudaGraph:
             return None
         return devices.pop()
 
+    @staticmethod
+    def _replay_stream(device: torch.device) -> torch.cuda.Stream:
+        """The stream this call runs (and a graph would replay) on."""
+        return torch.cuda.current_stream(device)
+
     def _pool_and_stream(self, device: torch.device, replay_stream: torch.cuda.Stream) -> tuple[Any, Any]:
         pool_key = (device, replay_stream.cuda_stream)
         if self.options.share_pools and pool_key in self._capture_pools:
@@ -583,19 +591,10 @@ class EncoderCudaGraph:
         device: torch.device,
         replay_stream: torch.cuda.Stream,
     ) -> None:
-        from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
-
+        """Capture ``key`` and register it, or make the adapter unusable (fatal contract)."""
         start = time.perf_counter()
         try:
-            output_shape = self._output_shapes.pop(key)
-            model = _ExactShapeEncoder(self.forward, inputs, output_shape)
-            first = next(x for x in inputs if x is not None)
-            manager = EncoderCudaGraphManager(self._manager_config(model.tokens), device, first.dtype, model)
-            pool, capture_stream = self._pool_and_stream(device, replay_stream)
-            capture_stream.wait_stream(replay_stream)
-            with torch.cuda.device(device), torch.cuda.stream(capture_stream):
-                manager.capture(graph_pool=pool)
-            replay_stream.wait_stream(capture_stream)
+            manager = self._capture_graph(self._output_shapes.pop(key), inputs, device, replay_stream)
         except BaseException as exc:
             self._failure = exc
             self.admission.record_failure()
@@ -604,17 +603,43 @@ class EncoderCudaGraph:
                 "%s encoder CUDA graph capture failed for input shapes %s; the adapter is now "
                 "unusable and later calls raise. Restart the worker, optionally with "
                 "--hf-overrides '{\"encoder_cuda_graph\": false}'.",
-                self.name, key[1],
+                self.name, _describe(key),
             )
             raise
+        # Registered only after a complete capture: a failure leaves no half-registered graph.
         self.graphs[key] = manager
         self.admission.record_captured(key)
         logger.info(
-            "Captured %s encoder CUDA graph %d/%d for input shapes %s in %.1f ms",
-            self.name, len(self.graphs), self.options.max_graphs,
-            [None if t is None else tuple(t[0]) for t in key[1]],
+            "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms",
+            self.name, len(self.graphs), self.options.max_graphs, _describe(key),
             (time.perf_counter() - start) * 1e3,
         )
+
+    def _capture_graph(
+        self,
+        output_shape: torch.Size,
+        inputs: Sequence[torch.Tensor | None],
+        device: torch.device,
+        replay_stream: torch.cuda.Stream,
+    ) -> Any:
+        """CUDA plumbing: one vLLM manager with one captured graph for these exact inputs."""
+        from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+        model = _ExactShapeEncoder(self.forward, inputs, output_shape)
+        first = next(x for x in inputs if x is not None)
+        manager = EncoderCudaGraphManager(self._manager_config(model.tokens), device, first.dtype, model)
+        pool, capture_stream = self._pool_and_stream(device, replay_stream)
+        # A late capture into a shared pool starts after earlier replays and output clones.
+        capture_stream.wait_stream(replay_stream)
+        with torch.cuda.device(device), torch.cuda.stream(capture_stream):
+            manager.capture(graph_pool=pool)
+        replay_stream.wait_stream(capture_stream)
+        return manager
+
+
+def _describe(key: GraphKey) -> list[Any]:
+    """Readable input shapes of a key for logs: ``[(shape, dtype) | None, ...]``."""
+    return [None if t is None else (t[0], str(t[1]).replace("torch.", "")) for t in key[1]]
 
 
 def make_encoder_cuda_graph(
