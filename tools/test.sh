@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run the test suite on one pinned lane, or on both.
+#   usage: tools/test.sh {current|legacy|all} [pytest args...]
+# For each lane: build/reuse its cached venv (tools/setup_lane.sh), apply the patch set to the
+# installed vLLM/vllm-omni (minicpmo-cg-patch apply: idempotent), print the patch status, run pytest.
+# CUDA tests skip with a reason on machines without a GPU; run them on a GPU host through
+# tools/gpu/run.sh. Lanes run current first, so the legacy lane's differential test can compare
+# against the outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+which="${1:-}"; shift || true
+case "$which" in
+  current|legacy) lanes=("$which") ;;
+  all) lanes=(current legacy) ;;
+  *) echo "usage: tools/test.sh {current|legacy|all} [pytest args...]" >&2; exit 2 ;;
+esac
+export MINICPMO_CG_DIFF_DIR="${MINICPMO_CG_DIFF_DIR:-$(mktemp -d -t minicpmo-cg-diff.XXXXXX)}"
+cd "$root"
+status=0
+for lane in "${lanes[@]}"; do
+  start=$SECONDS
+  echo "=== lane $lane: setup" >&2
+  venv="$(bash tools/setup_lane.sh "$lane" | tail -n 1)" || { echo "lane $lane: setup failed" >&2; status=1; continue; }
+  if ! "$venv/bin/minicpmo-cg-patch" apply; then
+    echo "lane $lane: minicpmo-cg-patch apply failed" >&2; status=1; continue
+  fi
+  "$venv/bin/minicpmo-cg-patch" status || true
+  echo "=== lane $lane: pytest $*" >&2
+  "$venv/bin/python" -m pytest tests -p no:cacheprovider "$@"
+  rc=$?
+  echo "=== lane $lane: pytest exit $rc after $((SECONDS - start)) s" >&2
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
