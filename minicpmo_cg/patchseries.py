@@ -1,0 +1,480 @@
+"""The patch series format shared by every upstream folder under ``patches/``.
+
+Layout (documented for patch authors in ``patches/README.md``)::
+
+    patches/<package>/series          patch file names in apply order, ``#`` comments
+    patches/<package>/<name>.patch    header block, a line ``---``, a unified diff
+
+``<package>`` is a distribution name from :data:`KNOWN_PACKAGES` (``vllm``,
+``vllm-omni``). Diff paths are relative to site-packages with ``a/``/``b/``
+prefixes and must lie inside that package's import directory.
+
+This module only parses and validates; it never touches an installation and
+imports nothing outside the standard library (the patch tool must not pay
+vLLM's import time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+__all__ = [
+    "KNOWN_PACKAGES",
+    "FileChange",
+    "Patch",
+    "PatchFormatError",
+    "VersionSpec",
+    "canonical_package",
+    "load_all_series",
+    "load_series",
+    "parse_patch",
+    "parse_version",
+    "version_at_least",
+    "version_equal",
+]
+
+#: distribution name -> top-level import directory in site-packages
+KNOWN_PACKAGES: dict[str, str] = {"vllm": "vllm", "vllm-omni": "vllm_omni"}
+
+REQUIRED_FIELDS = ("Subject", "Why", "Origin", "Upstream", "Targets", "Drop-When")
+OPTIONAL_FIELDS = ("Upstream-Since", "Upstream-Probe")
+#: fields whose value must fit on one line (no indented continuation)
+SINGLE_LINE_FIELDS = frozenset({"Subject", "Upstream-Since", "Upstream-Probe"})
+_FIELD_BY_LOWER = {f.lower(): f for f in REQUIRED_FIELDS + OPTIONAL_FIELDS}
+
+_FIELD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):(.*)$")
+_SPEC_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(==|>=)\s*([0-9][0-9A-Za-z.+!-]*)\s*$")
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_SAFE_PATH_RE = re.compile(r"^[A-Za-z0-9_.\-/]+$")
+_SERIES_NAME_RE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+# Extended git header lines that carry no content change we could honour.
+_GIT_UNSUPPORTED = ("old mode", "new mode", "rename from", "rename to", "copy from", "copy to", "similarity index",
+                    "dissimilarity index", "GIT binary patch", "Binary files")
+_GIT_IGNORED = ("diff --git ", "index ", "new file mode ", "deleted file mode ")
+
+
+class PatchFormatError(ValueError):
+    """A series file or patch file breaks the format; the message names the file (and line)."""
+
+
+def canonical_package(name: str) -> str:
+    """Normalise a distribution name the PEP 503 way (``vllm_omni`` -> ``vllm-omni``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# ---------------------------------------------------------------------------
+# Versions
+# ---------------------------------------------------------------------------
+
+
+def parse_version(text: str):
+    """Return a comparable, hashable version object for ``text``.
+
+    Uses ``packaging.version.Version`` when installed (it is in every lane venv);
+    otherwise a plain release tuple, which covers ``N(.N)*`` with an optional
+    ``+local`` label. Trailing zeros are insignificant either way (0.30 == 0.30.0).
+
+    Raises:
+        ValueError: ``text`` is not a version.
+    """
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - every lane venv has packaging
+        match = re.fullmatch(r"(\d+(?:\.\d+)*)(?:\+[A-Za-z0-9.]+)?", text.strip())
+        if not match:
+            raise ValueError(f"not a plain release version: {text!r}") from None
+        parts = [int(p) for p in match.group(1).split(".")]
+        while len(parts) > 1 and parts[-1] == 0:
+            parts.pop()
+        return tuple(parts)
+    try:
+        version = Version(text)
+    except InvalidVersion as exc:
+        raise ValueError(f"not a version: {text!r}") from exc
+    # "==0.30.0" matches 0.30.0+cu130, as in PEP 440 when the spec has no local label.
+    return Version(version.public)
+
+
+def version_equal(installed: str, wanted: str) -> bool:
+    """True when ``installed`` equals ``wanted`` ignoring a local label and trailing zeros."""
+    return parse_version(installed) == parse_version(wanted)
+
+
+def version_at_least(installed: str, wanted: str) -> bool:
+    """True when ``installed >= wanted`` (local labels ignored)."""
+    return parse_version(installed) >= parse_version(wanted)
+
+
+@dataclass(frozen=True)
+class VersionSpec:
+    """``package==version`` or ``package>=version``; ``package`` is canonical."""
+
+    package: str
+    op: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.package}{self.op}{self.version}"
+
+    def holds(self, installed: str) -> bool:
+        if self.op == "==":
+            return version_equal(installed, self.version)
+        return version_at_least(installed, self.version)
+
+
+def _parse_spec(text: str, where: str, field: str) -> VersionSpec:
+    match = _SPEC_RE.match(text)
+    if not match:
+        raise PatchFormatError(f"{where}: {field}: {text.strip()!r} is not 'package==version'")
+    package, op, version = match.groups()
+    package = canonical_package(package)
+    if package not in KNOWN_PACKAGES:
+        raise PatchFormatError(
+            f"{where}: {field}: unknown package {package!r} (known: {', '.join(sorted(KNOWN_PACKAGES))})"
+        )
+    try:
+        parse_version(version)
+    except ValueError as exc:
+        raise PatchFormatError(f"{where}: {field}: {exc}") from None
+    return VersionSpec(package, op, version)
+
+
+# ---------------------------------------------------------------------------
+# Patches
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file of a diff.
+
+    Attributes:
+        path: POSIX path relative to site-packages (``vllm_omni/...``), no prefix.
+        creates: the diff's old side is ``/dev/null`` (the file is new).
+        deletes: the diff's new side is ``/dev/null`` (the file is removed).
+    """
+
+    path: str
+    creates: bool = False
+    deletes: bool = False
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A parsed patch file.
+
+    Attributes:
+        name: ``<package folder>/<file name>``, the patch's id in reports and state.
+        path: the patch file.
+        package: canonical distribution the diff edits (the folder name).
+        subject, why, origin, upstream, drop_when: header text (continuations
+            joined with single spaces).
+        targets: ``Targets:`` specs, all ``==`` and all for ``package``.
+        upstream_since: ``Upstream-Since:`` spec or None.
+        upstream_probe: compiled ``Upstream-Probe:`` regex (``re.MULTILINE``) or None.
+        diff: the unified diff (everything after the ``---`` line), fed to GNU patch.
+        files: the files the diff touches, in diff order.
+        sha256: hex digest of the whole patch file; the state records it so an
+            edited patch is re-applied from the originals.
+    """
+
+    name: str
+    path: Path
+    package: str
+    subject: str
+    why: str
+    origin: str
+    upstream: str
+    targets: tuple[VersionSpec, ...]
+    upstream_since: VersionSpec | None
+    upstream_probe: re.Pattern[str] | None
+    drop_when: str
+    diff: str
+    files: tuple[FileChange, ...]
+    sha256: str
+
+    @property
+    def file_paths(self) -> tuple[str, ...]:
+        return tuple(f.path for f in self.files)
+
+    def targets_version(self, installed: str) -> bool:
+        """True when the installed version of :attr:`package` is one of :attr:`targets`."""
+        return any(spec.holds(installed) for spec in self.targets)
+
+
+def _parse_header(lines: list[str], where: str) -> tuple[dict[str, str], int]:
+    """Parse the header block; return (fields, index of the first diff line)."""
+    fields: dict[str, str] = {}
+    current: str | None = None
+    for index, line in enumerate(lines):
+        lineno = index + 1
+        if line == "---":
+            if not fields:
+                raise PatchFormatError(f"{where}: line {lineno}: the header block before '---' is empty")
+            return fields, index + 1
+        if not line.strip():
+            raise PatchFormatError(
+                f"{where}: line {lineno}: blank line inside the header (the header ends at a line '---')"
+            )
+        if line[0] in " \t":
+            if current is None:
+                raise PatchFormatError(f"{where}: line {lineno}: continuation line before any header field")
+            if current in SINGLE_LINE_FIELDS:
+                raise PatchFormatError(f"{where}: line {lineno}: {current}: must be a single line")
+            fields[current] = f"{fields[current]} {line.strip()}".strip()
+            continue
+        match = _FIELD_RE.match(line)
+        if not match:
+            raise PatchFormatError(f"{where}: line {lineno}: expected 'Field: value' or '---', got {line[:60]!r}")
+        raw_name, value = match.groups()
+        name = _FIELD_BY_LOWER.get(raw_name.lower())
+        if name is None:
+            allowed = ", ".join(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+            raise PatchFormatError(f"{where}: line {lineno}: unknown header field {raw_name!r} (allowed: {allowed})")
+        if name in fields:
+            raise PatchFormatError(f"{where}: line {lineno}: duplicate header field {name!r}")
+        fields[name] = value.strip()
+        current = name
+    raise PatchFormatError(f"{where}: no line '---' ends the header block")
+
+
+def _validate_rel_path(raw: str, prefix: str, where: str, lineno: int, import_dir: str) -> str:
+    path = raw.split("\t", 1)[0].rstrip()
+    if not path.startswith(prefix):
+        raise PatchFormatError(f"{where}: line {lineno}: diff path {path!r} must start with {prefix!r} or be /dev/null")
+    rel = path[len(prefix):]
+    pure = PurePosixPath(rel)
+    if (
+        not rel
+        or not _SAFE_PATH_RE.match(rel)
+        or pure.is_absolute()
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise PatchFormatError(f"{where}: line {lineno}: unsafe or malformed diff path {path!r}")
+    if pure.parts[0] != import_dir or len(pure.parts) < 2:
+        raise PatchFormatError(
+            f"{where}: line {lineno}: diff path {path!r} is outside {import_dir}/ "
+            f"(paths are relative to site-packages: a/{import_dir}/...)"
+        )
+    return rel
+
+
+def _parse_diff(lines: list[str], first: int, where: str, import_dir: str) -> tuple[FileChange, ...]:
+    """Walk the unified diff strictly (hunk line counts included) and list its files."""
+    changes: list[FileChange] = []
+    seen: set[str] = set()
+    index = first
+    n = len(lines)
+    # Free text (e.g. a diffstat) may precede the first file header.
+    while index < n and not lines[index].startswith(("--- ", "diff --git ")):
+        index += 1
+    while index < n:
+        line = lines[index]
+        lineno = index + 1
+        if line == "-- ":  # git's signature separator ends the diff
+            break
+        if line.startswith(_GIT_UNSUPPORTED):
+            raise PatchFormatError(f"{where}: line {lineno}: unsupported diff feature: {line[:60]!r}")
+        if line.startswith(_GIT_IGNORED):
+            index += 1
+            continue
+        if line.startswith("--- "):
+            if index + 1 >= n or not lines[index + 1].startswith("+++ "):
+                raise PatchFormatError(f"{where}: line {lineno}: '---' file line is not followed by '+++'")
+            old_raw, new_raw = line[4:], lines[index + 1][4:]
+            old_null = old_raw.split("\t", 1)[0].rstrip() == "/dev/null"
+            new_null = new_raw.split("\t", 1)[0].rstrip() == "/dev/null"
+            if old_null and new_null:
+                raise PatchFormatError(f"{where}: line {lineno}: both sides of a diff are /dev/null")
+            old_rel = None if old_null else _validate_rel_path(old_raw, "a/", where, lineno, import_dir)
+            new_rel = None if new_null else _validate_rel_path(new_raw, "b/", where, lineno + 1, import_dir)
+            if old_rel is not None and new_rel is not None and old_rel != new_rel:
+                raise PatchFormatError(f"{where}: line {lineno}: renames are not supported ({old_rel} -> {new_rel})")
+            rel = old_rel if old_rel is not None else new_rel
+            assert rel is not None
+            if rel in seen:
+                raise PatchFormatError(
+                    f"{where}: line {lineno}: {rel} appears twice in one patch (merge its hunks into one diff)"
+                )
+            seen.add(rel)
+            changes.append(FileChange(rel, creates=old_null, deletes=new_null))
+            index += 2
+            if index >= n or not _HUNK_RE.match(lines[index]):
+                raise PatchFormatError(f"{where}: line {index + 1}: file {rel} has no hunk")
+            while index < n and _HUNK_RE.match(lines[index]):
+                index = _consume_hunk(lines, index, where)
+            continue
+        if not line.strip():
+            index += 1
+            continue
+        raise PatchFormatError(f"{where}: line {lineno}: unexpected line outside a hunk: {line[:60]!r}")
+    if not changes:
+        raise PatchFormatError(f"{where}: no unified diff after the '---' line")
+    return tuple(changes)
+
+
+def _consume_hunk(lines: list[str], index: int, where: str) -> int:
+    match = _HUNK_RE.match(lines[index])
+    assert match
+    old = 1 if match.group(2) is None else int(match.group(2))
+    new = 1 if match.group(4) is None else int(match.group(4))
+    start = index + 1
+    index += 1
+    while old > 0 or new > 0:
+        if index >= len(lines):
+            raise PatchFormatError(f"{where}: line {start}: hunk ends early (file truncated?)")
+        line = lines[index]
+        tag = line[:1]
+        if tag in (" ", ""):  # an empty line is a context line whose blank was stripped
+            old, new = old - 1, new - 1
+        elif tag == "-":
+            old -= 1
+        elif tag == "+":
+            new -= 1
+        elif tag == "\\":
+            pass
+        else:
+            raise PatchFormatError(f"{where}: line {index + 1}: bad line inside a hunk: {line[:60]!r}")
+        if old < 0 or new < 0:
+            raise PatchFormatError(f"{where}: line {start - 1}: hunk line counts do not match its @@ header")
+        index += 1
+    while index < len(lines) and lines[index].startswith("\\"):
+        index += 1
+    return index
+
+
+def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
+    """Parse and validate one patch file of the ``package`` folder.
+
+    Args:
+        path: the patch file (UTF-8).
+        package: canonical distribution name of the folder (``vllm-omni``).
+        name: id used in reports; default ``<package>/<file name>``.
+
+    Raises:
+        PatchFormatError: a missing/duplicate/unknown/empty header field, a bad
+            ``Targets``/``Upstream-Since`` spec, an uncompilable
+            ``Upstream-Probe``, or a malformed diff; the message names the file.
+    """
+    where = str(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchFormatError(f"{where}: not UTF-8 ({exc})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    fields, diff_start = _parse_header(lines, where)
+
+    missing = [f for f in REQUIRED_FIELDS if f not in fields]
+    if missing:
+        raise PatchFormatError(f"{where}: missing required header field(s): {', '.join(missing)}")
+    for field, value in fields.items():
+        if not value:
+            raise PatchFormatError(f"{where}: header field {field!r} is empty")
+
+    import_dir = KNOWN_PACKAGES[package]
+    targets = tuple(_parse_spec(part, where, "Targets") for part in fields["Targets"].split(","))
+    for spec in targets:
+        if spec.op != "==":
+            raise PatchFormatError(f"{where}: Targets: {spec} must name exact versions with '=='")
+        if spec.package != package:
+            raise PatchFormatError(
+                f"{where}: Targets: {spec} names {spec.package}, but the patch is in the {package}/ folder "
+                f"and edits {import_dir}/"
+            )
+
+    since = None
+    if "Upstream-Since" in fields:
+        since = _parse_spec(fields["Upstream-Since"], where, "Upstream-Since")
+    probe = None
+    if "Upstream-Probe" in fields:
+        if since is None:
+            raise PatchFormatError(f"{where}: Upstream-Probe needs Upstream-Since")
+        try:
+            probe = re.compile(fields["Upstream-Probe"], re.MULTILINE)
+        except re.error as exc:
+            raise PatchFormatError(f"{where}: Upstream-Probe is not a valid regex: {exc}") from None
+
+    diff_text = "\n".join(lines[diff_start:]) + "\n"
+    files = _parse_diff(lines, diff_start, where, import_dir)
+    return Patch(
+        name=name or f"{package}/{path.name}",
+        path=path,
+        package=package,
+        subject=fields["Subject"],
+        why=fields["Why"],
+        origin=fields["Origin"],
+        upstream=fields["Upstream"],
+        targets=targets,
+        upstream_since=since,
+        upstream_probe=probe,
+        drop_when=fields["Drop-When"],
+        diff=diff_text,
+        files=files,
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def load_series(folder: Path) -> list[Patch]:
+    """Parse ``folder/series`` and every patch it lists, in order.
+
+    A folder without a ``series`` file has no patches. The folder name must be
+    a key of :data:`KNOWN_PACKAGES`.
+
+    Raises:
+        PatchFormatError: unknown folder, a listed file that is missing or
+            listed twice, a name with a path separator, or any patch error.
+    """
+    package = canonical_package(folder.name)
+    if package not in KNOWN_PACKAGES or folder.name != package:
+        raise PatchFormatError(
+            f"{folder}: unknown patch folder (expected one of: {', '.join(sorted(KNOWN_PACKAGES))})"
+        )
+    series = folder / "series"
+    if not series.is_file():
+        return []
+    patches: list[Patch] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), start=1):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if not _SERIES_NAME_RE.match(entry):
+            raise PatchFormatError(f"{series}: line {lineno}: {entry!r} is not a plain file name in {folder.name}/")
+        if entry in seen:
+            raise PatchFormatError(f"{series}: line {lineno}: {entry} is listed twice")
+        seen.add(entry)
+        path = folder / entry
+        if not path.is_file():
+            raise PatchFormatError(f"{series}: line {lineno}: {entry} does not exist in {folder}")
+        patches.append(parse_patch(path, package))
+    return patches
+
+
+def load_all_series(patches_dir: Path) -> list[Patch]:
+    """Load every known upstream folder of ``patches_dir`` (``vllm`` first, then ``vllm-omni``).
+
+    Sub-directories that are not known packages raise :class:`PatchFormatError`
+    when they hold a ``series`` file and are ignored otherwise; two patches may
+    not edit the same file across folders (folders own disjoint trees).
+
+    Raises:
+        PatchFormatError: see :func:`load_series`; also a missing ``patches_dir``.
+    """
+    if not patches_dir.is_dir():
+        raise PatchFormatError(f"{patches_dir}: patch directory not found")
+    patches: list[Patch] = []
+    for package in sorted(KNOWN_PACKAGES):
+        folder = patches_dir / package
+        if folder.is_dir():
+            patches.extend(load_series(folder))
+    for child in sorted(patches_dir.iterdir()):
+        if child.is_dir() and child.name not in KNOWN_PACKAGES and (child / "series").exists():
+            load_series(child)  # raises with the folder named
+    return patches
