@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End to end: ``vllm serve openbmb/MiniCPM-o-4_5 --omni`` answers the same with and without encoder CUDA graphs.
+
+Starts the server twice on this machine's GPU, one after the other (eager:
+``--hf-overrides '{"encoder_cuda_graph": false}'``; graphed: defaults), sends the
+fixed image, audio and image+audio prompts of ``serve_smoke.py`` greedily and
+requires identical answers. Within each server, a repeated input must get its
+first answer again (in the graphed server the first answer is eager warmup and
+the repeat a graph replay), the graphed server's log must show captures of both
+encoders and the eager server's none.
+
+Marked ``cuda`` only (not ``core_model``): it needs a GPU that holds the whole
+three-stage deploy (an 80 GB H100 class device) and a checkpoint, so it is not
+part of ``-m "core_model and cuda"``. Skipped unless ``MINICPMO_CG_E2E_MODEL``
+points to a local checkpoint, ``MINICPMO_CG_E2E_HUB=1`` allows the hub download,
+or the hub snapshot is already cached. ``MINICPMO_CG_E2E_ENFORCE_EAGER=1`` adds an
+``--enforce-eager`` server. Run it through the lane setup, which applies the patch
+set first::
+
+    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda -k serve_eager_vs_graphed
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cuda]
+
+
+def _serve_smoke():
+    name = "minicpmo_cg_e2e_serve_smoke"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("serve_smoke.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+smoke = _serve_smoke()
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    import torch
+
+    try:
+        resolved, why = smoke.resolve_model()
+    except ValueError as exc:
+        pytest.fail(str(exc))
+    reasons = [] if resolved is not None else [why]
+    if not torch.cuda.is_available():
+        reasons.insert(0, "needs a CUDA GPU that holds MiniCPM-o 4.5's three-stage deploy (80 GB class)")
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    return resolved
+
+
+@pytest.fixture(scope="module")
+def recordings(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("serve-eager-vs-graphed")
+    # Sequential on one GPU: each server's process group is gone before the next starts.
+    return {mode: smoke.run_mode(model, mode, root / mode) for mode in ("eager", "graphed")}
+
+
+def test_each_server_runs_in_its_mode_and_is_self_consistent(recordings: dict[str, dict]) -> None:
+    problems = smoke.check_run(recordings["eager"]) + smoke.check_run(recordings["graphed"])
+    assert not problems, "\n".join(problems)
+
+
+def test_graphed_answers_equal_eager(recordings: dict[str, dict]) -> None:
+    assert len(recordings["graphed"]["answers"]) == len(smoke.PROMPTS)
+    problems = smoke.compare(recordings["eager"], recordings["graphed"])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(
+    os.environ.get("MINICPMO_CG_E2E_ENFORCE_EAGER") != "1",
+    reason="set MINICPMO_CG_E2E_ENFORCE_EAGER=1 to also start an --enforce-eager server (one more model load)",
+)
+def test_enforce_eager_serves_without_encoder_graphs(model: str, tmp_path: Path) -> None:
+    # --enforce-eager also turns off the Thinker's decode graphs, so only self-consistency
+    # and the absence of encoder captures are required, not equality with the graphed answers.
+    record = smoke.run_mode(model, "enforce-eager", tmp_path)
+    problems = smoke.check_run(record)
+    assert not problems, "\n".join(problems)

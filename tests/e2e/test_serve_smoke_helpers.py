@@ -1,0 +1,323 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU checks of the e2e smoke's machinery: inputs, server command, lifecycle, checks.
+
+The GPU run (``test_serve_eager_vs_graphed.py``) only happens on a GPU agent with a
+checkpoint; these tests make sure that, when it does, it sends what it claims,
+starts and stops the server robustly and judges the answers correctly.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import re
+import sys
+import textwrap
+import time
+import wave
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+REPO = Path(__file__).resolve().parents[2]
+ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+
+
+def _serve_smoke():
+    name = "minicpmo_cg_e2e_serve_smoke"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("serve_smoke.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+smoke = _serve_smoke()
+
+
+def _decode(url: str, mime: str) -> bytes:
+    prefix = f"data:{mime};base64,"
+    assert url.startswith(prefix), url[:40]
+    return base64.b64decode(url[len(prefix):], validate=True)
+
+
+def _parts(prompt, kind):
+    return [c for c in prompt.messages()[0]["content"] if c["type"] == kind]
+
+
+# -- inputs ----------------------------------------------------------------------
+
+
+def test_prompt_groups_share_one_shape_with_distinct_content() -> None:
+    from PIL import Image
+
+    groups: dict[str, list] = {}
+    for p in smoke.PROMPTS:
+        groups.setdefault(p.name.split("/")[0], []).append(p)
+    assert len(groups) == 4
+    kinds = set()
+    for name, prompts in groups.items():
+        assert len(prompts) == 4, name  # warmup, capture, replay, first again
+        assert prompts[-1].name == prompts[0].name + "#again"
+        assert prompts[-1].messages() == prompts[0].messages()
+        images = [[_decode(c["image_url"]["url"], "image/png") for c in _parts(p, "image_url")] for p in prompts[:3]]
+        audios = [[_decode(c["audio_url"]["url"], "audio/wav") for c in _parts(p, "audio_url")] for p in prompts[:3]]
+        kinds.add((bool(images[0]), bool(audios[0])))
+        for slot in range(len(images[0])):
+            blobs = [imgs[slot] for imgs in images]
+            assert len(set(blobs)) == 3, f"{name}: image variants must differ in content"
+            sizes = {Image.open(io.BytesIO(b)).size for b in blobs}
+            assert len(sizes) == 1, f"{name}: image variants must keep one size, got {sizes}"
+        for slot in range(len(audios[0])):
+            blobs = [auds[slot] for auds in audios]
+            assert len(set(blobs)) == 3, f"{name}: audio windows must differ in content"
+            params = set()
+            for b in blobs:
+                with wave.open(io.BytesIO(b)) as w:
+                    params.add((w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()))
+            assert len(params) == 1, f"{name}: audio windows must have one length/format, got {params}"
+    assert kinds == {(True, False), (False, True), (True, True)}  # image, audio, image+audio
+
+
+def test_audio_window_is_the_exact_slice_of_the_bundled_voice() -> None:
+    with wave.open(str(smoke.vllm_omni_voice("default_female"))) as src:
+        rate = src.getframerate()
+        src.setpos(int(2.5 * rate))
+        expected = src.readframes(int(4.0 * rate))
+    with wave.open(io.BytesIO(smoke.audio_wav("default_female", 2.5, 4.0))) as got:
+        assert got.getframerate() == rate
+        assert got.readframes(got.getnframes()) == expected
+    with pytest.raises(ValueError, match="does not fit"):
+        smoke.audio_wav("default_female", 8.0, 4.0)
+
+
+def test_images_come_from_scikit_image_bundled_photos() -> None:
+    from PIL import Image
+
+    raw = Image.open(smoke.skimage_photo("astronaut")).convert("RGB")
+    sent = Image.open(io.BytesIO(smoke.image_png("astronaut", "mirror")))
+    assert sent.size == raw.size == (512, 512)
+    assert sent.transpose(Image.Transpose.FLIP_LEFT_RIGHT).tobytes() == raw.tobytes()
+    with pytest.raises(ValueError):
+        smoke.image_png("astronaut", "rotate")
+
+
+# -- server command and deploy config ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["graphed", "eager", "enforce-eager"])
+def test_server_command_per_mode(mode: str, tmp_path: Path) -> None:
+    cmd = smoke.server_command("/ckpt", mode, 8123, tmp_path / "d.yaml", vllm="/venv/bin/vllm")
+    assert cmd[:4] == ["/venv/bin/vllm", "serve", "/ckpt", "--omni"]
+    assert "--trust-remote-code" in cmd
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--deploy-config") + 1] == str(tmp_path / "d.yaml")
+    overrides = json.loads(cmd[cmd.index("--hf-overrides") + 1]) if "--hf-overrides" in cmd else None
+    assert overrides == ({"encoder_cuda_graph": False} if mode == "eager" else None)
+    assert ("--enforce-eager" in cmd) == (mode == "enforce-eager")
+    with pytest.raises(ValueError):
+        smoke.server_command("/ckpt", "cuda-graph", 1, tmp_path)
+
+
+def test_turn_deploy_overlay_loads_with_vllm_omni(tmp_path: Path) -> None:
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    deploy = load_deploy_config(smoke.turn_deploy_config(tmp_path))
+    assert deploy.session_mode == "turn"  # ordinary /v1/chat/completions turns, not duplex sessions
+    assert deploy.pipeline == "minicpmo_4_5"
+    assert [s.stage_id for s in deploy.stages] == [0, 1, 2]
+
+
+def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(smoke, "_hub_snapshot_cached", lambda repo: False)
+    model, why = smoke.resolve_model({})
+    assert model is None
+    assert "MINICPMO_CG_E2E_MODEL" in why and "MINICPMO_CG_E2E_HUB=1" in why
+    assert smoke.resolve_model({"MINICPMO_CG_E2E_HUB": "1"})[0] == "openbmb/MiniCPM-o-4_5"
+    assert smoke.resolve_model({"MINICPMO_CG_E2E_MODEL": "org/other"})[0] is None  # hub id without HUB=1
+    with pytest.raises(ValueError, match="config.json"):
+        smoke.resolve_model({"MINICPMO_CG_E2E_MODEL": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    assert smoke.resolve_model({"MINICPMO_CG_E2E_MODEL": str(tmp_path)})[0] == str(tmp_path)
+    monkeypatch.setattr(smoke, "_hub_snapshot_cached", lambda repo: repo == "openbmb/MiniCPM-o-4_5")
+    assert smoke.resolve_model({})[0] == "openbmb/MiniCPM-o-4_5"
+
+
+# -- server lifecycle against a stand-in HTTP server ---------------------------------
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import json, signal, subprocess, sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    port, behaviour = int(sys.argv[1]), sys.argv[2]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"child {child.pid}", flush=True)
+    if behaviour == "exit":
+        sys.exit(3)
+    if behaviour == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if behaviour == "never-ready":
+        time.sleep(600)
+    time.sleep(0.5)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = json.dumps({"choices": [{"message": {"content": json.dumps(body)}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    print("Captured vision encoder CUDA graph 1/4 for inputs [] in 1.0 ms", flush=True)
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+def _fake(tmp_path: Path, behaviour: str):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port = smoke.free_port()
+    return smoke.ServeProcess([sys.executable, str(script), str(port), behaviour], tmp_path / "serve.log", port)
+
+
+def _child_pid(server) -> int:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = re.search(r"child (\d+)", server.log_path.read_text() if server.log_path.exists() else "")
+        if m:
+            return int(m.group(1))
+        time.sleep(0.05)
+    raise AssertionError("stand-in server never reported its child")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_ready_chat_and_stop_reaps_the_whole_process_group(tmp_path: Path) -> None:
+    server = _fake(tmp_path, "serve")
+    with server:
+        pgid = server.proc.pid
+        server.wait_ready(timeout=30, poll=0.1)
+        child = _child_pid(server)
+        assert _alive(child)
+        messages = smoke.PROMPTS[0].messages()
+        sent = json.loads(smoke.chat(server.base_url, messages, timeout=30))
+    assert sent["temperature"] == 0.0 and sent["modalities"] == ["text"]
+    assert sent["model"] == smoke.SERVED_MODEL_NAME and sent["messages"] == messages
+    assert server.proc is None
+    assert smoke.group_members(pgid) == []
+    assert not _alive(child), "the server's child process survived stop()"
+    assert smoke.parse_captures(server.log_path.read_text()) == [{"encoder": "vision", "index": 1, "cap": 4}]
+
+
+def test_server_that_exits_fails_fast_with_its_log(tmp_path: Path) -> None:
+    server = _fake(tmp_path, "exit")
+    start = time.monotonic()
+    with server, pytest.raises(smoke.ServerError, match=r"exited with code 3(.|\n)*child \d+"):
+        server.wait_ready(timeout=60, poll=0.1)
+    assert time.monotonic() - start < 30
+
+
+def test_server_that_never_gets_ready_times_out_within_the_bound(tmp_path: Path) -> None:
+    server = _fake(tmp_path, "never-ready")
+    start = time.monotonic()
+    with server, pytest.raises(TimeoutError, match="not ready after 2 s"):
+        server.wait_ready(timeout=2, poll=0.2)
+    assert time.monotonic() - start < 20
+    assert server.proc is None
+
+
+def test_stop_kills_a_server_that_ignores_sigterm(tmp_path: Path) -> None:
+    server = _fake(tmp_path, "ignore-term").start()
+    try:
+        server.wait_ready(timeout=30, poll=0.1)
+        pgid, child = server.proc.pid, _child_pid(server)
+    finally:
+        start = time.monotonic()
+        server.stop(grace=1.0, reap_timeout=20)
+    assert time.monotonic() - start < 15
+    assert smoke.group_members(pgid) == [] and not _alive(child)
+
+
+def test_free_port_is_bindable_on_loopback() -> None:
+    import socket
+
+    port = smoke.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# -- judging recordings ---------------------------------------------------------------
+
+
+def test_capture_regex_matches_the_adapter_log_format() -> None:
+    source = ADAPTER.read_text()
+    fmt = re.search(r'"(Captured %s encoder CUDA graph %d/%d[^"]*)"', source)
+    assert fmt, f"capture log line not found in {ADAPTER}; update serve_smoke.CAPTURE_RE with it"
+    line = fmt.group(1) % ("audio", 2, 4, "[((1, 80, 300), 'bfloat16')]", 12.5)
+    assert smoke.parse_captures("INFO x " + line) == [{"encoder": "audio", "index": 2, "cap": 4}]
+
+
+def _record(mode: str, answers: dict[str, str], captures=("vision", "audio"), gpu="H100") -> dict:
+    return {
+        "mode": mode,
+        "log": "serve.log",
+        "answers": [{"name": k, "text": v} for k, v in answers.items()],
+        "captures": [{"encoder": c, "index": 1, "cap": 4} for c in captures],
+        "env": {"gpu": gpu},
+    }
+
+
+ANSWERS = {"img/0": "A cat.", "img/1": "A dog.", "img/0#again": "A cat."}
+
+
+def test_check_run() -> None:
+    assert smoke.check_run(_record("graphed", ANSWERS)) == []
+    assert smoke.check_run(_record("eager", ANSWERS, captures=())) == []
+    assert any("captured" in p for p in smoke.check_run(_record("eager", ANSWERS, captures=("vision",))))
+    assert any("vision and the audio" in p for p in smoke.check_run(_record("graphed", ANSWERS, captures=("vision",))))
+    drift = smoke.check_run(_record("graphed", {**ANSWERS, "img/0#again": "A lion."}))
+    assert len(drift) == 1 and "img/0#again differs from img/0" in drift[0]
+    assert any("empty answer" in p for p in smoke.check_run(_record("eager", {**ANSWERS, "img/1": " "}, captures=())))
+
+
+def test_compare() -> None:
+    eager = _record("eager", ANSWERS, captures=())
+    assert smoke.compare(eager, _record("graphed", ANSWERS)) == []
+    diff = smoke.compare(eager, _record("graphed", {**ANSWERS, "img/1": "A wolf."}))
+    assert len(diff) == 1 and "img/1" in diff[0] and "A wolf." in diff[0]
+    other_gpu = smoke.compare(eager, _record("graphed", {**ANSWERS, "img/1": "A wolf."}, gpu="L4"))
+    assert any("different GPUs" in p for p in other_gpu)
+    assert any("prompt sets differ" in p for p in smoke.compare(eager, _record("graphed", {"img/0": "A cat."})))
+
+
+def test_compare_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_record("eager", ANSWERS, captures=())))
+    b.write_text(json.dumps(_record("graphed", ANSWERS)))
+    assert smoke.main(["compare", str(a), str(b)]) == 0
+    b.write_text(json.dumps(_record("graphed", {**ANSWERS, "img/1": "A wolf."})))
+    assert smoke.main(["compare", str(a), str(b)]) == 1
+    assert smoke.main(["compare", str(a), str(tmp_path / "missing.json")]) == 2
+    assert "missing recording" in capsys.readouterr().err
