@@ -271,6 +271,12 @@ def test_free_port_is_bindable_on_loopback() -> None:
 # -- judging recordings ---------------------------------------------------------------
 
 
+def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
+    wiring = "".join(p.read_text() for p in sorted((REPO / "patches/vllm-omni").glob("*.patch")))
+    names = set(re.findall(r'make_encoder_cuda_graph\((?:.|\n)*?name="([^"]+)"', wiring))
+    assert names == set(smoke.CAPTURED_ENCODERS), names
+
+
 def test_capture_regex_matches_the_adapter_log_format() -> None:
     source = ADAPTER.read_text()
     fmt = re.search(r'"(Captured %s encoder CUDA graph %d/%d[^"]*)"', source)
@@ -296,7 +302,9 @@ def test_check_run() -> None:
     assert smoke.check_run(_record("graphed", ANSWERS)) == []
     assert smoke.check_run(_record("eager", ANSWERS, captures=())) == []
     assert any("captured" in p for p in smoke.check_run(_record("eager", ANSWERS, captures=("vision",))))
-    assert any("vision and the audio" in p for p in smoke.check_run(_record("graphed", ANSWERS, captures=("vision",))))
+    no_audio = smoke.check_run(_record("graphed", ANSWERS, captures=("vision", "vision")))
+    assert len(no_audio) == 1 and "no capture of the audio encoder" in no_audio[0]
+    assert "vision and audio" in smoke.check_run(_record("graphed", ANSWERS, captures=()))[0]
     drift = smoke.check_run(_record("graphed", {**ANSWERS, "img/0#again": "A lion."}))
     assert len(drift) == 1 and "img/0#again differs from img/0" in drift[0]
     assert any("empty answer" in p for p in smoke.check_run(_record("eager", {**ANSWERS, "img/1": " "}, captures=())))
