@@ -1,0 +1,452 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vllm-omni patch 0001 wiring, checked on the *installed* (patched) model file.
+
+Run after ``minicpmo-cg-patch apply``. Tiny CPU encoders stand in for the real
+ones; the graph slots hold recording callables that delegate to the captured
+regions, so the tests see exactly which call sites reach an adapter and with
+which tensors, and that the routed result equals the eager one.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
+adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
+
+if not hasattr(llm.SiglipVisionTransformer, "_encode_last_hidden_state"):
+    pytest.fail(
+        f"{llm.__file__} is not patched: run 'minicpmo-cg-patch apply' (python -m minicpmo_cg.patchtool apply) first",
+        pytrace=False,
+    )
+
+Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
+
+
+class Recorder:
+    """Stands in for an adapter: records every call and delegates to the captured region."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.forward(*args)
+
+
+class Forbidden:
+    """An adapter that must never be called."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __call__(self, *args):
+        raise AssertionError(f"{self.where} must not call the encoder graph")
+
+
+# ---------------------------------------------------------------------------
+# Vision
+# ---------------------------------------------------------------------------
+
+PATCH = 14
+SIDE = 4  # image_size 56 / patch 14
+
+
+def tiny_vpm(attn: str = "eager") -> nn.Module:
+    torch.manual_seed(0)
+    config = llm.SiglipVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=SIDE * PATCH,
+        patch_size=PATCH,
+    )
+    config._attn_implementation = attn
+    return llm.SiglipVisionTransformer(config).eval()
+
+
+def vision_batch(grids: list[tuple[int, int]]):
+    """The layout get_vision_hidden_states feeds vpm: (B, 3, 14, L_max) pixels, (B, 1, N_max) mask."""
+    torch.manual_seed(1)
+    n_max = max(h * w for h, w in grids)
+    pixels = torch.zeros(len(grids), 3, PATCH, n_max * PATCH)
+    mask = torch.zeros(len(grids), 1, n_max, dtype=torch.bool)
+    for i, (h, w) in enumerate(grids):
+        pixels[i, :, :, : h * w * PATCH] = torch.randn(3, PATCH, h * w * PATCH)
+        mask[i, 0, : h * w] = True
+    return pixels, mask, torch.tensor(grids, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "grids, padded",
+    [([(SIDE, SIDE), (SIDE, SIDE)], False), ([(SIDE, SIDE), (2, 3)], True)],
+    ids=["no-padding", "padding-mask"],
+)
+def test_vision_forward_routes_through_graph_and_matches_eager(grids, padded):
+    vpm = tiny_vpm()
+    pixels, mask, tgt = vision_batch(grids)
+    with torch.no_grad():
+        eager = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt).last_hidden_state
+        embeddings = vpm.embeddings(pixel_values=pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+        rec = Recorder(vpm._encode_last_hidden_state)
+        vpm._encoder_graph = rec
+        out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+
+    assert len(rec.calls) == 1
+    hidden_states, attention_mask = rec.calls[0]
+    n_max = max(h * w for h, w in grids)
+    assert hidden_states.shape == (len(grids), n_max, 64)
+    torch.testing.assert_close(hidden_states, embeddings, rtol=0, atol=0)
+    if padded:
+        # eager attention: the additive 4-D mask, -inf-like where a key patch is padding
+        assert attention_mask is not None
+        assert attention_mask.shape == (len(grids), 1, n_max, n_max)
+        assert attention_mask.dtype == hidden_states.dtype
+        assert (attention_mask[1, 0, :, 6:] < -1e30).all() and (attention_mask[1, 0, :, :6] == 0).all()
+    else:
+        assert attention_mask is None
+    assert isinstance(out, llm.BaseModelOutputWithPooling)
+    assert out.hidden_states is None and out.attentions is None
+    torch.testing.assert_close(out.last_hidden_state, eager, rtol=0, atol=0)
+
+
+def test_vision_graph_output_is_what_forward_returns():
+    vpm = tiny_vpm()
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
+    sentinel = torch.full((1, SIDE * SIDE, 64), 7.0)
+    vpm._encoder_graph = lambda hidden_states, attention_mask: sentinel
+    with torch.no_grad():
+        out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+    assert out.last_hidden_state is sentinel
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"output_hidden_states": True}, {"output_attentions": True}, {"return_dict": False}],
+    ids=["output_hidden_states", "output_attentions", "return_dict_false"],
+)
+def test_vision_bypasses_keep_the_eager_path(kwargs):
+    vpm = tiny_vpm()
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
+    with torch.no_grad():
+        expected = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, **kwargs)
+        vpm._encoder_graph = Forbidden(f"vpm(..., {kwargs})")
+        out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, **kwargs)
+    if kwargs.get("return_dict") is False:
+        assert isinstance(out, tuple)
+        torch.testing.assert_close(out[0], expected[0], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=0, atol=0)
+    if kwargs.get("output_hidden_states"):
+        assert out.hidden_states is not None and len(out.hidden_states) == 3  # embeddings + 2 layers
+    if kwargs.get("output_attentions"):
+        assert out.attentions is not None and len(out.attentions) == 2
+
+
+class _StubEncoder(nn.Module):
+    """Replaces the SigLIP stack where FA2 kernels would be needed; records the mask it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def forward(self, inputs_embeds, attention_mask=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None):
+        self.masks.append(attention_mask)
+        return llm.BaseModelOutput(last_hidden_state=inputs_embeds)
+
+
+def test_vision_flash_attention_2_with_padding_mask_stays_eager():
+    vpm = tiny_vpm()
+    vpm._use_flash_attention_2 = True  # as built with _attn_implementation="flash_attention_2"
+    vpm.encoder = _StubEncoder()
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
+    vpm._encoder_graph = Forbidden("FA2 with a padding mask")
+    with torch.no_grad():
+        vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+    (fa2_mask,) = vpm.encoder.masks
+    assert fa2_mask.dtype == torch.bool and fa2_mask.shape == (2, SIDE * SIDE)
+
+    # Without padding FA2 gets no mask, so nothing is read on the host: the graph is used.
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
+    rec = Recorder(vpm._encode_last_hidden_state)
+    vpm._encoder_graph = rec
+    with torch.no_grad():
+        vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+    assert len(rec.calls) == 1 and rec.calls[0][1] is None
+
+
+def test_encode_last_hidden_state_is_encoder_plus_post_layernorm():
+    vpm = tiny_vpm()
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        expected = vpm.post_layernorm(vpm.encoder(inputs_embeds=x, attention_mask=None).last_hidden_state)
+        torch.testing.assert_close(vpm._encode_last_hidden_state(x, None), expected, rtol=0, atol=0)
+
+
+def test_vision_graph_slot_defaults_to_none():
+    assert llm.SiglipVisionTransformer._encoder_graph is None
+    assert tiny_vpm()._encoder_graph is None
+
+
+# ---------------------------------------------------------------------------
+# Audio
+# ---------------------------------------------------------------------------
+
+D_MODEL, EMBED, POOL = 64, 32, 2
+
+
+def tiny_audio_model(**config_overrides) -> Model:
+    """A model object holding only what the audio paths read (apm, projection, pooler, config)."""
+    torch.manual_seed(0)
+    whisper = llm.WhisperConfig(
+        d_model=D_MODEL,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=4 * D_MODEL,
+        num_mel_bins=80,
+        max_source_positions=64,
+    )
+    whisper._attn_implementation = "eager"
+    model = object.__new__(Model)
+    nn.Module.__init__(model)
+    model.config = SimpleNamespace(audio_chunk_length=0.2, audio_pool_step=POOL, **config_overrides)
+    model.vpm = None
+    model.apm = llm.MiniCPMWhisperEncoder(whisper)
+    model.audio_projection_layer = llm.MultiModalProjector(in_dim=whisper.encoder_ffn_dim // 4, out_dim=EMBED)
+    model.audio_avg_pooler = nn.AvgPool1d(POOL, stride=POOL)
+    model.audio_encoder_layer = -1
+    model.audio_past_key_values = None
+    return model.eval()
+
+
+def audio_batch(mel_lens=(40, 24), t_mel=40):
+    torch.manual_seed(2)
+    wav = torch.randn(len(mel_lens), 80, t_mel)
+    return {"audio_features": wav, "audio_feature_lens": [torch.tensor([n]) for n in mel_lens]}
+
+
+def _eager_audio(model, data):
+    saved = model._audio_encoder_graph
+    model._audio_encoder_graph = None
+    try:
+        with torch.no_grad():
+            return model.get_audio_hidden_states(data)
+    finally:
+        model._audio_encoder_graph = saved
+
+
+def test_audio_routes_through_graph_and_matches_eager():
+    model = tiny_audio_model()
+    data = audio_batch()
+    expected = _eager_audio(model, data)
+    rec = Recorder(model._encode_audio_features)
+    model._audio_encoder_graph = rec
+    with torch.no_grad():
+        out = model.get_audio_hidden_states(data)
+
+    assert len(rec.calls) == 1
+    wavforms, mask = rec.calls[0]
+    assert wavforms is data["audio_features"]  # passed as the eager path sees it (key: dtype/device)
+    t = (40 - 1) // 2 + 1
+    assert mask.shape == (2, 1, t, t) and mask.dtype == model.apm.conv1.weight.dtype
+    assert torch.isinf(mask).any()
+    assert len(out) == len(expected) == 2
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # per-item slicing stays eager: lengths follow _get_feat_extract_output_lengths
+    _, pooled = model._get_feat_extract_output_lengths(torch.tensor([40, 24]))
+    assert [o.shape for o in out] == [(int(pooled[0]), EMBED), (int(pooled[1]), EMBED)]
+
+
+def test_audio_graph_receives_padded_list_input():
+    model = tiny_audio_model()
+    torch.manual_seed(3)
+    items = [torch.randn(80, 40), torch.randn(80, 30)]
+    data = {"audio_features": items, "audio_feature_lens": [torch.tensor([40]), torch.tensor([30])]}
+    expected = _eager_audio(model, data)
+    rec = Recorder(model._encode_audio_features)
+    model._audio_encoder_graph = rec
+    with torch.no_grad():
+        out = model.get_audio_hidden_states(data)
+    (wavforms, _mask), = rec.calls
+    assert wavforms.shape == (2, 80, 40) and (wavforms[1, :, 30:] == 0).all()
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_encode_audio_features_shape():
+    model = tiny_audio_model()
+    wav = torch.randn(2, 80, 40)
+    mask = torch.zeros(2, 1, 20, 20)
+    with torch.no_grad():
+        out = model._encode_audio_features(wav, mask)
+    assert out.shape == (2, 20 // POOL, EMBED)
+
+
+def test_audio_training_mode_stays_eager():
+    model = tiny_audio_model()
+    model.train()
+    model._audio_encoder_graph = Forbidden("training")
+    with torch.no_grad():
+        out = model.get_audio_hidden_states(audio_batch())
+    assert len(out) == 2
+
+
+def test_audio_intermediate_layer_stays_eager_and_uses_that_layer():
+    model = tiny_audio_model()
+    model.audio_encoder_layer = 1
+    data = audio_batch()
+    expected = _eager_audio(model, data)
+    model._audio_encoder_graph = Forbidden("audio_encoder_layer != -1")
+    with torch.no_grad():
+        out = model.get_audio_hidden_states(data)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    model.audio_encoder_layer = -1
+    final = _eager_audio(model, data)
+    assert not torch.equal(final[0], out[0])  # layer 1 of 2 is not the final (layer-normed) state
+
+
+def test_audio_fp16_whisper_stays_eager():
+    model = tiny_audio_model()
+    model.apm.half()
+    calls = []
+
+    def eager(wavforms, attention_mask):
+        calls.append(attention_mask.dtype)
+        return torch.zeros(wavforms.shape[0], 10, EMBED)
+
+    # The fp16 encoder itself is not run on CPU; what matters is which path is taken.
+    model._encode_audio_features = eager
+    model._audio_encoder_graph = Forbidden("FP16 Whisper")
+    out = model.get_audio_hidden_states(audio_batch())
+    assert calls == [torch.float16] and len(out) == 2
+
+
+def test_streaming_audio_never_uses_the_graph():
+    model = tiny_audio_model()
+    model._audio_encoder_graph = Forbidden("get_audio_embedding_streaming")
+    torch.manual_seed(4)
+    data = {"audio_features": torch.randn(1, 80, 20), "audio_feature_lens": [torch.tensor([20])]}
+    with torch.no_grad():
+        first = model.get_audio_embedding_streaming(data)
+        second = model.get_audio_embedding_streaming(data)
+    assert len(first) == 1 and len(first[0]) == 1 and first[0][0].shape[-1] == EMBED
+    assert len(second) == 1
+    assert model.audio_past_key_values is not None  # the stateful path ran (KV cache kept)
+
+
+# ---------------------------------------------------------------------------
+# Options and construction
+# ---------------------------------------------------------------------------
+
+
+def bare_model(config, *, vpm=True, apm=True) -> Model:
+    model = object.__new__(Model)
+    nn.Module.__init__(model)
+    model.config = config
+    model.vpm = tiny_vpm() if vpm else None
+    model.apm = tiny_audio_model().apm if apm else None
+    return model
+
+
+@pytest.fixture(scope="module")
+def vllm_configs():
+    from minicpmo_cg.vllm_config import standalone_vllm_config
+
+    return {"eager": standalone_vllm_config(enforce_eager=True), "graphs": standalone_vllm_config(enforce_eager=False)}
+
+
+def test_init_encoder_cuda_graphs_builds_adapters(vllm_configs):
+    model = bare_model(SimpleNamespace(encoder_cuda_graph_max_graphs=7, encoder_cuda_graph_min_capture_calls=3))
+    model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
+    assert isinstance(vision, adapter_mod.EncoderCudaGraph) and isinstance(audio, adapter_mod.EncoderCudaGraph)
+    assert vision is not audio
+    assert vision.options.max_graphs == 7 and audio.options.min_capture_calls == 3
+    assert vision.forward == model.vpm._encode_last_hidden_state
+    assert audio.forward == model._encode_audio_features
+
+
+def test_real_adapter_on_cpu_runs_eagerly_and_counts_ineligible(vllm_configs):
+    model = tiny_audio_model()
+    model.vpm = tiny_vpm()
+    model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    data = audio_batch()
+    with torch.no_grad():
+        out = model.get_audio_hidden_states(data)
+    expected = _eager_audio(model, data)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    stats = model._audio_encoder_graph.get_cumulative_stats()
+    assert stats["ineligible_misses"] == 1 and stats["num_graphs"] == 0
+
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
+    with torch.no_grad():
+        model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+    assert model.vpm._encoder_graph.get_cumulative_stats()["ineligible_misses"] == 1
+
+
+@pytest.mark.parametrize(
+    "config, vllm_key",
+    [(SimpleNamespace(), "eager"), (SimpleNamespace(encoder_cuda_graph=False), "graphs")],
+    ids=["enforce_eager", "encoder_cuda_graph_false"],
+)
+def test_disabled_graphs_are_none(config, vllm_key, vllm_configs):
+    model = bare_model(config)
+    model.vpm._encoder_graph = "stale"
+    model._init_encoder_cuda_graphs(vllm_configs[vllm_key])
+    assert model.vpm._encoder_graph is None
+    assert model._audio_encoder_graph is None
+
+
+def test_missing_encoders_get_no_adapters(vllm_configs):
+    model = bare_model(SimpleNamespace(), vpm=False, apm=False)
+    model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    assert model.vpm is None and model._audio_encoder_graph is None
+    assert Model._audio_encoder_graph is None
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("encoder_cuda_graph_max_graphs", True),
+        ("encoder_cuda_graph", "false"),
+        ("encoder_cuda_graph_min_capture_calls", 1),
+        ("encoder_cuda_graph_min_free_bytes", -1),
+        ("encoder_cuda_graph_share_pools", 1),
+    ],
+)
+def test_bad_override_fails_init_encoder_cuda_graphs(key, value, vllm_configs):
+    model = bare_model(SimpleNamespace(**{key: value}))
+    with pytest.raises(ValueError, match=key):
+        model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+
+
+class _Tripwire:
+    """A model_config whose only readable attribute is hf_config."""
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+
+    def __getattr__(self, name):
+        raise AssertionError(f"construction went past option validation: read model_config.{name}")
+
+
+@pytest.mark.parametrize(
+    "key, value", [("encoder_cuda_graph_max_graphs", True), ("encoder_cuda_graph", "false")]
+)
+def test_bad_override_fails_model_construction_before_anything_heavy(key, value):
+    vllm_config = SimpleNamespace(model_config=_Tripwire(SimpleNamespace(**{key: value})))
+    with pytest.raises(ValueError, match=key) as info:
+        Model(vllm_config=vllm_config)
+    assert repr(value) in str(info.value)
