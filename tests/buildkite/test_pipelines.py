@@ -1,0 +1,516 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Buildkite pipelines under ``.buildkite/`` are well formed and run what they claim.
+
+Checked without Buildkite: every YAML parses; steps are keyed (unique), labelled and time
+bounded and use only known attributes; matrices are consistent (placeholders, adjustments,
+skip reasons); every repo path a command names exists; every ``-m`` expression uses only the
+markers registered in pyproject.toml and selects at least one collected test; the matrices
+cover lane (current, legacy) × mode (eager, graphed) × level (CPU unit, CUDA unit, e2e);
+the e2e comparison reads what the serve jobs write; and the uploader that turns the level
+files into plain Buildkite YAML selects levels, filters and resolves hardware correctly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+REPO = Path(__file__).resolve().parents[2]
+BK = REPO / ".buildkite"
+LANES = ("current", "legacy")
+MODES = ("eager", "graphed")
+LEVELS = ("cpu-unit", "cuda-unit", "e2e")
+
+# Buildkite command-step attributes (https://buildkite.com/docs/pipelines/configure/step-types/command-step)
+# plus the two vllm-omni-style keys that upload_pipeline.py consumes.
+COMMAND_STEP_ATTRIBUTES = {
+    "label", "key", "command", "commands", "agents", "env", "timeout_in_minutes", "matrix", "depends_on",
+    "artifact_paths", "retry", "soft_fail", "skip", "if", "plugins", "priority", "parallelism",
+    "concurrency", "concurrency_group", "allow_dependency_failure", "branches", "cancel_on_build_failing",
+    "notify", "signature",
+}
+CUSTOM_ATTRIBUTES = {"mirror_hardwares", "source_file_dependencies"}
+KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+PLACEHOLDER_RE = re.compile(r"\{\{\s*matrix\.([A-Za-z0-9_]+)\s*\}\}")
+# repo-relative paths a command may name (outputs under out/ are written, not read)
+PATH_RE = re.compile(r"^(?:\./)?((?:tools|tests|\.buildkite|benchmarks|patches|lanes|vllm_omni|minicpmo_cg|docs)/[\w./-]*)$")
+LANE_SCRIPTS = ("tools/test.sh", ".buildkite/scripts/lane_exec.sh", "tools/demo.sh")
+
+
+def _load_script(name: str, path: Path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+uploader = _load_script("minicpmo_cg_bk_upload_pipeline", BK / "scripts" / "upload_pipeline.py")
+smoke = _load_script("minicpmo_cg_e2e_serve_smoke", REPO / "tests" / "e2e" / "serve_smoke.py")
+
+
+# ---------------------------------------------------------------------------
+# Loading and matrix expansion
+# ---------------------------------------------------------------------------
+
+
+def yaml_files() -> list[Path]:
+    return sorted(p for pattern in ("*.yml", "*.yaml") for p in BK.rglob(pattern))
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def level_steps() -> list[tuple[str, dict]]:
+    """(level id, step) of every level file, in upload order."""
+    return [(lv, s) for lv in uploader.LEVEL_ORDER for s in load(BK / uploader.LEVEL_FILES[lv])["steps"]]
+
+
+def all_steps() -> list[dict]:
+    return load(BK / "pipeline.yml")["steps"] + [s for _, s in level_steps()]
+
+
+HARDWARE = load(BK / uploader.HARDWARE_FILE)
+GROUPS = load(BK / uploader.DEPENDENCY_FILE)
+
+
+@dataclass
+class Job:
+    step_key: str
+    label: str
+    command: str
+    values: dict[str, str]
+    hardware: list[str]
+    skip: Any = None  # None: runs; else the adjustment's skip value
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.command.replace(";", " ; "))
+
+
+def _interpolate(text: str, values: dict[str, str]) -> str:
+    return PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], text)
+
+
+def expand(step: dict) -> list[Job]:
+    """The jobs Buildkite makes of a step: its matrix product, adjusted (skip / added combinations)."""
+    command = step.get("command") or "\n".join(step.get("commands", []))
+    hardware = list(step.get("mirror_hardwares") or [])
+    matrix = step.get("matrix")
+    if matrix is None:
+        return [Job(step["key"], step["label"], command, {}, hardware)]
+    setup = matrix["setup"]
+    dims = list(setup)
+    combos = [dict(zip(dims, vals)) for vals in itertools.product(*(setup[d] for d in dims))]
+    skips: dict[tuple, Any] = {}
+    for adj in matrix.get("adjustments", []):
+        combo = {k: str(v) for k, v in adj["with"].items()}
+        if combo not in combos:
+            combos.append(combo)
+        if "skip" in adj:
+            skips[tuple(sorted(combo.items()))] = adj["skip"]
+    return [
+        Job(
+            step["key"], _interpolate(step["label"], c), _interpolate(command, c), c, hardware,
+            skips.get(tuple(sorted(c.items()))),
+        )
+        for c in combos
+    ]
+
+
+def all_jobs() -> list[Job]:
+    return [job for _, step in level_steps() for job in expand(step)]
+
+
+def marker_expr(job: Job) -> str | None:
+    argv = job.argv
+    return argv[argv.index("-m") + 1] if "-m" in argv else None
+
+
+def expr_words(expr: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)) - {"and", "or", "not"}
+
+
+def lane_of(job: Job) -> str | None:
+    argv = job.argv
+    for script in LANE_SCRIPTS:
+        if script in argv:
+            return argv[argv.index(script) + 1]
+    return None
+
+
+def level_of(job: Job) -> str | None:
+    argv = job.argv
+    if "tests/e2e/serve_smoke.py" in argv and "run" in argv:
+        return "e2e"
+    expr = marker_expr(job)
+    if expr is None:
+        return None
+    words = expr_words(expr)
+    if "multi_gpu" in words:
+        return "multi-gpu"
+    return "cuda-unit" if "cuda" in words else "cpu-unit" if "cpu" in words else None
+
+
+def mode_of(job: Job) -> str | None:
+    argv = job.argv
+    if "--mode" in argv:
+        return argv[argv.index("--mode") + 1]
+    return job.values.get("mode")
+
+
+# ---------------------------------------------------------------------------
+# Syntax and structure
+# ---------------------------------------------------------------------------
+
+
+def test_the_tree_has_the_entry_point_and_the_level_files() -> None:
+    names = {str(p.relative_to(BK)) for p in yaml_files()}
+    assert {"pipeline.yml", *uploader.LEVEL_FILES.values(), uploader.HARDWARE_FILE, uploader.DEPENDENCY_FILE} <= names
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(BK)))
+def test_every_yaml_parses_to_a_mapping(path: Path) -> None:
+    doc = load(path)
+    assert isinstance(doc, dict) and doc, f"{path} is empty or not a mapping"
+
+
+def test_steps_are_keyed_unique_labelled_time_bounded_and_known() -> None:
+    keys = []
+    for step in all_steps():
+        key = step.get("key")
+        assert isinstance(key, str) and KEY_RE.match(key), f"step {step.get('label')!r}: bad or missing key {key!r}"
+        keys.append(key)
+        assert step.get("label"), f"{key}: no label"
+        assert step.get("command") or step.get("commands"), f"{key}: no command"
+        timeout = step.get("timeout_in_minutes")
+        assert isinstance(timeout, int) and 1 <= timeout <= 120, f"{key}: timeout_in_minutes={timeout!r}"
+        unknown = set(step) - COMMAND_STEP_ATTRIBUTES - CUSTOM_ATTRIBUTES
+        assert not unknown, f"{key}: unknown step attributes {unknown}"
+    assert len(keys) == len(set(keys)), f"duplicate step keys: {sorted(k for k in keys if keys.count(k) > 1)}"
+
+
+def test_the_entry_point_only_uploads() -> None:
+    (step,) = load(BK / "pipeline.yml")["steps"]
+    assert step["command"] == "bash .buildkite/scripts/bootstrap.sh"
+    assert step["agents"] == HARDWARE["cpu"]["agents"]  # the bootstrap runs where CPU steps run
+    assert "upload_pipeline.py" in (BK / "scripts" / "bootstrap.sh").read_text()
+
+
+def test_matrices_are_consistent() -> None:
+    for _, step in level_steps():
+        key = step["key"]
+        text = step["label"] + (step.get("command") or "")
+        used = set(PLACEHOLDER_RE.findall(text))
+        matrix = step.get("matrix")
+        if matrix is None:
+            assert not used, f"{key}: {{{{matrix.*}}}} without a matrix"
+            continue
+        setup = matrix["setup"]
+        assert isinstance(setup, dict) and setup, f"{key}: matrix.setup must name its dimensions"
+        assert used <= set(setup), f"{key}: placeholders {used - set(setup)} are no matrix dimension"
+        label_dims = set(PLACEHOLDER_RE.findall(step["label"]))
+        assert label_dims == set(setup), f"{key}: the label must show every dimension (jobs look alike otherwise)"
+        for dim, values in setup.items():
+            assert len(values) == len(set(values)), f"{key}: duplicate values in {dim}"
+        for adj in matrix.get("adjustments", []):
+            assert set(adj["with"]) == set(setup), f"{key}: adjustment {adj['with']} must set every dimension"
+            if "skip" in adj:
+                assert all(adj["with"][d] in setup[d] for d in setup), f"{key}: skips a combination it never had"
+                assert isinstance(adj["skip"], str) and adj["skip"].strip(), f"{key}: a skip needs its reason"
+
+
+def test_depends_on_targets_exist_at_the_same_or_a_lower_level() -> None:
+    seen: set[str] = set()
+    for level in uploader.LEVEL_ORDER:
+        steps = [s for lv, s in level_steps() if lv == level]
+        keys = seen | {s["key"] for s in steps}
+        for step in steps:
+            for dep in uploader._depends_on(step):
+                assert dep in keys, f"{step['key']} depends on {dep!r}, which level {level} does not upload"
+        seen = keys
+
+
+def test_hardware_and_source_dependency_groups_resolve_to_existing_things() -> None:
+    for _, step in level_steps():
+        hws = step.get("mirror_hardwares")
+        assert hws, f"{step['key']}: no mirror_hardwares (where would it run?)"
+        assert set(hws) <= set(HARDWARE), f"{step['key']}: unknown hardware {set(hws) - set(HARDWARE)}"
+        assert set(step.get("source_file_dependencies", [])) <= set(GROUPS), step["key"]
+    for name, hw in HARDWARE.items():
+        assert isinstance(hw.get("gpus"), int) and hw["agents"].get("queue"), name
+    used = {g for _, s in level_steps() for g in s.get("source_file_dependencies", [])}
+    assert used == set(GROUPS), f"unused source_file_dependencies groups: {set(GROUPS) - used}"
+    for group, paths in GROUPS.items():
+        for path in paths:
+            target = REPO / path
+            ok = target.is_dir() if path.endswith("/") else target.is_file()
+            assert ok, f"source_file_dependencies group {group!r}: {path} does not exist"
+
+
+# ---------------------------------------------------------------------------
+# What the commands reference
+# ---------------------------------------------------------------------------
+
+
+def test_every_path_a_command_names_exists() -> None:
+    checked = 0
+    for job in all_jobs():
+        argv = job.argv
+        outputs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--out", "--workdir")}
+        for token in argv:
+            m = PATH_RE.match(token)
+            if not m or token in outputs or any(c in token for c in "*?$"):
+                continue
+            assert (REPO / m.group(1)).exists(), f"{job.step_key} ({job.label}): {token} does not exist"
+            checked += 1
+    assert checked >= len(all_jobs()), "path extraction found fewer paths than jobs; is PATH_RE stale?"
+
+
+def test_lane_arguments_are_pinned_lanes() -> None:
+    lanes = {p.stem for p in (REPO / "lanes").glob("*.txt")}
+    assert set(LANES) <= lanes
+    for job in all_jobs():
+        lane = lane_of(job)
+        if lane is not None:
+            assert lane in lanes, f"{job.step_key}: lane {lane!r} has no lanes/{lane}.txt"
+            if "lane" in job.values:
+                assert lane == job.values["lane"], f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
+
+
+def registered_markers() -> set[str]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    return {m.split(":")[0].strip() for m in config["tool"]["pytest"]["ini_options"]["markers"]}
+
+
+def marker_expressions() -> list[str]:
+    return sorted({e for job in all_jobs() if (e := marker_expr(job)) is not None})
+
+
+def test_marker_expressions_use_only_registered_markers() -> None:
+    exprs = marker_expressions()
+    assert {"core_model and cpu", "core_model and cuda"} <= set(exprs)
+    registered = registered_markers()
+    for expr in exprs:
+        assert expr_words(expr) <= registered, f"-m {expr!r}: unregistered {expr_words(expr) - registered}"
+
+
+_COLLECT_DRIVER = """
+import json, sys
+import pytest
+
+class Count:
+    items = None
+    def pytest_collection_finish(self, session):
+        self.items = len(session.items)
+
+out = {}
+for expr in json.loads(sys.argv[1]):
+    counter = Count()
+    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"], plugins=[counter])
+    out[expr] = {"rc": int(rc), "items": counter.items}
+print("MARKER-COUNTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def collected() -> dict[str, dict]:
+    """Per expression: pytest's exit code and the number of tests ``-m`` selects (one subprocess)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _COLLECT_DRIVER, json.dumps(marker_expressions())],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MARKER-COUNTS ")]
+    assert lines, f"collection driver failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("MARKER-COUNTS "):])
+
+
+@pytest.mark.parametrize("expr", marker_expressions())
+def test_marker_expression_selects_collected_tests(expr: str, collected: dict[str, dict]) -> None:
+    result = collected[expr]
+    assert result["rc"] == 0, f"pytest --collect-only -m {expr!r} exited {result['rc']} (collection errors?)"
+    assert result["items"] and result["items"] > 0, f"-m {expr!r} selects no test"
+
+
+# ---------------------------------------------------------------------------
+# Coverage and the e2e contract
+# ---------------------------------------------------------------------------
+
+
+def test_matrix_covers_every_lane_mode_and_level() -> None:
+    cells: dict[tuple[str, str, str], list[Job]] = {}
+    for job in all_jobs():
+        level = level_of(job)
+        if level in LEVELS:
+            cells.setdefault((level, lane_of(job), mode_of(job)), []).append(job)
+    for level, lane, mode in itertools.product(LEVELS, LANES, MODES):
+        jobs = cells.get((level, lane, mode))
+        assert jobs, f"no job for level {level}, lane {lane}, mode {mode}"
+        running = [j for j in jobs if j.skip is None]
+        if level == "e2e" or mode == "graphed":
+            assert running, f"{level}/{lane}/{mode} is declared but every job of it is skipped"
+        else:
+            assert running or all(isinstance(j.skip, str) and j.skip for j in jobs), (level, lane, mode)
+    for job in all_jobs():
+        if level_of(job) == "e2e" and "mode" in job.values:
+            assert mode_of(job) == job.values["mode"], f"{job.label}: serves --mode {mode_of(job)}"
+
+
+def test_levels_run_on_matching_hardware() -> None:
+    for job in all_jobs():
+        level = level_of(job)
+        gpus = [HARDWARE[h]["gpus"] for h in job.hardware]
+        if level == "cpu-unit":
+            assert gpus == [0], f"{job.step_key}: CPU unit tests belong on the cpu hardware"
+        elif level in ("cuda-unit", "e2e"):
+            assert gpus and min(gpus) >= 1, f"{job.step_key}: {level} needs a GPU agent"
+        elif level == "multi-gpu":
+            assert gpus and min(gpus) >= 2, f"{job.step_key}: multi_gpu tests need two GPUs"
+
+
+def test_e2e_modes_are_the_documented_flags() -> None:
+    assert smoke.MODE_ARGS["graphed"] == []
+    flags = smoke.MODE_ARGS["eager"]
+    assert flags[0] == "--hf-overrides" and json.loads(flags[1]) == {"encoder_cuda_graph": False}
+    assert smoke.MODE_ARGS["enforce-eager"] == ["--enforce-eager"]
+    served = {mode_of(j) for j in all_jobs() if level_of(j) == "e2e"}
+    assert served <= set(smoke.MODE_ARGS), served
+
+
+def test_e2e_compare_reads_what_the_serve_jobs_write() -> None:
+    outputs: dict[tuple[str, str], str] = {}
+    serve_keys = set()
+    for job in all_jobs():
+        if level_of(job) == "e2e" and job.skip is None:
+            argv = job.argv
+            outputs[(lane_of(job), mode_of(job))] = argv[argv.index("--out") + 1]
+            serve_keys.add(job.step_key)
+    compares = [j for j in all_jobs() if "tests/e2e/serve_smoke.py" in j.argv and "compare" in j.argv]
+    compared_lanes = set()
+    for job in compares:
+        argv = job.argv
+        i = argv.index("compare")
+        reference, candidate = argv[i + 1], argv[i + 2]
+        lane = job.values["lane"]
+        assert (reference, candidate) == (outputs[(lane, "eager")], outputs[(lane, "graphed")]), job.label
+        assert f"out/e2e/{lane}-*.json" in job.command, f"{job.label}: does not download the recordings"
+        compared_lanes.add(lane)
+        step = next(s for _, s in level_steps() if s["key"] == job.step_key)
+        assert set(uploader._depends_on(step)) & serve_keys, f"{job.step_key} does not wait for the serve jobs"
+    assert compared_lanes == set(LANES)
+    artifacts = [s.get("artifact_paths", []) for _, s in level_steps() if s["key"] in serve_keys]
+    assert all("out/e2e/*.json" in a for a in artifacts), "serve jobs must upload their recordings"
+
+
+def test_lane_exec_rejects_unknown_lanes_before_doing_anything() -> None:
+    script = BK / "scripts" / "lane_exec.sh"
+    for path in (BK / "scripts").glob("*.sh"):
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    proc = subprocess.run(["bash", str(script), "nightly", "true"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# The uploader
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, levels, cpu_only",
+    [
+        ({"BUILDKITE_PULL_REQUEST": "17", "BUILDKITE_PULL_REQUEST_LABELS": "ready,documentation"}, ["L2"], False),
+        ({"BUILDKITE_PULL_REQUEST": "17", "BUILDKITE_PULL_REQUEST_LABELS": "documentation"}, ["L2"], True),
+        ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "main"}, ["L2", "L3"], False),
+        ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "trunk",
+          "BUILDKITE_PIPELINE_DEFAULT_BRANCH": "trunk"}, ["L2", "L3"], False),
+        ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "feature"}, ["L2"], False),
+        ({"BUILDKITE_SOURCE": "schedule", "BUILDKITE_BRANCH": "main"}, ["L2", "L3", "L4"], False),
+        ({"BUILDKITE_PULL_REQUEST": "17", "MINICPMO_CG_CI_LEVEL": "l3"}, ["L2", "L3"], False),
+    ],
+)
+def test_level_selection(env: dict, levels: list[str], cpu_only: bool) -> None:
+    assert uploader.select_levels(env) == (levels, cpu_only)
+
+
+def test_unknown_forced_level_is_an_error() -> None:
+    with pytest.raises(uploader.PipelineError):
+        uploader.select_levels({"MINICPMO_CG_CI_LEVEL": "L9"})
+
+
+@pytest.mark.parametrize("level", uploader.LEVEL_ORDER)
+def test_uploaded_pipeline_is_plain_buildkite(level: str) -> None:
+    pipeline = uploader.build_pipeline({}, None, level)
+    expected = [s["key"] for lv, s in level_steps() if uploader.LEVEL_ORDER.index(lv) <= uploader.LEVEL_ORDER.index(level)]
+    steps = pipeline["steps"]
+    assert [s["key"] for s in steps] == expected
+    keys = {s["key"] for s in steps}
+    for step in steps:
+        assert not set(step) & CUSTOM_ATTRIBUTES, f"{step['key']} still carries {set(step) & CUSTOM_ATTRIBUTES}"
+        assert step["agents"]["queue"], step["key"]
+        assert set(uploader._depends_on(step)) <= keys
+    # round trip through the YAML the agent receives
+    assert yaml.safe_load(yaml.safe_dump(pipeline, allow_unicode=True)) == pipeline
+
+
+def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() -> None:
+    def keys(changed):
+        return [s["key"] for s in uploader.build_pipeline({}, changed, "L3")["steps"]]
+
+    assert keys(["README.md"]) == []
+    assert keys(["tests/e2e/serve_smoke.py"]) == ["e2e-serve", "e2e-compare"]
+    assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]) == [
+        "cpu-unit", "cuda-unit", "e2e-serve", "e2e-compare",
+    ]
+    assert keys(["lanes/legacy.txt"]) == ["cpu-unit", "cuda-unit", "e2e-serve", "e2e-compare"]
+    # "tests/e2e" is a directory prefix, not a string prefix
+    assert keys(["tests/e2e_old/notes.txt"]) == []
+
+
+def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
+    env = {"BUILDKITE_PULL_REQUEST": "3", "BUILDKITE_PULL_REQUEST_LABELS": ""}
+    steps = uploader.build_pipeline(env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"])["steps"]
+    assert [s["key"] for s in steps] == ["cpu-unit"]
+    assert steps[0]["agents"] == HARDWARE["cpu"]["agents"]
+
+
+def test_mirroring_dropping_and_unknown_names() -> None:
+    hardware = {"cpu": {"gpus": 0, "agents": {"queue": "c"}}, "a_1": {"gpus": 1, "agents": {"queue": "a"}},
+                "b_1": {"gpus": 1, "agents": {"queue": "b"}}}
+    groups = {"x": ["x/"], "y": ["y.py"]}
+    doc = {"steps": [
+        {"key": "build", "label": "build", "command": "true", "mirror_hardwares": ["a_1", "b_1"],
+         "source_file_dependencies": ["x"]},
+        {"key": "check", "label": "check", "command": "true", "mirror_hardwares": ["cpu"],
+         "depends_on": [{"step": "build", "allow_failure": True}], "source_file_dependencies": ["x", "y"]},
+        {"key": "always", "label": "always", "command": "true", "mirror_hardwares": ["cpu"]},
+    ]}
+    steps, _ = uploader.build_steps([doc], hardware, groups, None)
+    assert [s["key"] for s in steps] == ["build-a-1", "build-b-1", "check", "always"]
+    assert [s["agents"]["queue"] for s in steps] == ["a", "b", "c", "c"]
+    assert steps[2]["depends_on"] == [{"step": "build-a-1", "allow_failure": True},
+                                      {"step": "build-b-1", "allow_failure": True}]
+    # only y.py changed: build is dropped, so check (which needs it) is dropped as well
+    steps, messages = uploader.build_steps([doc], hardware, groups, ["y.py"])
+    assert [s["key"] for s in steps] == ["always"]
+    assert any("check: depends on a dropped step" in m for m in messages)
+    with pytest.raises(uploader.PipelineError, match="mirror_hardwares"):
+        uploader.build_steps([{"steps": [{**doc["steps"][2], "mirror_hardwares": ["tpu_8"]}]}], hardware, groups, None)
+    with pytest.raises(uploader.PipelineError, match="source_file_dependencies"):
+        uploader.build_steps([{"steps": [{**doc["steps"][2], "source_file_dependencies": ["z"]}]}],
+                             hardware, groups, [])
