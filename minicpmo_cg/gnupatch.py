@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GnuPatch", "PatchToolMissingError", "PatchRun"]
+__all__ = ["GnuPatch", "PatchRun", "PatchToolMissingError", "summarize_failure"]
 
 Contents = dict[str, "bytes | None"]
 """site-packages-relative POSIX path -> file bytes, or None for an absent file."""
@@ -66,7 +66,9 @@ class GnuPatch:
                 "(e.g. 'apt-get install patch' or 'dnf install patch') and retry"
             )
         try:
-            probe = subprocess.run([found, "--version"], capture_output=True, text=True, check=False, timeout=30)
+            probe = subprocess.run(
+                [found, "--version"], capture_output=True, text=True, check=False, timeout=30
+            )
         except OSError as exc:
             raise PatchToolMissingError(f"cannot run {found}: {exc}") from None
         first = (probe.stdout or "").splitlines()[:1]
@@ -116,7 +118,11 @@ class GnuPatch:
             ]
             if reverse:
                 argv.insert(1, "--reverse")
-            env = {k: v for k, v in os.environ.items() if k not in ("POSIXLY_CORRECT", "PATCH_GET", "SIMPLE_BACKUP_SUFFIX")}
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("POSIXLY_CORRECT", "PATCH_GET", "SIMPLE_BACKUP_SUFFIX")
+            }
             env["LC_ALL"] = "C"
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=120)
             output = (proc.stdout + proc.stderr).strip()
@@ -134,8 +140,12 @@ def summarize_failure(output: str, limit: int = 3) -> str:
     keep = [
         line.strip()
         for line in output.splitlines()
-        if "FAILED" in line or "can't find file" in line or "No such file" in line or "already exists" in line
-        or "malformed" in line or "Only garbage" in line
+        if "FAILED" in line
+        or "can't find file" in line
+        or "No such file" in line
+        or "already exists" in line
+        or "malformed" in line
+        or "Only garbage" in line
     ]
     lines = keep or [line.strip() for line in output.splitlines() if line.strip()]
     text = "; ".join(lines[:limit])

@@ -51,8 +51,18 @@ _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _SAFE_PATH_RE = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 _SERIES_NAME_RE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
 # Extended git header lines that carry no content change we could honour.
-_GIT_UNSUPPORTED = ("old mode", "new mode", "rename from", "rename to", "copy from", "copy to", "similarity index",
-                    "dissimilarity index", "GIT binary patch", "Binary files")
+_GIT_UNSUPPORTED = (
+    "old mode",
+    "new mode",
+    "rename from",
+    "rename to",
+    "copy from",
+    "copy to",
+    "similarity index",
+    "dissimilarity index",
+    "GIT binary patch",
+    "Binary files",
+)
 _GIT_IGNORED = ("diff --git ", "index ", "new file mode ", "deleted file mode ")
 
 
@@ -120,8 +130,13 @@ class VersionSpec:
         return f"{self.package}{self.op}{self.version}"
 
     def holds(self, installed: str) -> bool:
+        """The spec's own operator: ``==`` exact (``Targets``), ``>=`` at least."""
         if self.op == "==":
             return version_equal(installed, self.version)
+        return version_at_least(installed, self.version)
+
+    def reached(self, installed: str) -> bool:
+        """``Upstream-Since`` semantics: ``installed`` is this version or later, whatever the operator."""
         return version_at_least(installed, self.version)
 
 
@@ -228,12 +243,16 @@ def _parse_header(lines: list[str], where: str) -> tuple[dict[str, str], int]:
             continue
         match = _FIELD_RE.match(line)
         if not match:
-            raise PatchFormatError(f"{where}: line {lineno}: expected 'Field: value' or '---', got {line[:60]!r}")
+            raise PatchFormatError(
+                f"{where}: line {lineno}: expected 'Field: value' or '---', got {line[:60]!r}"
+            )
         raw_name, value = match.groups()
         name = _FIELD_BY_LOWER.get(raw_name.lower())
         if name is None:
             allowed = ", ".join(REQUIRED_FIELDS + OPTIONAL_FIELDS)
-            raise PatchFormatError(f"{where}: line {lineno}: unknown header field {raw_name!r} (allowed: {allowed})")
+            raise PatchFormatError(
+                f"{where}: line {lineno}: unknown header field {raw_name!r} (allowed: {allowed})"
+            )
         if name in fields:
             raise PatchFormatError(f"{where}: line {lineno}: duplicate header field {name!r}")
         fields[name] = value.strip()
@@ -244,8 +263,10 @@ def _parse_header(lines: list[str], where: str) -> tuple[dict[str, str], int]:
 def _validate_rel_path(raw: str, prefix: str, where: str, lineno: int, import_dir: str) -> str:
     path = raw.split("\t", 1)[0].rstrip()
     if not path.startswith(prefix):
-        raise PatchFormatError(f"{where}: line {lineno}: diff path {path!r} must start with {prefix!r} or be /dev/null")
-    rel = path[len(prefix):]
+        raise PatchFormatError(
+            f"{where}: line {lineno}: diff path {path!r} must start with {prefix!r} or be /dev/null"
+        )
+    rel = path[len(prefix) :]
     pure = PurePosixPath(rel)
     if (
         not rel
@@ -292,7 +313,9 @@ def _parse_diff(lines: list[str], first: int, where: str, import_dir: str) -> tu
             old_rel = None if old_null else _validate_rel_path(old_raw, "a/", where, lineno, import_dir)
             new_rel = None if new_null else _validate_rel_path(new_raw, "b/", where, lineno + 1, import_dir)
             if old_rel is not None and new_rel is not None and old_rel != new_rel:
-                raise PatchFormatError(f"{where}: line {lineno}: renames are not supported ({old_rel} -> {new_rel})")
+                raise PatchFormatError(
+                    f"{where}: line {lineno}: renames are not supported ({old_rel} -> {new_rel})"
+                )
             rel = old_rel if old_rel is not None else new_rel
             assert rel is not None
             if rel in seen:
@@ -368,7 +391,7 @@ def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    lines = [line.removesuffix("\r") for line in lines]
     fields, diff_start = _parse_header(lines, where)
 
     missing = [f for f in REQUIRED_FIELDS if f not in fields]
@@ -446,7 +469,9 @@ def load_series(folder: Path) -> list[Patch]:
         if not entry:
             continue
         if not _SERIES_NAME_RE.match(entry):
-            raise PatchFormatError(f"{series}: line {lineno}: {entry!r} is not a plain file name in {folder.name}/")
+            raise PatchFormatError(
+                f"{series}: line {lineno}: {entry!r} is not a plain file name in {folder.name}/"
+            )
         if entry in seen:
             raise PatchFormatError(f"{series}: line {lineno}: {entry} is listed twice")
         seen.add(entry)

@@ -81,7 +81,11 @@ class StateRecord:
             "versions": dict(sorted(self.versions.items())),
             "patches": dict(self.patches),
             "files": {
-                rel: {"original_sha256": r.original_sha256, "written_sha256": r.written_sha256, "role": r.role}
+                rel: {
+                    "original_sha256": r.original_sha256,
+                    "written_sha256": r.written_sha256,
+                    "role": r.role,
+                }
                 for rel, r in sorted(self.files.items())
             },
         }
@@ -137,7 +141,9 @@ class StateStore:
         except OSError as exc:
             raise StateError(f"stored original {path} is unreadable ({exc}); the state is damaged") from None
         if sha256_or_none(data) != record.original_sha256:
-            raise StateError(f"stored original {path} does not match its recorded sha256; the state is damaged")
+            raise StateError(
+                f"stored original {path} does not match its recorded sha256; the state is damaged"
+            )
         return data
 
     def save(self, record: StateRecord, originals: Mapping[str, bytes | None]) -> None:
@@ -196,7 +202,9 @@ def atomic_write(path: Path, data: bytes, *, mode: int | None = None) -> None:
         raise
 
 
-def write_contents(site: Path, changes: Mapping[str, bytes | None], previous: Mapping[str, bytes | None]) -> None:
+def write_contents(
+    site: Path, changes: Mapping[str, bytes | None], previous: Mapping[str, bytes | None]
+) -> None:
     """Write every change (None = delete) or, on any error, restore what was written so far.
 
     Args:

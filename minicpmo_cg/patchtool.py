@@ -119,17 +119,11 @@ class Installation:
 
 
 def _supported_text() -> str:
-    return ", ".join(
-        f"vllm {v} + vllm-omni {o} (lane {lane})" for (v, o), lane in SUPPORTED_PAIRS.items()
-    )
+    return ", ".join(f"vllm {v} + vllm-omni {o} (lane {lane})" for (v, o), lane in SUPPORTED_PAIRS.items())
 
 
 def _dist_version(dist: str, site: Path) -> str | None:
-    found = {
-        d.version
-        for d in importlib.metadata.distributions(name=dist, path=[str(site)])
-        if d.version
-    }
+    found = {d.version for d in importlib.metadata.distributions(name=dist, path=[str(site)]) if d.version}
     if len(found) > 1:
         raise ToolError(
             f"{PROG}: {site} holds several {dist} distributions ({', '.join(sorted(found))}); "
@@ -266,7 +260,9 @@ class Plan:
         """Reasons ``apply`` refuses: conflicting patches, then files not covered by them."""
         out = [f"{r.patch.name}: {r.detail}" for r in self.reports if r.state == CONFLICT]
         covered = {rel for r in self.reports if r.state == CONFLICT for rel in r.patch.file_paths}
-        out += [f"{fv.rel}: {fv.conflict}" for fv in self.files.values() if fv.conflict and fv.rel not in covered]
+        out += [
+            f"{fv.rel}: {fv.conflict}" for fv in self.files.values() if fv.conflict and fv.rel not in covered
+        ]
         return out
 
     def revert_conflicts(self) -> list[str]:
@@ -287,7 +283,9 @@ def _short(digest: str | None) -> str:
     return "absent" if digest is None else digest[:12]
 
 
-def build_plan(install: Installation, patches_dir: Path | None = None, adapter_source: Path | None = None) -> Plan:
+def build_plan(
+    install: Installation, patches_dir: Path | None = None, adapter_source: Path | None = None
+) -> Plan:
     """Classify every patch and compute the contents ``apply`` and ``revert`` would write.
 
     Nothing is written. See ``patches/README.md`` for the decision rules.
@@ -324,7 +322,11 @@ def build_plan(install: Installation, patches_dir: Path | None = None, adapter_s
     active: list[Patch] = []
     for patch in series:
         since = patch.upstream_since
-        if since is not None and since.package in install.versions and since.holds(install.versions[since.package]):
+        if (
+            since is not None
+            and since.package in install.versions
+            and since.reached(install.versions[since.package])
+        ):
             if patch.upstream_probe is None:
                 reports[patch.name] = PatchReport(patch, UPSTREAM, f"shipped upstream since {since}")
                 continue
@@ -432,21 +434,29 @@ def build_plan(install: Installation, patches_dir: Path | None = None, adapter_s
         work.update(run.contents)
         if patch.name in found_unrecorded:
             reports[patch.name] = PatchReport(
-                patch, APPLIED, "applied without a state record (hand-applied or state lost); revert un-applies the diff"
+                patch,
+                APPLIED,
+                "applied without a state record (hand-applied or state lost); revert un-applies the diff",
             )
         elif recorded_patches.get(patch.name) == patch.sha256 and all(
             files[rel].record is not None for rel in patch.file_paths
         ):
             reports[patch.name] = PatchReport(patch, APPLIED)
-        elif patch.name in recorded_patches and all(files[rel].record is not None for rel in patch.file_paths):
+        elif patch.name in recorded_patches and all(
+            files[rel].record is not None for rel in patch.file_paths
+        ):
             reports[patch.name] = PatchReport(
-                patch, PENDING, "installed from an older revision of this patch; apply re-applies it from the originals"
+                patch,
+                PENDING,
+                "installed from an older revision of this patch; apply re-applies it from the originals",
             )
         else:
             reports[patch.name] = PatchReport(patch, PENDING)
 
     active_rels = {rel for patch in active for rel in patch.file_paths}
-    apply_contents = {rel: (work[rel] if rel in active_rels else v.pristine) for rel, v in files.items() if not v.conflict}
+    apply_contents = {
+        rel: (work[rel] if rel in active_rels else v.pristine) for rel, v in files.items() if not v.conflict
+    }
     revert_contents = {rel: v.pristine for rel, v in files.items() if not v.conflict}
 
     # --- the adapter copy -------------------------------------------------------------------------
@@ -485,7 +495,10 @@ def build_plan(install: Installation, patches_dir: Path | None = None, adapter_s
     elif view.current is None:
         adapter_state, adapter_detail = "missing", "apply copies it"
     elif view.record is not None:
-        adapter_state, adapter_detail = "outdated", "the adapter source changed since apply; apply re-copies it"
+        adapter_state, adapter_detail = (
+            "outdated",
+            "the adapter source changed since apply; apply re-copies it",
+        )
     else:
         adapter_state = "outdated"
         adapter_detail = "a different file is at this path; apply replaces it, revert restores it"
@@ -617,8 +630,15 @@ def _rows(plan: Plan) -> list[tuple[str, str, str, str]]:
     listed = {rel for r in plan.reports for rel in r.patch.file_paths}
     for fv in plan.files.values():
         if fv.role == "patch" and fv.rel not in listed:
-            rows.append(("(recorded only)", fv.rel, CONFLICT if fv.conflict else "stale", fv.conflict or
-                         "changed by an earlier apply; no longer in the series: apply/revert restore it"))
+            rows.append(
+                (
+                    "(recorded only)",
+                    fv.rel,
+                    CONFLICT if fv.conflict else "stale",
+                    fv.conflict
+                    or "changed by an earlier apply; no longer in the series: apply/revert restore it",
+                )
+            )
     rows.append(("adapter", plan.adapter_rel, plan.adapter_state, plan.adapter_detail))
     return rows
 
@@ -662,7 +682,9 @@ def _report_json(command: str, plan: Plan, outcome: Outcome) -> dict:
 def _print_text(command: str, plan: Plan, outcome: Outcome) -> None:
     inst = plan.install
     print(f"{PROG} {command}: {inst.site}")
-    print(f"installed: vllm {inst.versions['vllm']}, vllm-omni {inst.versions['vllm-omni']} (lane: {inst.lane})")
+    print(
+        f"installed: vllm {inst.versions['vllm']}, vllm-omni {inst.versions['vllm-omni']} (lane: {inst.lane})"
+    )
     rows = [("PATCH", "TARGET", "STATE", "DETAIL"), *_rows(plan)]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
@@ -697,6 +719,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser = argparse.ArgumentParser(
         prog=PROG,
+        usage=f"{PROG} {{apply,check,status,revert}} [--site-packages DIR] [--patches-dir DIR] [--json]",
         description="Install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.",
         epilog="exit codes: 0 ok, 1 conflict (nothing written), 2 usage/environment/format error",
     )
@@ -727,12 +750,17 @@ def run(argv: Sequence[str] | None = None) -> int:
                 outcome = cmd_apply(plan)
             else:
                 outcome = cmd_revert(plan)
-            final = build_plan(install, args.patches_dir) if outcome.changed or outcome.result in (
-                "applied", "reverted") else plan
+            final = (
+                build_plan(install, args.patches_dir)
+                if outcome.changed or outcome.result in ("applied", "reverted")
+                else plan
+            )
     except ToolError as exc:
         print(str(exc), file=sys.stderr)
         if args.json:
-            print(json.dumps({"command": command, "ok": False, "exit_code": exc.exit_code, "error": str(exc)}))
+            print(
+                json.dumps({"command": command, "ok": False, "exit_code": exc.exit_code, "error": str(exc)})
+            )
         return exc.exit_code
     if args.json:
         print(json.dumps(_report_json(command, final, outcome), indent=2))
