@@ -158,8 +158,14 @@ class _StubEncoder(nn.Module):
         super().__init__()
         self.masks = []
 
-    def forward(self, inputs_embeds, attention_mask=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None):
+    def forward(
+        self,
+        inputs_embeds,
+        attention_mask=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+    ):
         self.masks.append(attention_mask)
         return llm.BaseModelOutput(last_hidden_state=inputs_embeds)
 
@@ -277,7 +283,7 @@ def test_audio_graph_receives_padded_list_input():
     model._audio_encoder_graph = rec
     with torch.no_grad():
         out = model.get_audio_hidden_states(data)
-    (wavforms, _mask), = rec.calls
+    ((wavforms, _mask),) = rec.calls
     assert wavforms.shape == (2, 80, 40) and (wavforms[1, :, 30:] == 0).all()
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -363,14 +369,21 @@ def bare_model(config, *, vpm=True, apm=True) -> Model:
 def vllm_configs():
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
-    return {"eager": standalone_vllm_config(enforce_eager=True), "graphs": standalone_vllm_config(enforce_eager=False)}
+    return {
+        "eager": standalone_vllm_config(enforce_eager=True),
+        "graphs": standalone_vllm_config(enforce_eager=False),
+    }
 
 
 def test_init_encoder_cuda_graphs_builds_adapters(vllm_configs):
-    model = bare_model(SimpleNamespace(encoder_cuda_graph_max_graphs=7, encoder_cuda_graph_min_capture_calls=3))
+    model = bare_model(
+        SimpleNamespace(encoder_cuda_graph_max_graphs=7, encoder_cuda_graph_min_capture_calls=3)
+    )
     model._init_encoder_cuda_graphs(vllm_configs["graphs"])
     vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
-    assert isinstance(vision, adapter_mod.EncoderCudaGraph) and isinstance(audio, adapter_mod.EncoderCudaGraph)
+    assert isinstance(vision, adapter_mod.EncoderCudaGraph) and isinstance(
+        audio, adapter_mod.EncoderCudaGraph
+    )
     assert vision is not audio
     assert vision.options.max_graphs == 7 and audio.options.min_capture_calls == 3
     assert vision.forward == model.vpm._encode_last_hidden_state
