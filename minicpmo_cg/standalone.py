@@ -1,0 +1,346 @@
+"""MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
+
+The checkpoint (``openbmb/MiniCPM-o-4_5``) cannot be downloaded here, and the main job only
+needs the input encoders, not the Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
+builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
+``vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm``: the instance is
+created with ``object.__new__`` + ``nn.Module.__init__`` (so ``__init__``, which builds the
+LLM through vLLM's model registry, never runs) and is given exactly the attributes that
+``get_vision_hidden_states`` / ``get_audio_hidden_states`` and
+``_init_encoder_cuda_graphs`` read:
+
+=========================== ==================================================================
+``config``                  ``MiniCPMOConfig`` at the checkpoint's values (:func:`thinker_config`)
+``vpm``                     ``SiglipVisionTransformer`` (eager attention, last layer dropped)
+``resampler``               ``Resampler`` (64 queries, embed 4096, 32 heads, kv_dim 1152)
+``apm``                     ``MiniCPMWhisperEncoder`` (Whisper-medium encoder)
+``audio_projection_layer``  ``MultiModalProjector`` (1024 -> 4096 -> 4096)
+``audio_avg_pooler``        ``nn.AvgPool1d(5, stride=5)``
+``audio_encoder_layer``     ``-1`` (last hidden state, as the model sets it)
+=========================== ==================================================================
+
+Modules are constructed on the ``meta`` device (vllm-omni/transformers construction would
+otherwise spend ~35 s running default initialisers that are overwritten anyway), then
+materialised on the CPU and initialised deterministically from a seeded generator
+(:func:`init_weights_`), cast to the chosen dtype and moved to the chosen device.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
+
+PATCH_HINT = (
+    "the installed vllm-omni model file is not patched for encoder CUDA graphs "
+    "(MiniCPMO45OmniLLMForConditionalGeneration has no _init_encoder_cuda_graphs); "
+    "run `minicpmo-cg-patch apply` first"
+)
+
+# ---------------------------------------------------------------------------------------------
+# Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
+#
+# "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
+# installed minicpmo_4_5_omni_llm.py (checked by tests/test_main_job.py::test_config_values).
+# "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
+# absent in) the MiniCPMOConfig defaults; these are the values the adapter contract
+# (docs: adapter_contract.md sections 12-13) and the model's own comments name.
+# ---------------------------------------------------------------------------------------------
+
+#: Thinker LLM (Qwen3-8B): only ``hidden_size`` matters to the encoders (resampler embed dim and
+#: audio projection width, ``num_heads = hidden_size // 128`` = 32). Checkpoint values; the
+#: MiniCPMOConfig (a Qwen2Config) defaults are Qwen2-7B's (hidden 4096, 28 layers, 28 heads).
+LLM_CONFIG: dict[str, Any] = {
+    "hidden_size": 4096,  # checkpoint (Qwen3-8B); = Qwen2Config default too
+    "num_attention_heads": 32,  # checkpoint (Qwen3-8B); not read by the encoders
+    "num_key_value_heads": 8,  # checkpoint (Qwen3-8B); not read by the encoders
+    "intermediate_size": 12288,  # checkpoint (Qwen3-8B); not read by the encoders
+    "num_hidden_layers": 36,  # checkpoint (Qwen3-8B); not read by the encoders
+    "attention_bias": False,  # checkpoint: False selects Qwen3ForCausalLM in the model's __init__
+}
+
+#: SigLIP so400m (NaViT variant) = ``MiniCPMOConfig.default_vision_config`` verbatim.
+VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 1152,  # MiniCPMOConfig default_vision_config
+    "image_size": 980,  # MiniCPMOConfig default_vision_config (position-bucket grid 70x70)
+    "intermediate_size": 4304,  # MiniCPMOConfig default_vision_config
+    "model_type": "siglip",  # MiniCPMOConfig default_vision_config
+    "num_attention_heads": 16,  # MiniCPMOConfig default_vision_config
+    "num_hidden_layers": 27,  # MiniCPMOConfig default_vision_config; 26 run (drop_vision_last_layer)
+    "patch_size": 14,  # MiniCPMOConfig default_vision_config
+}
+
+#: Whisper-medium encoder. The checkpoint's audio_config; MiniCPMOConfig's default
+#: (``WhisperConfig()``, i.e. whisper-tiny sizes: d_model 384, 4 layers, 6 heads, ffn 1536)
+#: differs, its comment says "same as openai/whisper-medium".
+AUDIO_CONFIG: dict[str, Any] = {
+    "d_model": 1024,  # checkpoint / whisper-medium
+    "encoder_layers": 24,  # checkpoint / whisper-medium
+    "encoder_attention_heads": 16,  # checkpoint / whisper-medium
+    "encoder_ffn_dim": 4096,  # checkpoint / whisper-medium (audio_output_dim = 4096 // 4 = 1024)
+    "num_mel_bins": 80,  # checkpoint / whisper-medium = WhisperConfig default
+    "max_source_positions": 1500,  # checkpoint / whisper-medium = WhisperConfig default (30 s)
+}
+
+#: Top-level MiniCPMOConfig fields.
+THINKER_CONFIG: dict[str, Any] = {
+    "query_num": 64,  # MiniCPMOConfig default
+    "image_size": 448,  # MiniCPMOConfig default; the slicing scale_resolution
+    "drop_vision_last_layer": True,  # MiniCPMOConfig default
+    "vision_batch_size": 16,  # MiniCPMOConfig default
+    "audio_pool_step": 5,  # MiniCPMOConfig default
+    "audio_chunk_length": 1.0,  # MiniCPMOConfig default (50 Whisper frames per chunk)
+    # checkpoint: MiniCPMOConfig's default slice_config is MiniCPMVSliceConfig(max_slice_nums=1);
+    # the checkpoint (and MiniCPMVImageProcessor's default) use 9. patch_size 14 and
+    # scale_resolution 448 are the MiniCPMVSliceConfig defaults.
+    "slice_config": {"max_slice_nums": 9, "patch_size": 14, "scale_resolution": 448},
+    "init_tts": False,  # the talker is not part of the thinker's encoders
+}
+
+#: Layers kept by ``reduced=True``: 3 vision layers (2 after drop_vision_last_layer) and
+#: 2 audio layers, all widths unchanged.
+REDUCED_VISION_LAYERS = 3
+REDUCED_AUDIO_LAYERS = 2
+
+
+class PatchMissingError(RuntimeError):
+    """The installed vllm-omni model file lacks the encoder CUDA graph wiring."""
+
+
+def _progress(msg: str) -> None:
+    print(f"[minicpmo-cg] {msg}", file=sys.stderr, flush=True)
+
+
+def model_module() -> Any:
+    """Import and return the installed vllm-omni MiniCPM-o 4.5 thinker model module."""
+    import importlib
+
+    return importlib.import_module(MODEL_MODULE)
+
+
+def thinker_config(*, reduced: bool = False, **overrides: Any) -> Any:
+    """Return a ``MiniCPMOConfig`` at MiniCPM-o 4.5's checkpoint values.
+
+    Args:
+        reduced: keep 2 vision layers (3 before ``drop_vision_last_layer``) and 2 audio layers;
+            every width stays at the checkpoint's value.
+        **overrides: extra top-level attributes set on the config after construction, e.g.
+            the ``--hf-overrides`` keys ``encoder_cuda_graph`` or ``encoder_cuda_graph_max_graphs``.
+    """
+    mod = model_module()
+    vision = dict(VISION_CONFIG)
+    audio = dict(AUDIO_CONFIG)
+    if reduced:
+        vision["num_hidden_layers"] = REDUCED_VISION_LAYERS
+        audio["encoder_layers"] = REDUCED_AUDIO_LAYERS
+    config = mod.MiniCPMOConfig(vision_config=vision, audio_config=audio, **THINKER_CONFIG, **LLM_CONFIG)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> None:
+    """Initialise every parameter of ``module`` in place, deterministically.
+
+    LayerNorm weights are set to 1 and biases to 0; every other bias to 0; every other
+    parameter (linear/conv weights, embeddings, the resampler's query and projection, the
+    attention in-projection) is drawn from ``normal(0, std)`` by a CPU generator seeded with
+    ``seed``, in ``named_parameters()`` order, so the same seed gives the same weights on any
+    device. Parameters must be materialised (not on ``meta``).
+
+    Args:
+        module: the module to initialise.
+        seed: generator seed.
+        std: standard deviation of the normal draws (0.02, the usual transformer init; it keeps
+            random-weight activations finite through 26 SigLIP and 24 Whisper layers in bf16).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    layer_norm_params = {
+        id(p) for m in module.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)
+    }
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            raise RuntimeError(f"init_weights_: parameter {name} is still on the meta device")
+        leaf = name.rsplit(".", 1)[-1]
+        if id(param) in layer_norm_params:
+            param.fill_(1.0 if leaf == "weight" else 0.0)
+        elif leaf.endswith("bias"):
+            param.zero_()
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            param.copy_(values)
+
+
+@dataclass(frozen=True)
+class EncoderBuildInfo:
+    """What :func:`build_thinker_encoders` built (for logs and the main job's JSON).
+
+    Attributes:
+        vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
+        audio_layers: Whisper encoder layers.
+        vision_attn: SigLIP attention implementation (``"eager"``, as the model picks it when
+            the model config names none).
+        audio_attn: Whisper attention implementation (transformers' default for the config).
+        num_params: parameters of all encoder modules (count).
+        build_s: wall time of the build, seconds.
+    """
+
+    vision_layers: int
+    audio_layers: int
+    vision_attn: str
+    audio_attn: str
+    num_params: int
+    build_s: float
+
+
+def build_thinker_encoders(
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    reduced: bool = False,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> Any:
+    """Build MiniCPM-o 4.5's thinker encoders (no LLM) with random weights.
+
+    Args:
+        device: where the model runs.
+        dtype: parameter dtype; default ``torch.bfloat16`` on CUDA, ``torch.float32`` on CPU.
+            The resampler's sincos position cache stays float32, as in the real model.
+        reduced: 2 vision + 2 audio layers at full widths (quick runs, tests).
+        seed: weight seed (:func:`init_weights_`).
+        config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
+        progress: print build progress to stderr.
+
+    Returns:
+        A ``MiniCPMO45OmniLLMForConditionalGeneration`` in eval mode without gradients, with the
+        attributes listed in the module docstring plus ``build_info``
+        (:class:`EncoderBuildInfo`). Encoder CUDA graphs are not wired yet: call
+        :func:`wire_encoder_graphs`.
+    """
+    start = time.perf_counter()
+    mod = model_module()
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = thinker_config(reduced=reduced, **(config_overrides or {}))
+
+    cls = mod.MiniCPMO45OmniLLMForConditionalGeneration
+    model = object.__new__(cls)
+    nn.Module.__init__(model)
+    model.config = config
+
+    if progress:
+        _progress(
+            f"building thinker encoders ({'reduced' if reduced else 'full'}: "
+            f"{config.vision_config.num_hidden_layers - int(config.drop_vision_last_layer)} vision + "
+            f"{config.audio_config.encoder_layers} audio layers) ..."
+        )
+    # As MiniCPMO45OmniLLMForConditionalGeneration.__init__ does without a model-level
+    # _attn_implementation (vLLM's ModelConfig has none): eager SigLIP attention.
+    config.vision_config._attn_implementation = "eager"
+    with torch.device("meta"):
+        vpm = mod.SiglipVisionTransformer(config.vision_config)
+        if config.drop_vision_last_layer:
+            vpm.encoder.layers = vpm.encoder.layers[:-1]
+        setattr(vpm, "embed_dim", vpm.embeddings.embed_dim)
+        setattr(vpm, "patch_size", vpm.embeddings.patch_size)
+        embed_dim = config.hidden_size
+        resampler = mod.Resampler(
+            num_queries=config.query_num,
+            embed_dim=embed_dim,
+            num_heads=embed_dim // 128,
+            kv_dim=vpm.embed_dim,
+            adaptive=True,
+        )
+        apm = mod.MiniCPMWhisperEncoder(config.audio_config)
+        audio_output_dim = int(apm.config.encoder_ffn_dim // 4)
+        audio_avg_pooler = nn.AvgPool1d(config.audio_pool_step, stride=config.audio_pool_step)
+        audio_projection_layer = mod.MultiModalProjector(in_dim=audio_output_dim, out_dim=embed_dim)
+
+    model.vpm = vpm
+    model.resampler = resampler
+    model.apm = apm
+    model.audio_avg_pooler = audio_avg_pooler
+    model.audio_projection_layer = audio_projection_layer
+    model.audio_encoder_layer = -1
+    model.audio_past_key_values = None
+
+    model.to_empty(device="cpu")
+    # to_empty leaves buffers uninitialised: rebuild the resampler's sincos position cache.
+    resampler._set_2d_pos_cache(resampler.max_size, device="cpu")
+    if progress:
+        _progress(f"initialising {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters (seed {seed}) ...")
+    init_weights_(model, seed=seed)
+
+    model.to(device=device)
+    for param in model.parameters():
+        param.data = param.data.to(dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+
+    model.build_info = EncoderBuildInfo(
+        vision_layers=len(vpm.encoder.layers),
+        audio_layers=len(apm.layers),
+        vision_attn=str(config.vision_config._attn_implementation),
+        audio_attn=str(apm.config._attn_implementation),
+        num_params=sum(p.numel() for p in model.parameters()),
+        build_s=time.perf_counter() - start,
+    )
+    if progress:
+        _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
+    return model
+
+
+def has_graph_wiring(model: Any) -> bool:
+    """True when the installed model class is patched (has ``_init_encoder_cuda_graphs``)."""
+    return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
+
+
+def wire_encoder_graphs(model: Any, vllm_config: Any, *, enabled: bool, **options: Any) -> None:
+    """Set the encoder CUDA graph ``--hf-overrides`` keys on ``model.config`` and wire the graphs.
+
+    Calls the patched ``model._init_encoder_cuda_graphs(vllm_config)``, which reads the options
+    from ``model.config`` and sets ``model.vpm._encoder_graph`` and
+    ``model._audio_encoder_graph`` (None when graphs are off).
+
+    Args:
+        model: from :func:`build_thinker_encoders`.
+        vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
+        enabled: value of ``encoder_cuda_graph``.
+        **options: other keys without the ``encoder_cuda_graph_`` prefix, e.g.
+            ``max_graphs=16`` sets ``encoder_cuda_graph_max_graphs``.
+
+    Raises:
+        PatchMissingError: the installed model file is not patched (run ``minicpmo-cg-patch apply``).
+        RuntimeError: graphs are off but the wiring still installed an adapter.
+    """
+    if not has_graph_wiring(model):
+        raise PatchMissingError(f"minicpmo_cg: {PATCH_HINT}")
+    model.config.encoder_cuda_graph = bool(enabled)
+    for key, value in options.items():
+        setattr(model.config, f"encoder_cuda_graph_{key}", value)
+    model._init_encoder_cuda_graphs(vllm_config)
+    if not enabled and (vision_graph(model) is not None or audio_graph(model) is not None):
+        raise RuntimeError(
+            "minicpmo_cg: _init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
+            "is false; the patched model file does not honour the switch"
+        )
+
+
+def vision_graph(model: Any) -> Any:
+    """The vision adapter (``model.vpm._encoder_graph``) or None."""
+    return getattr(getattr(model, "vpm", None), "_encoder_graph", None)
+
+
+def audio_graph(model: Any) -> Any:
+    """The audio adapter (``model._audio_encoder_graph``) or None."""
+    return getattr(model, "_audio_encoder_graph", None)
