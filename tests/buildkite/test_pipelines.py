@@ -19,7 +19,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,21 +293,8 @@ def test_lane_arguments_are_pinned_lanes() -> None:
                 assert lane == job.values["lane"], f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
 
 
-def registered_markers() -> set[str]:
-    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-    return {m.split(":")[0].strip() for m in config["tool"]["pytest"]["ini_options"]["markers"]}
-
-
 def marker_expressions() -> list[str]:
     return sorted({e for job in all_jobs() if (e := marker_expr(job)) is not None})
-
-
-def test_marker_expressions_use_only_registered_markers() -> None:
-    exprs = marker_expressions()
-    assert {"core_model and cpu", "core_model and cuda"} <= set(exprs)
-    registered = registered_markers()
-    for expr in exprs:
-        assert expr_words(expr) <= registered, f"-m {expr!r}: unregistered {expr_words(expr) - registered}"
 
 
 _COLLECT_DRIVER = """
@@ -317,21 +303,26 @@ import pytest
 
 class Count:
     items = None
+    markers = None
+    def pytest_configure(self, config):
+        self.markers = [line.split(":")[0].strip() for line in config.getini("markers")]
     def pytest_collection_finish(self, session):
         self.items = len(session.items)
 
-out = {}
+out = {"counts": {}}
 for expr in json.loads(sys.argv[1]):
     counter = Count()
     rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"], plugins=[counter])
-    out[expr] = {"rc": int(rc), "items": counter.items}
+    out["counts"][expr] = {"rc": int(rc), "items": counter.items}
+    out["markers"] = counter.markers
 print("MARKER-COUNTS " + json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
-def collected() -> dict[str, dict]:
-    """Per expression: pytest's exit code and the number of tests ``-m`` selects (one subprocess)."""
+def collected() -> dict[str, Any]:
+    """pytest's registered markers, and per expression its exit code and the number of tests ``-m``
+    selects, from ``pytest --collect-only`` in one subprocess (the repo's own pytest configuration)."""
     proc = subprocess.run(
         [sys.executable, "-c", _COLLECT_DRIVER, json.dumps(marker_expressions())],
         cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -341,9 +332,18 @@ def collected() -> dict[str, dict]:
     return json.loads(lines[-1][len("MARKER-COUNTS "):])
 
 
+def test_marker_expressions_use_only_registered_markers(collected: dict[str, Any]) -> None:
+    exprs = marker_expressions()
+    assert {"core_model and cpu", "core_model and cuda"} <= set(exprs)
+    registered = set(collected["markers"])
+    assert {"core_model", "cpu", "cuda"} <= registered
+    for expr in exprs:
+        assert expr_words(expr) <= registered, f"-m {expr!r}: unregistered {expr_words(expr) - registered}"
+
+
 @pytest.mark.parametrize("expr", marker_expressions())
-def test_marker_expression_selects_collected_tests(expr: str, collected: dict[str, dict]) -> None:
-    result = collected[expr]
+def test_marker_expression_selects_collected_tests(expr: str, collected: dict[str, Any]) -> None:
+    result = collected["counts"][expr]
     assert result["rc"] == 0, f"pytest --collect-only -m {expr!r} exited {result['rc']} (collection errors?)"
     assert result["items"] and result["items"] > 0, f"-m {expr!r} selects no test"
 
