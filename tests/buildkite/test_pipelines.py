@@ -287,7 +287,9 @@ def test_lane_arguments_are_pinned_lanes() -> None:
     assert set(LANES) <= lanes
     for job in all_jobs():
         lane = lane_of(job)
-        if lane is not None:
+        if lane == "all":  # tools/test.sh only: every lane in one job
+            assert job.argv[job.argv.index("all") - 1] == "tools/test.sh", job.step_key
+        elif lane is not None:
             assert lane in lanes, f"{job.step_key}: lane {lane!r} has no lanes/{lane}.txt"
             if "lane" in job.values:
                 assert lane == job.values["lane"], f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
@@ -370,6 +372,15 @@ def test_matrix_covers_every_lane_mode_and_level() -> None:
     for job in all_jobs():
         if level_of(job) == "e2e" and "mode" in job.values:
             assert mode_of(job) == job.values["mode"], f"{job.label}: serves --mode {mode_of(job)}"
+
+
+def test_the_lane_differential_runs_both_lanes_in_one_job() -> None:
+    # tests/vllm_patches/test_lane_differential.py compares the lanes through $MINICPMO_CG_DIFF_DIR,
+    # which tools/test.sh shares only between the lanes of one invocation
+    jobs = [j for j in all_jobs() if "test_lane_differential" in j.command and j.skip is None]
+    assert jobs, "no CI job runs the lane differential"
+    assert all(lane_of(j) == "all" for j in jobs)
+    assert (REPO / "tests/vllm_patches/test_lane_differential.py").is_file()
 
 
 def test_levels_run_on_matching_hardware() -> None:
@@ -477,7 +488,8 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
     assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]) == [
         "cpu-unit", "cuda-unit", "e2e-serve", "e2e-compare",
     ]
-    assert keys(["lanes/legacy.txt"]) == ["cpu-unit", "cuda-unit", "e2e-serve", "e2e-compare"]
+    assert keys(["lanes/legacy.txt"]) == ["cpu-unit", "lane-differential", "cuda-unit", "e2e-serve", "e2e-compare"]
+    assert keys(["patches/vllm/series"]) == ["cpu-unit", "lane-differential", "cuda-unit", "e2e-serve", "e2e-compare"]
     # "tests/e2e" is a directory prefix, not a string prefix
     assert keys(["tests/e2e_old/notes.txt"]) == []
 
@@ -487,6 +499,8 @@ def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
     steps = uploader.build_pipeline(env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"])["steps"]
     assert [s["key"] for s in steps] == ["cpu-unit"]
     assert steps[0]["agents"] == HARDWARE["cpu"]["agents"]
+    steps = uploader.build_pipeline(env, ["patches/vllm/series"])["steps"]
+    assert [s["key"] for s in steps] == ["cpu-unit", "lane-differential"]
 
 
 def test_mirroring_dropping_and_unknown_names() -> None:
