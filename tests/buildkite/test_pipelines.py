@@ -202,6 +202,9 @@ def test_steps_are_keyed_unique_labelled_time_bounded_and_known() -> None:
         assert isinstance(timeout, int) and 1 <= timeout <= 120, f"{key}: timeout_in_minutes={timeout!r}"
         unknown = set(step) - COMMAND_STEP_ATTRIBUTES - CUSTOM_ATTRIBUTES
         assert not unknown, f"{key}: unknown step attributes {unknown}"
+        # `buildkite-agent pipeline upload` interpolates $VAR at upload time; runtime variables need $$
+        command = step.get("command") or "\n".join(step.get("commands", []))
+        assert "$" not in command.replace("$$", ""), f"{key}: unescaped $ in {command!r}"
     assert len(keys) == len(set(keys)), f"duplicate step keys: {sorted(k for k in keys if keys.count(k) > 1)}"
 
 
