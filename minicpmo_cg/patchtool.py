@@ -176,8 +176,11 @@ def discover_installation(site_packages: Path | None = None) -> Installation:
     lane = None
     if None not in pair:
         for (want_vllm, want_omni), name in SUPPORTED_PAIRS.items():
-            if version_equal(pair[0], want_vllm) and version_equal(pair[1], want_omni):
-                lane = name
+            try:
+                if version_equal(pair[0], want_vllm) and version_equal(pair[1], want_omni):
+                    lane = name
+            except ValueError:  # an unparsable installed version is simply not a supported one
+                pass
     if lane is None:
         shown = ", ".join(f"{n} {v if v else '(not installed)'}" for n, v in versions.items())
         raise ToolError(

@@ -470,7 +470,11 @@ def test_write_error_rolls_back_every_file(tmp_site, monkeypatch):
 
 @pytest.mark.parametrize(
     "dist_glob, version, named",
-    [("vllm_omni-*.dist-info", "0.29.0", "vllm-omni 0.29.0"), ("vllm-*.dist-info", "0.33.0", "vllm 0.33.0")],
+    [
+        ("vllm_omni-*.dist-info", "0.29.0", "vllm-omni 0.29.0"),
+        ("vllm-*.dist-info", "0.33.0", "vllm 0.33.0"),
+        ("vllm_omni-*.dist-info", "banana", "vllm-omni banana"),
+    ],
 )
 def test_unsupported_version_pair_exits_2(tmp_site, dist_glob, version, named):
     set_version(tmp_site, dist_glob, version)
