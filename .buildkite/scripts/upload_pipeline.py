@@ -87,17 +87,23 @@ def changed_files(env: Mapping[str, str]) -> list[str] | None:
     """Files a pull request changes against its base branch; None = not a PR or unknown (run all)."""
     if env.get("BUILDKITE_PULL_REQUEST", "false") in ("", "false"):
         return None
-    base = env.get("BUILDKITE_PULL_REQUEST_BASE_BRANCH") or env.get("BUILDKITE_PIPELINE_DEFAULT_BRANCH", "main")
+    base = env.get("BUILDKITE_PULL_REQUEST_BASE_BRANCH") or env.get(
+        "BUILDKITE_PIPELINE_DEFAULT_BRANCH", "main"
+    )
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
     try:
-        subprocess.run(["git", "fetch", "--quiet", "origin", base], cwd=REPO, capture_output=True, check=False)
+        subprocess.run(
+            ["git", "fetch", "--quiet", "origin", base], cwd=REPO, capture_output=True, check=False
+        )
         merge_base = git("merge-base", "HEAD", f"origin/{base}").strip()
         return [line for line in git("diff", "--name-only", merge_base, "HEAD").splitlines() if line]
     except (OSError, subprocess.CalledProcessError) as exc:
-        print(f"upload_pipeline: cannot diff against origin/{base} ({exc}); running every step", file=sys.stderr)
+        print(
+            f"upload_pipeline: cannot diff against origin/{base} ({exc}); running every step", file=sys.stderr
+        )
         return None
 
 
@@ -133,7 +139,9 @@ def step_paths(step: Mapping[str, Any], groups: Mapping[str, Sequence[str]]) -> 
         return None
     unknown = [n for n in names if n not in groups]
     if unknown:
-        raise PipelineError(f"step {step.get('key')!r}: unknown source_file_dependencies {unknown} ({DEPENDENCY_FILE})")
+        raise PipelineError(
+            f"step {step.get('key')!r}: unknown source_file_dependencies {unknown} ({DEPENDENCY_FILE})"
+        )
     return [path for n in names for path in groups[n]]
 
 
@@ -200,12 +208,16 @@ def build_steps(
     return out, messages
 
 
-def build_pipeline(env: Mapping[str, str], changed: Sequence[str] | None = None, level: str | None = None) -> dict:
+def build_pipeline(
+    env: Mapping[str, str], changed: Sequence[str] | None = None, level: str | None = None
+) -> dict:
     if level:
         env = {**env, "MINICPMO_CG_CI_LEVEL": level}
     levels, cpu_only = select_levels(env)
     docs = [load_yaml(LEVEL_FILES[lv]) for lv in levels]
-    steps, messages = build_steps(docs, load_yaml(HARDWARE_FILE), load_yaml(DEPENDENCY_FILE), changed, cpu_only)
+    steps, messages = build_steps(
+        docs, load_yaml(HARDWARE_FILE), load_yaml(DEPENDENCY_FILE), changed, cpu_only
+    )
     for message in messages:
         print(f"upload_pipeline: {message}", file=sys.stderr)
     print(
@@ -218,9 +230,13 @@ def build_pipeline(env: Mapping[str, str], changed: Sequence[str] | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upload", action="store_true", help="pipe the result to `buildkite-agent pipeline upload`")
+    parser.add_argument(
+        "--upload", action="store_true", help="pipe the result to `buildkite-agent pipeline upload`"
+    )
     parser.add_argument("--level", choices=LEVEL_ORDER, help="force a level (default: from the build's env)")
-    parser.add_argument("--changed-files", nargs="*", help="pretend these files changed (default: git diff on PRs)")
+    parser.add_argument(
+        "--changed-files", nargs="*", help="pretend these files changed (default: git diff on PRs)"
+    )
     args = parser.parse_args(argv)
     env = dict(os.environ)
     changed = args.changed_files if args.changed_files is not None else changed_files(env)
@@ -236,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     if not pipeline["steps"]:
         print("upload_pipeline: nothing to upload", file=sys.stderr)
         return 0
-    return subprocess.run(["buildkite-agent", "pipeline", "upload"], input=text, text=True).returncode
+    return subprocess.run(
+        ["buildkite-agent", "pipeline", "upload"], input=text, text=True, check=False
+    ).returncode
 
 
 if __name__ == "__main__":

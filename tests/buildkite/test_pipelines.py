@@ -37,16 +37,38 @@ LEVELS = ("cpu-unit", "cuda-unit", "e2e")
 # Buildkite command-step attributes (https://buildkite.com/docs/pipelines/configure/step-types/command-step)
 # plus the two vllm-omni-style keys that upload_pipeline.py consumes.
 COMMAND_STEP_ATTRIBUTES = {
-    "label", "key", "command", "commands", "agents", "env", "timeout_in_minutes", "matrix", "depends_on",
-    "artifact_paths", "retry", "soft_fail", "skip", "if", "plugins", "priority", "parallelism",
-    "concurrency", "concurrency_group", "allow_dependency_failure", "branches", "cancel_on_build_failing",
-    "notify", "signature",
+    "label",
+    "key",
+    "command",
+    "commands",
+    "agents",
+    "env",
+    "timeout_in_minutes",
+    "matrix",
+    "depends_on",
+    "artifact_paths",
+    "retry",
+    "soft_fail",
+    "skip",
+    "if",
+    "plugins",
+    "priority",
+    "parallelism",
+    "concurrency",
+    "concurrency_group",
+    "allow_dependency_failure",
+    "branches",
+    "cancel_on_build_failing",
+    "notify",
+    "signature",
 }
 CUSTOM_ATTRIBUTES = {"mirror_hardwares", "source_file_dependencies"}
 KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 PLACEHOLDER_RE = re.compile(r"\{\{\s*matrix\.([A-Za-z0-9_]+)\s*\}\}")
 # repo-relative paths a command may name (outputs under out/ are written, not read)
-PATH_RE = re.compile(r"^(?:\./)?((?:tools|tests|\.buildkite|benchmarks|patches|lanes|vllm_omni|minicpmo_cg|docs)/[\w./-]*)$")
+PATH_RE = re.compile(
+    r"^(?:\./)?((?:tools|tests|\.buildkite|benchmarks|patches|lanes|vllm_omni|minicpmo_cg|docs)/[\w./-]*)$"
+)
 LANE_SCRIPTS = ("tools/test.sh", ".buildkite/scripts/lane_exec.sh", "tools/demo.sh")
 
 
@@ -126,7 +148,11 @@ def expand(step: dict) -> list[Job]:
             skips[tuple(sorted(combo.items()))] = adj["skip"]
     return [
         Job(
-            step["key"], _interpolate(step["label"], c), _interpolate(command, c), c, hardware,
+            step["key"],
+            _interpolate(step["label"], c),
+            _interpolate(command, c),
+            c,
+            hardware,
             skips.get(tuple(sorted(c.items()))),
         )
         for c in combos
@@ -181,7 +207,12 @@ def mode_of(job: Job) -> str | None:
 
 def test_the_tree_has_the_entry_point_and_the_level_files() -> None:
     names = {str(p.relative_to(BK)) for p in yaml_files()}
-    assert {"pipeline.yml", *uploader.LEVEL_FILES.values(), uploader.HARDWARE_FILE, uploader.DEPENDENCY_FILE} <= names
+    assert {
+        "pipeline.yml",
+        *uploader.LEVEL_FILES.values(),
+        uploader.HARDWARE_FILE,
+        uploader.DEPENDENCY_FILE,
+    } <= names
 
 
 @pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(BK)))
@@ -194,7 +225,9 @@ def test_steps_are_keyed_unique_labelled_time_bounded_and_known() -> None:
     keys = []
     for step in all_steps():
         key = step.get("key")
-        assert isinstance(key, str) and KEY_RE.match(key), f"step {step.get('label')!r}: bad or missing key {key!r}"
+        assert isinstance(key, str) and KEY_RE.match(key), (
+            f"step {step.get('label')!r}: bad or missing key {key!r}"
+        )
         keys.append(key)
         assert step.get("label"), f"{key}: no label"
         assert step.get("command") or step.get("commands"), f"{key}: no command"
@@ -228,13 +261,17 @@ def test_matrices_are_consistent() -> None:
         assert isinstance(setup, dict) and setup, f"{key}: matrix.setup must name its dimensions"
         assert used <= set(setup), f"{key}: placeholders {used - set(setup)} are no matrix dimension"
         label_dims = set(PLACEHOLDER_RE.findall(step["label"]))
-        assert label_dims == set(setup), f"{key}: the label must show every dimension (jobs look alike otherwise)"
+        assert label_dims == set(setup), (
+            f"{key}: the label must show every dimension (jobs look alike otherwise)"
+        )
         for dim, values in setup.items():
             assert len(values) == len(set(values)), f"{key}: duplicate values in {dim}"
         for adj in matrix.get("adjustments", []):
             assert set(adj["with"]) == set(setup), f"{key}: adjustment {adj['with']} must set every dimension"
             if "skip" in adj:
-                assert all(adj["with"][d] in setup[d] for d in setup), f"{key}: skips a combination it never had"
+                assert all(adj["with"][d] in setup[d] for d in setup), (
+                    f"{key}: skips a combination it never had"
+                )
                 assert isinstance(adj["skip"], str) and adj["skip"].strip(), f"{key}: a skip needs its reason"
 
 
@@ -295,7 +332,9 @@ def test_lane_arguments_are_pinned_lanes() -> None:
         elif lane is not None:
             assert lane in lanes, f"{job.step_key}: lane {lane!r} has no lanes/{lane}.txt"
             if "lane" in job.values:
-                assert lane == job.values["lane"], f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
+                assert lane == job.values["lane"], (
+                    f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
+                )
 
 
 def marker_expressions() -> list[str]:
@@ -330,11 +369,17 @@ def collected() -> dict[str, Any]:
     selects, from ``pytest --collect-only`` in one subprocess (the repo's own pytest configuration)."""
     proc = subprocess.run(
         [sys.executable, "-c", _COLLECT_DRIVER, json.dumps(marker_expressions())],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MARKER-COUNTS ")]
-    assert lines, f"collection driver failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("MARKER-COUNTS "):])
+    assert lines, (
+        f"collection driver failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return json.loads(lines[-1][len("MARKER-COUNTS ") :])
 
 
 def test_marker_expressions_use_only_registered_markers(collected: dict[str, Any]) -> None:
@@ -426,7 +471,9 @@ def test_e2e_compare_reads_what_the_serve_jobs_write() -> None:
         assert f"out/e2e/{lane}-*.json" in job.command, f"{job.label}: does not download the recordings"
         compared_lanes.add(lane)
         step = next(s for _, s in level_steps() if s["key"] == job.step_key)
-        assert set(uploader._depends_on(step)) & serve_keys, f"{job.step_key} does not wait for the serve jobs"
+        assert set(uploader._depends_on(step)) & serve_keys, (
+            f"{job.step_key} does not wait for the serve jobs"
+        )
     assert compared_lanes == set(LANES)
     artifacts = [s.get("artifact_paths", []) for _, s in level_steps() if s["key"] in serve_keys]
     assert all("out/e2e/*.json" in a for a in artifacts), "serve jobs must upload their recordings"
@@ -436,7 +483,9 @@ def test_lane_exec_rejects_unknown_lanes_before_doing_anything() -> None:
     script = BK / "scripts" / "lane_exec.sh"
     for path in (BK / "scripts").glob("*.sh"):
         subprocess.run(["bash", "-n", str(path)], check=True)
-    proc = subprocess.run(["bash", str(script), "nightly", "true"], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(script), "nightly", "true"], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
@@ -448,11 +497,22 @@ def test_lane_exec_rejects_unknown_lanes_before_doing_anything() -> None:
 @pytest.mark.parametrize(
     "env, levels, cpu_only",
     [
-        ({"BUILDKITE_PULL_REQUEST": "17", "BUILDKITE_PULL_REQUEST_LABELS": "ready,documentation"}, ["L2"], False),
+        (
+            {"BUILDKITE_PULL_REQUEST": "17", "BUILDKITE_PULL_REQUEST_LABELS": "ready,documentation"},
+            ["L2"],
+            False,
+        ),
         ({"BUILDKITE_PULL_REQUEST": "17", "BUILDKITE_PULL_REQUEST_LABELS": "documentation"}, ["L2"], True),
         ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "main"}, ["L2", "L3"], False),
-        ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "trunk",
-          "BUILDKITE_PIPELINE_DEFAULT_BRANCH": "trunk"}, ["L2", "L3"], False),
+        (
+            {
+                "BUILDKITE_PULL_REQUEST": "false",
+                "BUILDKITE_BRANCH": "trunk",
+                "BUILDKITE_PIPELINE_DEFAULT_BRANCH": "trunk",
+            },
+            ["L2", "L3"],
+            False,
+        ),
         ({"BUILDKITE_PULL_REQUEST": "false", "BUILDKITE_BRANCH": "feature"}, ["L2"], False),
         ({"BUILDKITE_SOURCE": "schedule", "BUILDKITE_BRANCH": "main"}, ["L2", "L3", "L4"], False),
         ({"BUILDKITE_PULL_REQUEST": "17", "MINICPMO_CG_CI_LEVEL": "l3"}, ["L2", "L3"], False),
@@ -470,12 +530,18 @@ def test_unknown_forced_level_is_an_error() -> None:
 @pytest.mark.parametrize("level", uploader.LEVEL_ORDER)
 def test_uploaded_pipeline_is_plain_buildkite(level: str) -> None:
     pipeline = uploader.build_pipeline({}, None, level)
-    expected = [s["key"] for lv, s in level_steps() if uploader.LEVEL_ORDER.index(lv) <= uploader.LEVEL_ORDER.index(level)]
+    expected = [
+        s["key"]
+        for lv, s in level_steps()
+        if uploader.LEVEL_ORDER.index(lv) <= uploader.LEVEL_ORDER.index(level)
+    ]
     steps = pipeline["steps"]
     assert [s["key"] for s in steps] == expected
     keys = {s["key"] for s in steps}
     for step in steps:
-        assert not set(step) & CUSTOM_ATTRIBUTES, f"{step['key']} still carries {set(step) & CUSTOM_ATTRIBUTES}"
+        assert not set(step) & CUSTOM_ATTRIBUTES, (
+            f"{step['key']} still carries {set(step) & CUSTOM_ATTRIBUTES}"
+        )
         assert step["agents"]["queue"], step["key"]
         assert set(uploader._depends_on(step)) <= keys
     # round trip through the YAML the agent receives
@@ -489,17 +555,34 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
     assert keys(["README.md"]) == []
     assert keys(["tests/e2e/serve_smoke.py"]) == ["e2e-serve", "e2e-compare"]
     assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]) == [
-        "cpu-unit", "cuda-unit", "e2e-serve", "e2e-compare",
+        "cpu-unit",
+        "cuda-unit",
+        "e2e-serve",
+        "e2e-compare",
     ]
-    assert keys(["lanes/legacy.txt"]) == ["cpu-unit", "lane-differential", "cuda-unit", "e2e-serve", "e2e-compare"]
-    assert keys(["patches/vllm/series"]) == ["cpu-unit", "lane-differential", "cuda-unit", "e2e-serve", "e2e-compare"]
+    assert keys(["lanes/legacy.txt"]) == [
+        "cpu-unit",
+        "lane-differential",
+        "cuda-unit",
+        "e2e-serve",
+        "e2e-compare",
+    ]
+    assert keys(["patches/vllm/series"]) == [
+        "cpu-unit",
+        "lane-differential",
+        "cuda-unit",
+        "e2e-serve",
+        "e2e-compare",
+    ]
     # "tests/e2e" is a directory prefix, not a string prefix
     assert keys(["tests/e2e_old/notes.txt"]) == []
 
 
 def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
     env = {"BUILDKITE_PULL_REQUEST": "3", "BUILDKITE_PULL_REQUEST_LABELS": ""}
-    steps = uploader.build_pipeline(env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"])["steps"]
+    steps = uploader.build_pipeline(
+        env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]
+    )["steps"]
     assert [s["key"] for s in steps] == ["cpu-unit"]
     assert steps[0]["agents"] == HARDWARE["cpu"]["agents"]
     steps = uploader.build_pipeline(env, ["patches/vllm/series"])["steps"]
@@ -507,27 +590,48 @@ def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
 
 
 def test_mirroring_dropping_and_unknown_names() -> None:
-    hardware = {"cpu": {"gpus": 0, "agents": {"queue": "c"}}, "a_1": {"gpus": 1, "agents": {"queue": "a"}},
-                "b_1": {"gpus": 1, "agents": {"queue": "b"}}}
+    hardware = {
+        "cpu": {"gpus": 0, "agents": {"queue": "c"}},
+        "a_1": {"gpus": 1, "agents": {"queue": "a"}},
+        "b_1": {"gpus": 1, "agents": {"queue": "b"}},
+    }
     groups = {"x": ["x/"], "y": ["y.py"]}
-    doc = {"steps": [
-        {"key": "build", "label": "build", "command": "true", "mirror_hardwares": ["a_1", "b_1"],
-         "source_file_dependencies": ["x"]},
-        {"key": "check", "label": "check", "command": "true", "mirror_hardwares": ["cpu"],
-         "depends_on": [{"step": "build", "allow_failure": True}], "source_file_dependencies": ["x", "y"]},
-        {"key": "always", "label": "always", "command": "true", "mirror_hardwares": ["cpu"]},
-    ]}
+    doc = {
+        "steps": [
+            {
+                "key": "build",
+                "label": "build",
+                "command": "true",
+                "mirror_hardwares": ["a_1", "b_1"],
+                "source_file_dependencies": ["x"],
+            },
+            {
+                "key": "check",
+                "label": "check",
+                "command": "true",
+                "mirror_hardwares": ["cpu"],
+                "depends_on": [{"step": "build", "allow_failure": True}],
+                "source_file_dependencies": ["x", "y"],
+            },
+            {"key": "always", "label": "always", "command": "true", "mirror_hardwares": ["cpu"]},
+        ]
+    }
     steps, _ = uploader.build_steps([doc], hardware, groups, None)
     assert [s["key"] for s in steps] == ["build-a-1", "build-b-1", "check", "always"]
     assert [s["agents"]["queue"] for s in steps] == ["a", "b", "c", "c"]
-    assert steps[2]["depends_on"] == [{"step": "build-a-1", "allow_failure": True},
-                                      {"step": "build-b-1", "allow_failure": True}]
+    assert steps[2]["depends_on"] == [
+        {"step": "build-a-1", "allow_failure": True},
+        {"step": "build-b-1", "allow_failure": True},
+    ]
     # only y.py changed: build is dropped, so check (which needs it) is dropped as well
     steps, messages = uploader.build_steps([doc], hardware, groups, ["y.py"])
     assert [s["key"] for s in steps] == ["always"]
     assert any("check: depends on a dropped step" in m for m in messages)
     with pytest.raises(uploader.PipelineError, match="mirror_hardwares"):
-        uploader.build_steps([{"steps": [{**doc["steps"][2], "mirror_hardwares": ["tpu_8"]}]}], hardware, groups, None)
+        uploader.build_steps(
+            [{"steps": [{**doc["steps"][2], "mirror_hardwares": ["tpu_8"]}]}], hardware, groups, None
+        )
     with pytest.raises(uploader.PipelineError, match="source_file_dependencies"):
-        uploader.build_steps([{"steps": [{**doc["steps"][2], "source_file_dependencies": ["z"]}]}],
-                             hardware, groups, [])
+        uploader.build_steps(
+            [{"steps": [{**doc["steps"][2], "source_file_dependencies": ["z"]}]}], hardware, groups, []
+        )

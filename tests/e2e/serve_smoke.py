@@ -138,8 +138,8 @@ def audio_wav(voice: str, start_s: float, seconds: float) -> bytes:
     """A ``seconds``-long window of a bundled voice, as WAV bytes in the source's format."""
     with wave.open(str(vllm_omni_voice(voice)), "rb") as src:
         params = src.getparams()
-        first = int(round(start_s * params.framerate))
-        count = int(round(seconds * params.framerate))
+        first = round(start_s * params.framerate)
+        count = round(seconds * params.framerate)
         if first + count > params.nframes:
             raise ValueError(
                 f"{voice}.wav has {params.nframes / params.framerate:.2f} s; "
@@ -172,10 +172,18 @@ class Prompt:
     def messages(self) -> list[dict[str, Any]]:
         content: list[dict[str, Any]] = []
         for photo, transform in self.images:
-            content.append({"type": "image_url", "image_url": {"url": data_url(image_png(photo, transform), "image/png")}})
+            content.append(
+                {
+                    "type": "image_url",
+                    "image_url": {"url": data_url(image_png(photo, transform), "image/png")},
+                }
+            )
         for voice, start, seconds in self.audios:
             content.append(
-                {"type": "audio_url", "audio_url": {"url": data_url(audio_wav(voice, start, seconds), "audio/wav")}}
+                {
+                    "type": "audio_url",
+                    "audio_url": {"url": data_url(audio_wav(voice, start, seconds), "audio/wav")},
+                }
             )
         content.append({"type": "text", "text": self.text})
         return [{"role": "user", "content": content}]
@@ -212,8 +220,10 @@ PROMPTS: tuple[Prompt, ...] = tuple(
     + _group(
         "image+audio-chelsea-male-3s",
         _BOTH,
-        [{"images": (("chelsea", t),), "audios": (("default_male", start, 3.0),)} for t, start in
-         (("none", 0.0), ("mirror", 2.0), ("flip", 4.0))],
+        [
+            {"images": (("chelsea", t),), "audios": (("default_male", start, 3.0),)}
+            for t, start in (("none", 0.0), ("mirror", 2.0), ("flip", 4.0))
+        ],
     )
 )
 
@@ -314,10 +324,19 @@ def server_command(model: str, mode: str, port: int, deploy_config: Path, vllm: 
     if mode not in MODE_ARGS:
         raise ValueError(f"unknown mode {mode!r} (have {sorted(MODE_ARGS)})")
     return [
-        vllm, "serve", model, "--omni", "--trust-remote-code",
-        "--host", HOST, "--port", str(port),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--deploy-config", str(deploy_config),
+        vllm,
+        "serve",
+        model,
+        "--omni",
+        "--trust-remote-code",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--deploy-config",
+        str(deploy_config),
         *MODE_ARGS[mode],
     ]
 
@@ -353,8 +372,7 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 self.command,
                 stdin=subprocess.DEVNULL,
@@ -362,10 +380,9 @@ class ServeProcess:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,  # own process group: stop() reaches every worker
-                preexec_fn=_term_on_parent_death,
+                # only a prctl() between fork and exec; started from the main thread in practice
+                preexec_fn=_term_on_parent_death,  # noqa: PLW1509
             )
-        finally:
-            log.close()
         # A CI timeout/cancel SIGTERMs our process group, which no longer contains the
         # server: turn SIGTERM/SIGHUP into SystemExit so the context manager stops it.
         if threading.current_thread() is threading.main_thread():
@@ -437,7 +454,7 @@ class ServeProcess:
             signal.signal(sig, handler)
         self._saved_handlers.clear()
 
-    def __enter__(self) -> ServeProcess:
+    def __enter__(self) -> ServeProcess:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -525,7 +542,8 @@ def chat(base_url: str, messages: list[dict[str, Any]], timeout: float = REQUEST
 def parse_captures(log_text: str) -> list[dict[str, Any]]:
     """The adapter's capture log lines: ``[{"encoder": name, "index": n, "cap": max_graphs}, ...]``."""
     return [
-        {"encoder": m["name"], "index": int(m["n"]), "cap": int(m["cap"])} for m in CAPTURE_RE.finditer(log_text)
+        {"encoder": m["name"], "index": int(m["n"]), "cap": int(m["cap"])}
+        for m in CAPTURE_RE.finditer(log_text)
     ]
 
 
@@ -539,7 +557,10 @@ def environment() -> dict[str, str]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout.strip()
         info["gpu"] = out.splitlines()[0] if out else "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -620,10 +641,10 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     if list(ref) != list(cand):
         problems.append(f"prompt sets differ: {list(ref)} vs {list(cand)}")
-    for name in ref:
-        if name in cand and ref[name] != cand[name]:
+    for name, text in ref.items():
+        if name in cand and text != cand[name]:
             problems.append(
-                f"{name}: {reference['mode']} answered {ref[name]!r}, {candidate['mode']} answered {cand[name]!r}"
+                f"{name}: {reference['mode']} answered {text!r}, {candidate['mode']} answered {cand[name]!r}"
             )
     if problems and reference.get("env", {}).get("gpu") != candidate.get("env", {}).get("gpu"):
         problems.append(
@@ -648,7 +669,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     print(f"serve_smoke: serving {model} ({why}) in mode {args.mode}", file=sys.stderr)
     out = Path(args.out)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"serve-smoke-{args.mode}-"))
+    workdir = (
+        Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"serve-smoke-{args.mode}-"))
+    )
     record = run_mode(model, args.mode, workdir)
     record["problems"] = check_run(record)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -673,7 +696,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"DIFF: {p}", file=sys.stderr)
     if not problems:
-        print(f"serve_smoke: {len(reference['answers'])} answers equal ({reference['mode']} vs {candidate['mode']})")
+        print(
+            f"serve_smoke: {len(reference['answers'])} answers equal ({reference['mode']} vs {candidate['mode']})"
+        )
     return 1 if problems else 0
 
 

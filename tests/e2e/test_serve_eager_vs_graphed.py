@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end: ``vllm serve openbmb/MiniCPM-o-4_5 --omni`` answers the same with and without encoder CUDA graphs.
+"""End to end: ``vllm serve openbmb/MiniCPM-o-4_5 --omni`` answers alike with and without encoder graphs.
 
 Starts the server twice on this machine's GPU, one after the other (eager:
 ``--hf-overrides '{"encoder_cuda_graph": false}'``; graphed: defaults), sends the

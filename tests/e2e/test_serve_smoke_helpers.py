@@ -43,7 +43,7 @@ smoke = _serve_smoke()
 def _decode(url: str, mime: str) -> bytes:
     prefix = f"data:{mime};base64,"
     assert url.startswith(prefix), url[:40]
-    return base64.b64decode(url[len(prefix):], validate=True)
+    return base64.b64decode(url[len(prefix) :], validate=True)
 
 
 def _parts(prompt, kind):
@@ -65,8 +65,12 @@ def test_prompt_groups_share_one_shape_with_distinct_content() -> None:
         assert len(prompts) == 4, name  # warmup, capture, replay, first again
         assert prompts[-1].name == prompts[0].name + "#again"
         assert prompts[-1].messages() == prompts[0].messages()
-        images = [[_decode(c["image_url"]["url"], "image/png") for c in _parts(p, "image_url")] for p in prompts[:3]]
-        audios = [[_decode(c["audio_url"]["url"], "audio/wav") for c in _parts(p, "audio_url")] for p in prompts[:3]]
+        images = [
+            [_decode(c["image_url"]["url"], "image/png") for c in _parts(p, "image_url")] for p in prompts[:3]
+        ]
+        audios = [
+            [_decode(c["audio_url"]["url"], "audio/wav") for c in _parts(p, "audio_url")] for p in prompts[:3]
+        ]
         kinds.add((bool(images[0]), bool(audios[0])))
         for slot in range(len(images[0])):
             blobs = [imgs[slot] for imgs in images]
@@ -193,7 +197,9 @@ def _fake(tmp_path: Path, behaviour: str):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     port = smoke.free_port()
-    return smoke.ServeProcess([sys.executable, str(script), str(port), behaviour], tmp_path / "serve.log", port)
+    return smoke.ServeProcess(
+        [sys.executable, str(script), str(port), behaviour], tmp_path / "serve.log", port
+    )
 
 
 def _child_pid(server) -> int:
@@ -307,7 +313,9 @@ def test_check_run() -> None:
     assert "vision and audio" in smoke.check_run(_record("graphed", ANSWERS, captures=()))[0]
     drift = smoke.check_run(_record("graphed", {**ANSWERS, "img/0#again": "A lion."}))
     assert len(drift) == 1 and "img/0#again differs from img/0" in drift[0]
-    assert any("empty answer" in p for p in smoke.check_run(_record("eager", {**ANSWERS, "img/1": " "}, captures=())))
+    assert any(
+        "empty answer" in p for p in smoke.check_run(_record("eager", {**ANSWERS, "img/1": " "}, captures=()))
+    )
 
 
 def test_compare() -> None:
@@ -317,7 +325,9 @@ def test_compare() -> None:
     assert len(diff) == 1 and "img/1" in diff[0] and "A wolf." in diff[0]
     other_gpu = smoke.compare(eager, _record("graphed", {**ANSWERS, "img/1": "A wolf."}, gpu="L4"))
     assert any("different GPUs" in p for p in other_gpu)
-    assert any("prompt sets differ" in p for p in smoke.compare(eager, _record("graphed", {"img/0": "A cat."})))
+    assert any(
+        "prompt sets differ" in p for p in smoke.compare(eager, _record("graphed", {"img/0": "A cat."}))
+    )
 
 
 def test_compare_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
