@@ -35,8 +35,9 @@ class FakeAxisModel:
 
     supports_encoder_cudagraph = True
 
-    def __init__(self, capture_axes=(), resolve=None, budget_range=(4, 16)):
+    def __init__(self, capture_axes=(), resolve=None, budget_range=(4, 16), paths=None):
         self.capture_axes = capture_axes
+        self.paths = paths
         self.resolve = resolve
         self.budget_range = budget_range
         self.capture_calls: list[tuple[int, str, Any]] = []
@@ -47,11 +48,13 @@ class FakeAxisModel:
     def get_encoder_cudagraph_config(self):
         from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphConfig
 
+        extra = {} if self.paths is None else {"paths": self.paths}
         return EncoderCudaGraphConfig(
             modalities=["image"],
             buffer_keys=["x", "tag"],
             out_hidden_size=HIDDEN,
             capture_axes=self.capture_axes,
+            **extra,
         )
 
     def get_input_modality(self, mm_kwargs):
@@ -260,6 +263,17 @@ def test_six_argument_models_without_axes(cpu_capture, lane):
 def test_empty_capture_axis_is_rejected(axes):
     with pytest.raises(ValueError, match="must be non-empty"):
         _make_manager(FakeAxisModel(capture_axes=axes))
+
+
+@pytest.mark.cpu
+def test_capture_axes_with_several_paths_are_not_supported():
+    from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphPathConfig
+
+    paths = {"default": EncoderCudaGraphPathConfig(), "local": EncoderCudaGraphPathConfig(allow_zero_tokens=True)}
+    with pytest.raises(NotImplementedError):
+        _make_manager(FakeAxisModel(capture_axes=TWO_AXES, paths=paths))
+    # Several paths without axes stay supported.
+    assert _make_manager(FakeAxisModel(paths=paths)).get_num_graphs_to_capture() == 2 * len(BUDGETS)
 
 
 @pytest.mark.cpu
