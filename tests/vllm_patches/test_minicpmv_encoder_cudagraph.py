@@ -435,8 +435,12 @@ def test_resampler_batched_equals_one_slice_at_a_time(tp_group):
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("version", VERSIONS)
-def test_cuda_manager_captures_and_replays_minicpmv(tp_group, version):
+@pytest.mark.parametrize("tgt_sizes_on_host", [False, True])  # 0.28 keeps them on the device, 0.30 on the host
+def test_cuda_manager_captures_and_replays_minicpmv(tp_group, monkeypatch, version, tgt_sizes_on_host):
     """Real capture through the manager; replay == the eager encoder, item by item."""
+    # Full fp32 so the canvas and flat layouts differ only by summation order.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     from minicpmo_cg.vllm_config import standalone_vllm_config
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
 
@@ -456,7 +460,7 @@ def test_cuda_manager_captures_and_replays_minicpmv(tp_group, version):
     gen = torch.Generator().manual_seed(2)
     pixel_values, tgt_sizes = make_items(gen, [[(2, 3), (8, 8)], [(1, 5)], [(4, 2), (3, 3), (1, 1)]])
     mm_kwargs = {"pixel_values": [[s.cuda() for s in item] for item in pixel_values],
-                 "tgt_sizes": [t.cuda() for t in tgt_sizes]}
+                 "tgt_sizes": [t if tgt_sizes_on_host else t.cuda() for t in tgt_sizes]}
     with torch.inference_mode():
         outputs = manager.execute(mm_kwargs)
         for i, out in enumerate(outputs):
