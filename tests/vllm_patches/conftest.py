@@ -13,6 +13,7 @@ import tempfile
 import pytest
 import torch
 
+
 def vllm_lane() -> str:
     """``"legacy"`` for the vLLM that needs the patches (< 0.30), else ``"current"``."""
     import vllm

@@ -115,7 +115,9 @@ class FakeAxisModel:
             }
         )
 
-    def prepare_encoder_cudagraph_replay_buffers(self, mm_kwargs, max_batch_size, max_frames_per_batch, path="default"):
+    def prepare_encoder_cudagraph_replay_buffers(
+        self, mm_kwargs, max_batch_size, max_frames_per_batch, path="default"
+    ):
         from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphReplayBuffers
 
         self.replay_kwargs.append(dict(mm_kwargs))
@@ -169,8 +171,9 @@ def _emulated_capture(graph, pool=None, stream=None):
 
 
 def _make_manager(model, *, budgets=BUDGETS, max_items=4, device="cpu"):
-    from minicpmo_cg.vllm_config import standalone_vllm_config
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    from minicpmo_cg.vllm_config import standalone_vllm_config
 
     config = standalone_vllm_config()
     config.compilation_config.encoder_cudagraph_token_budgets = list(budgets)
@@ -269,7 +272,10 @@ def test_empty_capture_axis_is_rejected(axes):
 def test_capture_axes_with_several_paths_are_not_supported():
     from vllm.v1.worker.encoder_cudagraph_defs import EncoderCudaGraphPathConfig
 
-    paths = {"default": EncoderCudaGraphPathConfig(), "local": EncoderCudaGraphPathConfig(allow_zero_tokens=True)}
+    paths = {
+        "default": EncoderCudaGraphPathConfig(),
+        "local": EncoderCudaGraphPathConfig(allow_zero_tokens=True),
+    }
     with pytest.raises(NotImplementedError):
         _make_manager(FakeAxisModel(capture_axes=TWO_AXES, paths=paths))
     # Several paths without axes stay supported.
@@ -309,8 +315,10 @@ def test_warning_above_64_graphs(monkeypatch, axes, budgets, warns):
 
 
 def _items(*lengths, start=0.0):
-    return [torch.arange(n * HIDDEN, dtype=torch.float32).reshape(n, HIDDEN) + start + 100 * i
-            for i, n in enumerate(lengths)]
+    return [
+        torch.arange(n * HIDDEN, dtype=torch.float32).reshape(n, HIDDEN) + start + 100 * i
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.mark.cpu
@@ -332,14 +340,14 @@ def test_execute_replays_the_graph_of_the_resolved_axis_keys(cpu_capture, length
     assert len(outputs) == len(items)
     for out, item in zip(outputs, items):
         torch.testing.assert_close(out, item + tag, rtol=0, atol=0)
-    replayed = [
-        key for key, meta in manager.budget_graphs["default"].items() if meta.graph.replays
-    ]
+    replayed = [key for key, meta in manager.budget_graphs["default"].items() if meta.graph.replays]
     budget = min(b for b in BUDGETS if b >= sum(lengths))
     assert replayed == [(budget, expected_keys)]
     assert manager.graph_hits == len(items) and manager.graph_misses == 0
     # The reserved entry was popped before the kwargs reached the model again.
-    assert model.replay_kwargs and all(ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG not in kw for kw in model.replay_kwargs)
+    assert model.replay_kwargs and all(
+        ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG not in kw for kw in model.replay_kwargs
+    )
 
 
 @pytest.mark.cpu

@@ -220,7 +220,9 @@ def test_vision_transformer_forward_has_no_host_reads(tp_group, padded):
         # The padded patches are masked in attention: the valid patches of item 1 see
         # only each other, so dropping the padding entirely gives the same outputs.
         with torch.inference_mode():
-            alone = vpm(pixels[1:, :, :, : 4 * PATCH], patch_attention_mask=mask[1:, :, :4], tgt_sizes=sizes[1:])
+            alone = vpm(
+                pixels[1:, :, :, : 4 * PATCH], patch_attention_mask=mask[1:, :, :4], tgt_sizes=sizes[1:]
+            )
         torch.testing.assert_close(out[1, :4], alone[0], rtol=1e-4, atol=1e-5)
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-
 import test_capture_axes as cap
 import test_idefics2_position_ids as idef
 import test_minicpmv_encoder_cudagraph as mini
+import torch
 from test_minicpmv_encoder_cudagraph import _cpu_only_host  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.core_model, pytest.mark.legacy_lane]
@@ -91,7 +90,9 @@ def _minicpmv_model_outputs() -> dict[str, Any]:
     with torch.inference_mode():
         for indices in ([0], [1], [2, 0], [1, 2]):
             selected = model.select_encoder_cudagraph_items(mm_kwargs, indices)
-            out[f"select/{indices}/axis_keys"] = [list(k) for k in selected.pop(ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG)]
+            out[f"select/{indices}/axis_keys"] = [
+                list(k) for k in selected.pop(ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG)
+            ]
             out[f"select/{indices}/flat"] = selected["minicpmv_encoder_input_flat"]
             replay = model.prepare_encoder_cudagraph_replay_buffers(selected, 3, 0).values
             for name, value in sorted(replay.items()):
@@ -115,7 +116,9 @@ def _manager_graph_keys(monkeypatch) -> dict[str, Any]:
     monkeypatch.setattr(ec, "current_stream", lambda: None, raising=False)
     out: dict[str, Any] = {}
     for name, axes in (("none", ()), ("one", (("a", "b"),)), ("two", cap.TWO_AXES)):
-        model = cap.FakeAxisModel(capture_axes=axes, resolve=cap._resolve_two_axes if axes == cap.TWO_AXES else None)
+        model = cap.FakeAxisModel(
+            capture_axes=axes, resolve=cap._resolve_two_axes if axes == cap.TWO_AXES else None
+        )
         manager = cap._make_manager(model)
         manager.capture(graph_pool=object())
         out[f"graphs/{name}/count"] = manager.get_num_graphs_to_capture()
@@ -139,7 +142,12 @@ def _assert_same(mine: dict[str, Any], theirs: dict[str, Any], other: str) -> No
     for name in sorted(mine):
         a, b = mine[name], theirs[name]
         if isinstance(a, torch.Tensor):
-            same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            same = (
+                isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a, b)
+            )
         else:
             same = a == b
         if not same:

@@ -42,7 +42,7 @@ def _cpu_only_host(monkeypatch):
     CPU to CPU). Without a driver both raise, so answer "not capturing" and skip the
     pinning there; the patched legacy code does neither for CPU tensors."""
     if not torch.cuda.is_available():
-        import vllm.utils.torch_utils as torch_utils
+        from vllm.utils import torch_utils
 
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         monkeypatch.setattr(torch_utils, "PIN_MEMORY", False, raising=False)
@@ -263,7 +263,9 @@ def test_budget_range_and_item_specs(tp_group):
     vllm_config.scheduler_config.max_num_batched_tokens = 512
     assert model.get_encoder_cudagraph_budget_range(vllm_config) == (QUERY_NUM, 512)
 
-    pixel_values, tgt_sizes = make_items(torch.Generator().manual_seed(0), [[(2, 3)], [(4, 4), (1, 2), (3, 1)]])
+    pixel_values, tgt_sizes = make_items(
+        torch.Generator().manual_seed(0), [[(2, 3)], [(4, 4), (1, 2), (3, 1)]]
+    )
     specs = model.get_encoder_cudagraph_item_specs({"pixel_values": pixel_values, "tgt_sizes": tgt_sizes})
     assert [s.output_tokens for s in specs] == [1 * QUERY_NUM, 3 * QUERY_NUM]
     assert [s.input_size for s in specs] == [6, 16 + 2 + 3]
@@ -272,15 +274,24 @@ def test_budget_range_and_item_specs(tp_group):
 @pytest.mark.cpu
 @pytest.mark.parametrize(
     ("indices", "expected_key"),
-    [([0], (32, 32)), ([1], (32, 64)), ([2], (64, 32)), ([0, 1], (32, 64)), ([1, 2], (70, 70)), ([3], (70, 70))],
+    [
+        ([0], (32, 32)),
+        ([1], (32, 64)),
+        ([2], (64, 32)),
+        ([0, 1], (32, 64)),
+        ([1, 2], (70, 70)),
+        ([3], (70, 70)),
+    ],
 )
 def test_select_resolves_the_smallest_covering_patch_grid(tp_group, indices, expected_key):
     from vllm.v1.worker.encoder_cudagraph_defs import ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG
 
     model = tiny_minicpmv((2, 6), image_size=980)
     grids = [[(3, 5), (20, 30)], [(10, 40)], [(40, 10), (1, 1)], [(66, 66)]]
-    mm_kwargs = {"pixel_values": [[torch.zeros(3, PATCH, h * w * PATCH) for h, w in item] for item in grids],
-                 "tgt_sizes": [torch.tensor(item) for item in grids]}
+    mm_kwargs = {
+        "pixel_values": [[torch.zeros(3, PATCH, h * w * PATCH) for h, w in item] for item in grids],
+        "tgt_sizes": [torch.tensor(item) for item in grids],
+    }
     selected = model.select_encoder_cudagraph_items(mm_kwargs, indices)
     assert selected[ENCODER_CUDAGRAPH_AXIS_KEYS_KWARG] == (expected_key,)
     assert selected["minicpmv_encoder_patch_grid"] == expected_key
@@ -405,8 +416,9 @@ def test_graph_path_matches_eager_encoder(tp_group, version):
     torch.testing.assert_close(graph_out[: num_slices * QUERY_NUM], eager_out, rtol=1e-4, atol=1e-4)
     # The eager path saw the same items, in the selected order.
     with torch.inference_mode():
-        direct = model.encoder_eager_forward({"pixel_values": [pixel_values[i] for i in indices],
-                                              "tgt_sizes": [tgt_sizes[i] for i in indices]})
+        direct = model.encoder_eager_forward(
+            {"pixel_values": [pixel_values[i] for i in indices], "tgt_sizes": [tgt_sizes[i] for i in indices]}
+        )
     torch.testing.assert_close(eager_out, direct, rtol=0, atol=0)
     # ... although ``selected`` carried the private keys, which the eager path strips.
     assert {"minicpmv_encoder_input_flat", "minicpmv_encoder_patch_grid"} <= set(selected)
@@ -435,14 +447,17 @@ def test_resampler_batched_equals_one_slice_at_a_time(tp_group):
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("tgt_sizes_on_host", [False, True])  # 0.28 keeps them on the device, 0.30 on the host
+@pytest.mark.parametrize(
+    "tgt_sizes_on_host", [False, True]
+)  # 0.28 keeps them on the device, 0.30 on the host
 def test_cuda_manager_captures_and_replays_minicpmv(tp_group, monkeypatch, version, tgt_sizes_on_host):
     """Real capture through the manager; replay == the eager encoder, item by item."""
     # Full fp32 so the canvas and flat layouts differ only by summation order.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    from minicpmo_cg.vllm_config import standalone_vllm_config
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    from minicpmo_cg.vllm_config import standalone_vllm_config
 
     model = tiny_minicpmv(version, image_size=112, max_slice_num=2, device="cuda")
     vllm_config = standalone_vllm_config()
@@ -459,12 +474,15 @@ def test_cuda_manager_captures_and_replays_minicpmv(tp_group, monkeypatch, versi
 
     gen = torch.Generator().manual_seed(2)
     pixel_values, tgt_sizes = make_items(gen, [[(2, 3), (8, 8)], [(1, 5)], [(4, 2), (3, 3), (1, 1)]])
-    mm_kwargs = {"pixel_values": [[s.cuda() for s in item] for item in pixel_values],
-                 "tgt_sizes": [t if tgt_sizes_on_host else t.cuda() for t in tgt_sizes]}
+    mm_kwargs = {
+        "pixel_values": [[s.cuda() for s in item] for item in pixel_values],
+        "tgt_sizes": [t if tgt_sizes_on_host else t.cuda() for t in tgt_sizes],
+    }
     with torch.inference_mode():
         outputs = manager.execute(mm_kwargs)
         for i, out in enumerate(outputs):
-            eager = model.encoder_eager_forward({"pixel_values": [mm_kwargs["pixel_values"][i]],
-                                                 "tgt_sizes": [mm_kwargs["tgt_sizes"][i]]})
+            eager = model.encoder_eager_forward(
+                {"pixel_values": [mm_kwargs["pixel_values"][i]], "tgt_sizes": [mm_kwargs["tgt_sizes"][i]]}
+            )
             torch.testing.assert_close(out, eager, rtol=1e-3, atol=1e-3)
     assert manager.graph_hits == 3 and manager.graph_misses == 0
