@@ -340,10 +340,12 @@ def audio_input(
     for stem, seconds in clips:
         wav = load_wav_16k(voice_file(stem))
         if seconds is not None:
-            wav = wav[: int(round(seconds * SAMPLING_RATE))]
+            wav = wav[: round(seconds * SAMPLING_RATE)]
         features.append(mel_features(extractor, wav))
         parts.append(f"{stem}.wav[{len(wav) / SAMPLING_RATE:.2f} s]")
-    return AudioInput(name, ", ".join(parts), features, as_list=len(clips) > 1 if as_list is None else as_list)
+    if as_list is None:
+        as_list = len(clips) > 1
+    return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
 # ---------------------------------------------------------------------------------------------

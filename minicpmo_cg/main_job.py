@@ -57,8 +57,7 @@ REL_TOL = {"bfloat16": 2.0**-6, "float32": 1e-4}
 DEFAULT_REPEATS = {"cuda": 20, "cuda_quick": 5, "cpu": 1}
 
 NEEDS_CUDA_LINE = (
-    "NOTE: encoder CUDA graphs need a CUDA device; ran eagerly on {device} only "
-    "(graphed columns n/a)."
+    "NOTE: encoder CUDA graphs need a CUDA device; ran eagerly on {device} only (graphed columns n/a)."
 )
 
 

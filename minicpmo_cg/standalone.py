@@ -251,8 +251,8 @@ def build_thinker_encoders(
         vpm = mod.SiglipVisionTransformer(config.vision_config)
         if config.drop_vision_last_layer:
             vpm.encoder.layers = vpm.encoder.layers[:-1]
-        setattr(vpm, "embed_dim", vpm.embeddings.embed_dim)
-        setattr(vpm, "patch_size", vpm.embeddings.patch_size)
+        vpm.embed_dim = vpm.embeddings.embed_dim
+        vpm.patch_size = vpm.embeddings.patch_size
         embed_dim = config.hidden_size
         resampler = mod.Resampler(
             num_queries=config.query_num,
@@ -278,7 +278,8 @@ def build_thinker_encoders(
     # to_empty leaves buffers uninitialised: rebuild the resampler's sincos position cache.
     resampler._set_2d_pos_cache(resampler.max_size, device="cpu")
     if progress:
-        _progress(f"initialising {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters (seed {seed}) ...")
+        num_params = sum(p.numel() for p in model.parameters())
+        _progress(f"initialising {num_params / 1e6:.0f} M parameters (seed {seed}) ...")
     init_weights_(model, seed=seed)
 
     model.to(device=device)

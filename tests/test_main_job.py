@@ -32,6 +32,7 @@ def _run_job(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, d
     out_json = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "minicpmo_cg.main_job", *args, "--json", str(out_json)],
+        check=False,
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S,
@@ -66,8 +67,14 @@ def test_config_values_match_installed_defaults():
     defaults = {
         name: p.default for name, p in inspect.signature(mod.MiniCPMOConfig.__init__).parameters.items()
     }
-    for key in ("query_num", "image_size", "drop_vision_last_layer", "vision_batch_size", "audio_pool_step",
-                "audio_chunk_length"):
+    for key in (
+        "query_num",
+        "image_size",
+        "drop_vision_last_layer",
+        "vision_batch_size",
+        "audio_pool_step",
+        "audio_chunk_length",
+    ):
         assert defaults[key] == standalone.THINKER_CONFIG[key], key
     slice_defaults = {
         name: p.default for name, p in inspect.signature(mod.MiniCPMVSliceConfig.__init__).parameters.items()
@@ -78,8 +85,13 @@ def test_config_values_match_installed_defaults():
     assert config.hidden_size == 4096
     assert config.vision_config.num_hidden_layers == 27 and config.drop_vision_last_layer
     audio = config.audio_config
-    assert (audio.d_model, audio.encoder_layers, audio.encoder_attention_heads, audio.encoder_ffn_dim,
-            audio.num_mel_bins) == (1024, 24, 16, 4096, 80)
+    assert (
+        audio.d_model,
+        audio.encoder_layers,
+        audio.encoder_attention_heads,
+        audio.encoder_ffn_dim,
+        audio.num_mel_bins,
+    ) == (1024, 24, 16, 4096, 80)
 
 
 def test_reduced_encoders_shapes_and_deterministic_weights():
