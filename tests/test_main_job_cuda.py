@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The main job on CUDA: ``--quick`` with encoder graphs must match eager (kept apart from
+``test_main_job.py`` so that ``-m "core_model and cpu"`` never selects it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_main_job import QUICK_INPUTS, _run_job, _table_rows
+
+pytestmark = [pytest.mark.core_model]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
+def test_quick_job_on_cuda_graphs_match_eager(tmp_path):
+    proc, report = _run_job("--quick", "--device", "cuda", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESULT: OK" in proc.stdout and "need a CUDA device" not in proc.stdout
+    assert report["cuda_graphs"] is True and report["dtype"] == "bfloat16"
+    rel_tol = report["tolerance"]["rel_tol"]
+    rows = _table_rows(proc.stdout)
+    assert sorted(rows) == sorted(QUICK_INPUTS)
+    for r in report["inputs"]:
+        assert r["finite"] and r["graphed_ms_median"] > 0 and r["eager_ms_median"] > 0, r["name"]
+        assert r["max_abs_diff"] <= rel_tol * r["output_max_abs"], r
+        assert r["replays"] == r["expected_replays"] == report["repeats"] * r["encoder_calls_per_call"], r
+    for encoder in ("vision", "audio"):
+        stats = report["stats"][encoder]
+        assert stats["num_graphs"] >= 1 and stats["capture_failures"] == 0, (encoder, stats)
+        assert stats["graph_hits"] >= report["repeats"], (encoder, stats)
