@@ -48,6 +48,11 @@ PY312=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for n in 5 17 24 26 27 28 31 34 35; do PY312+=(--platform "manylinux_2_${n}_x86_64"); done
 PY312+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 mkdir -p "$CACHE/upstream" "$CACHE/wheels-py312" "$OUTDIR"
+# One build at a time per output dir (a second one waits): two builds of a lane would race on it.
+if command -v flock >/dev/null; then
+  exec 9>"$OUTDIR/.build.lock"
+  flock -n 9 || { echo "build_bundle: another build holds $OUTDIR/.build.lock; waiting ..." >&2; flock 9; }
+fi
 
 # The patch tool is stdlib-only; the current lane's venv is preferred (the project's own
 # environment), any python3 >= 3.10 with this checkout on PYTHONPATH works too.
@@ -81,6 +86,7 @@ ensure_hostsim() {
 }
 
 pids=()
+trap 'wait' EXIT  # a failing lane still lets the lanes already packing finish cleanly
 for lane in "${LANES_ARG[@]}"; do
   t0=$SECONDS
   read -r vllm_spec omni_spec <<<"$("${LIB[@]}" pins "$lane")"
@@ -135,16 +141,19 @@ for lane in "${LANES_ARG[@]}"; do
     echo "  host-like import check skipped (pass --verify to create $HOSTSIM)"
   fi
 
-  # 8. pack (xz -9: Python source packs ~2x tighter than the wheels' deflate), in parallel
+  # 8. pack (xz -9: Python source packs ~2x tighter than the wheels' deflate), lanes in parallel;
+  #    the lane dir is replaced only once its new content is complete
   lane_dir="$OUTDIR/$lane"
-  rm -rf "$lane_dir"; mkdir -p "$lane_dir"
   (
-    "${LIB[@]}" pack "$site" "$lane_dir/site.tar.xz"
-    "${LIB[@]}" manifest "$lane_dir" lane="$lane" vllm="$vllm_v" vllm_omni="$omni_v" patched="$PATCHED" \
+    new="$work/out"; mkdir -p "$new"
+    "${LIB[@]}" pack "$site" "$new/site.tar.xz"
+    "${LIB[@]}" manifest "$new" lane="$lane" vllm="$vllm_v" vllm_omni="$omni_v" patched="$PATCHED" \
       hostsim_check="$hostsim" deps="$(IFS=' '; echo "${deps[*]}")" strip=@"$work/strip-stats.json" \
       site_bytes="$(du -sb "$site" | cut -f1)" git_head="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)" \
       >/dev/null
-    rm -rf "$work"
+    rm -rf "$lane_dir.old"
+    [ -d "$lane_dir" ] && mv "$lane_dir" "$lane_dir.old"
+    mv "$new" "$lane_dir" && rm -rf "$lane_dir.old" "$work"
     echo "== lane $lane done: $(du -sh "$lane_dir/site.tar.xz" | cut -f1) in $((SECONDS - t0)) s"
   ) &
   pids+=($!)

@@ -2,27 +2,34 @@
 # 53 MB zipped, built for torch 2.13 while the GPU host has torch 2.11), which is not carried.
 #
 # Why it exists: vllm/platforms/cuda.py imports this module unconditionally at module level, and
-# vllm/model_executor/layers/quantization/utils/w8a8_utils.py evaluates, at import time,
-#     CUTLASS_BLOCK_FP8_SUPPORTED = cutlass_block_fp8_supported()
-# -> torch.ops._C.cutlass_scaled_mm_supports_block_fp8(capability). That module is imported on
-# the way to vllm.model_executor.models.minicpmv, the GPU model runner and vllm_omni (seen with
-# tools/gpu/hostsim_check.py: without the op every one of those imports fails).
+# vllm/model_executor/layers/quantization/utils/w8a8_utils.py asks CUTLASS capability queries at
+# import time:
+#     CUTLASS_FP8_SUPPORTED = cutlass_fp8_supported()              (vllm 0.28 only)
+#     CUTLASS_BLOCK_FP8_SUPPORTED = cutlass_block_fp8_supported()  (vllm 0.28 and 0.30)
+# -> torch.ops._C.cutlass_scaled_mm_supports_{fp8,block_fp8}(capability). That module is imported
+# on the way to vllm.model_executor.models.minicpmv, the GPU model runner and vllm_omni (seen with
+# tools/gpu/hostsim_check.py: without these ops every one of those imports fails).
 #
-# What it does: registers that one capability query in torch.ops._C and answers False
-# ("CUTLASS block-FP8 kernel not available"), which makes vLLM pick its non-CUTLASS fallback,
-# exactly as on a build without CUTLASS.
+# What it does: registers exactly those two queries in torch.ops._C and answers False ("CUTLASS
+# FP8 kernels not available"), so vLLM picks its non-CUTLASS fallbacks, as on a build without
+# CUTLASS.
 #
-# Why that is safe: the query only steers FP8 block-quantized linear layers, which no test, the
-# main job or the benchmark builds (MiniCPM-o 4.5's encoders run in bf16). No kernel is provided:
-# any other torch.ops._C op still raises AttributeError, so a path that needs vLLM's compiled
-# kernels fails loudly instead of computing something else.
+# Why that is safe: the queries only steer FP8-quantized linear layers, which no test, the main job
+# or the benchmark builds (MiniCPM-o 4.5's encoders run in bf16). No kernel is provided: any other
+# torch.ops._C op (e.g. cutlass_group_gemm_supported, asked only when an FP8 MoE is built) still
+# raises AttributeError, so a path that needs vLLM's compiled kernels fails loudly instead of
+# computing something else.
 import torch
 
 STUB = True
-_lib = torch.library.Library("_C", "FRAGMENT")  # keep a reference: the registration lives with it
+_lib = torch.library.Library("_C", "FRAGMENT")  # keep a reference: the registrations live with it
 
-_SCHEMA = "cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool"
-if not hasattr(torch.ops._C, "cutlass_scaled_mm_supports_block_fp8"):
-    _lib.define(_SCHEMA)
-    _lib.impl("cutlass_scaled_mm_supports_block_fp8", lambda cuda_device_capability: False,
-              "CompositeExplicitAutograd")
+#: op name -> schema; both answer False
+QUERIES = {
+    "cutlass_scaled_mm_supports_fp8": "cutlass_scaled_mm_supports_fp8(int cuda_device_capability) -> bool",
+    "cutlass_scaled_mm_supports_block_fp8": "cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool",
+}
+for _name, _schema in QUERIES.items():
+    if not hasattr(torch.ops._C, _name):
+        _lib.define(_schema)
+        _lib.impl(_name, lambda cuda_device_capability: False, "CompositeExplicitAutograd")
