@@ -67,7 +67,9 @@ DOC_SUFFIXES = (".md", ".rst")
 VLLM_DOC_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".svg")
 #: dist-info files kept: METADATA (importlib.metadata.version(), the patch tool's lane check),
 #: entry points, top_level, WHEEL and licenses. RECORD would list the dropped files: dropped.
-DIST_INFO_KEEP = re.compile(r"\.dist-info/(METADATA|WHEEL|entry_points\.txt|top_level\.txt|licenses/.*|LICENSE.*)$")
+DIST_INFO_KEEP = re.compile(
+    r"\.dist-info/(METADATA|WHEEL|entry_points\.txt|top_level\.txt|licenses/.*|LICENSE.*)$"
+)
 ELF_MAGIC = b"\x7fELF"
 
 
@@ -140,8 +142,12 @@ def extract_wheel(wheel: str | os.PathLike, site: str | os.PathLike) -> dict:
                 os.chmod(dest, mode | 0o600)
             kept_files += 1
             kept_bytes += info.file_size
-    return {"wheel": os.path.basename(wheel), "kept_files": kept_files, "kept_bytes": kept_bytes,
-            "dropped": dropped}
+    return {
+        "wheel": os.path.basename(wheel),
+        "kept_files": kept_files,
+        "kept_bytes": kept_bytes,
+        "dropped": dropped,
+    }
 
 
 #: Removed from the *installed dependency wheels* (their native code is needed and kept).
@@ -176,7 +182,9 @@ def strip_site(site: str | os.PathLike) -> dict:
                     shutil.rmtree(p)
                     dirnames.remove(d)
             for f in filenames:
-                if f.endswith((".pyc", ".h", ".hpp", ".cuh")) or (dirpath.endswith(".dist-info") and f == "RECORD"):
+                if f.endswith((".pyc", ".h", ".hpp", ".cuh")) or (
+                    dirpath.endswith(".dist-info") and f == "RECORD"
+                ):
                     p = Path(dirpath, f)
                     removed["files"] += p.stat().st_size
                     p.unlink()
@@ -219,7 +227,7 @@ def read_deps(lane: str, path: Path = HERE / "deps.txt") -> list[str]:
         lanes = LANES
         for opt in opts:
             if opt.startswith("lanes="):
-                lanes = tuple(opt[len("lanes="):].split(","))
+                lanes = tuple(opt[len("lanes=") :].split(","))
             else:
                 raise ValueError(f"deps.txt: unknown option {opt!r} in {raw!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+!-]+", spec):
@@ -236,8 +244,11 @@ def payload_files(repo: Path = REPO) -> list[Path]:
     and the dependency list. The patch tool's own code is not included: a change there that
     changes its output would also change ``patches/`` or the adapter.
     """
-    files = sorted(p for p in (repo / "patches").rglob("*")
-                   if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".md")
+    files = sorted(
+        p
+        for p in (repo / "patches").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".md"
+    )
     adapter = repo / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
     if adapter.is_file():
         files.append(adapter)
@@ -302,23 +313,33 @@ def check_lane_dir(lane_dir: Path, repo: Path = REPO) -> tuple[int, str]:
     manifest = lane_dir / "MANIFEST.json"
     tarball = lane_dir / "site.tar.xz"
     if not manifest.is_file() or not tarball.is_file():
-        return 4, f"bundle missing: {lane_dir} (build it here: bash tools/gpu/build_bundle.sh {lane_dir.name})"
+        return (
+            4,
+            f"bundle missing: {lane_dir} (build it here: bash tools/gpu/build_bundle.sh {lane_dir.name})",
+        )
     meta = json.loads(manifest.read_text())
     want = payload_fingerprint(repo)
     if not meta.get("patched", False):
         return 3, f"bundle {lane_dir} was built with --unpatched (development only)"
     if meta.get("payload_fingerprint") != want:
-        return 3, (f"bundle STALE: built for payload {meta.get('payload_fingerprint')}, checkout has {want} "
-                   f"(patches/adapter/patch tool/stubs changed); rebuild: bash tools/gpu/build_bundle.sh {meta.get('lane')}")
-    return 0, (f"bundle OK: lane {meta.get('lane')} vllm {meta.get('vllm')} vllm-omni {meta.get('vllm_omni')} "
-               f"payload {want} built {meta.get('built_at')}")
+        return 3, (
+            f"bundle STALE: built for payload {meta.get('payload_fingerprint')}, checkout has {want} "
+            f"(patches/adapter/patch tool/stubs changed); rebuild: bash tools/gpu/build_bundle.sh {meta.get('lane')}"
+        )
+    return 0, (
+        f"bundle OK: lane {meta.get('lane')} vllm {meta.get('vllm')} vllm-omni {meta.get('vllm_omni')} "
+        f"payload {want} built {meta.get('built_at')}"
+    )
 
 
 def _git_files(repo: Path) -> list[Path]:
     """Tracked plus untracked-not-ignored files: what the device tool sends besides ``carry``."""
     try:
-        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             check=True, capture_output=True).stdout
+        out = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            check=True,
+            capture_output=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
     return [repo / p for p in out.decode().split("\0") if p and (repo / p).is_file()]
@@ -337,7 +358,11 @@ def carry_report(bundle: Path, repo: Path = REPO) -> tuple[str, bool]:
         ``(text, all_fit)``: ``all_fit`` is False when some single lane does not fit.
     """
     tree = sum(f.stat().st_size for f in _git_files(repo))
-    lanes = sorted(p for p in bundle.iterdir() if p.is_dir() and (p / "MANIFEST.json").is_file()) if bundle.is_dir() else []
+    lanes = (
+        sorted(p for p in bundle.iterdir() if p.is_dir() and (p / "MANIFEST.json").is_file())
+        if bundle.is_dir()
+        else []
+    )
     rel = os.path.relpath(bundle, repo)
     lines = [f"working tree (tracked + untracked-not-ignored): {tree / MIB:6.2f} MiB"]
     ok = True
@@ -345,15 +370,22 @@ def carry_report(bundle: Path, repo: Path = REPO) -> tuple[str, bool]:
         size = tree_bytes(lane_dir)
         fits = tree + size < CARRY_LIMIT
         ok &= fits
-        lines.append(f"lane {lane_dir.name:8s} {rel}/{lane_dir.name}: {size / MIB:6.2f} MiB -> one call carries "
-                     f"{(tree + size) / MIB:6.2f} MiB of 64 {'OK' if fits else 'TOO BIG'}   "
-                     f"carry: [\"{rel}/{lane_dir.name}\"]")
+        lines.append(
+            f"lane {lane_dir.name:8s} {rel}/{lane_dir.name}: {size / MIB:6.2f} MiB -> one call carries "
+            f"{(tree + size) / MIB:6.2f} MiB of 64 {'OK' if fits else 'TOO BIG'}   "
+            f'carry: ["{rel}/{lane_dir.name}"]'
+        )
     if len(lanes) > 1:
         size = tree_bytes(bundle)
         both = tree + size < CARRY_LIMIT
-        verdict = (f'OK: carry ["{rel}"] works for any lane' if both
-                   else "TOO BIG together: carry one lane dir per call")
-        lines.append(f"all lanes {rel}: {size / MIB:6.2f} MiB -> {(tree + size) / MIB:6.2f} MiB of 64 {verdict}")
+        verdict = (
+            f'OK: carry ["{rel}"] works for any lane'
+            if both
+            else "TOO BIG together: carry one lane dir per call"
+        )
+        lines.append(
+            f"all lanes {rel}: {size / MIB:6.2f} MiB -> {(tree + size) / MIB:6.2f} MiB of 64 {verdict}"
+        )
     return "\n".join(lines), ok
 
 
@@ -388,7 +420,9 @@ def main(argv: list[str]) -> int:
         (site.parent / "strip-stats.json").write_text(json.dumps(all_stats, indent=1))
     elif cmd == "strip-site":
         removed = strip_site(args[0])
-        print("  pruned from installed deps: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in removed.items()))
+        print(
+            "  pruned from installed deps: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in removed.items())
+        )
     elif cmd == "fingerprint":
         print(payload_fingerprint())
     elif cmd == "pack":
@@ -411,7 +445,11 @@ def main(argv: list[str]) -> int:
                 items[k] = v
         items.setdefault("payload_fingerprint", payload_fingerprint())
         items.setdefault("built_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        files = {p.name: p.stat().st_size for p in sorted(lane_dir.iterdir()) if p.is_file() and p.name != "MANIFEST.json"}
+        files = {
+            p.name: p.stat().st_size
+            for p in sorted(lane_dir.iterdir())
+            if p.is_file() and p.name != "MANIFEST.json"
+        }
         items["files"] = files
         print(f"  wrote {write_manifest(lane_dir, items)}")
     elif cmd == "check":

@@ -133,7 +133,7 @@ def main() -> int:
         site = Path(args.dep_usage)
         loaded = {m.split(".", 1)[0] for m in sys.modules}
         for top in sorted(p for p in site.iterdir() if not p.name.endswith((".dist-info", ".libs"))):
-            name = top.name[:-3] if top.name.endswith(".py") else top.name
+            name = top.name.removesuffix(".py")
             if name in ("vllm", "vllm_omni", "bin"):
                 continue
             print(f"dep {'LOADED' if name in loaded else 'unused':6s} {name}")
