@@ -124,7 +124,12 @@ fi
 
 # 2. install (unpack) the bundle
 t0=$SECONDS
-rm -rf "$SITE" && mkdir -p "$SITE" && tar -xJf "$BUNDLE/site.tar.xz" -C "$SITE"
+rm -rf "$SITE" && mkdir -p "$SITE"
+if ! tar -xJf "$BUNDLE/site.tar.xz" -C "$SITE" 2>/dev/null; then  # no xz binary there? Python's lzma then
+  rm -rf "$SITE" && mkdir -p "$SITE"
+  "$PY" -c 'import sys, tarfile; t = tarfile.open(sys.argv[1]); t.extractall(sys.argv[2], **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))' \
+    "$BUNDLE/site.tar.xz" "$SITE"
+fi
 irc=$?
 echo "install: unpacked $BUNDLE/site.tar.xz into $SITE in $((SECONDS - t0)) s (rc $irc, $(du -sm "$SITE" 2>/dev/null | cut -f1) MB)"
 if [ $irc -ne 0 ]; then
