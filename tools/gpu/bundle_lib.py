@@ -324,7 +324,7 @@ def check_lane_dir(lane_dir: Path, repo: Path = REPO) -> tuple[int, str]:
     if meta.get("payload_fingerprint") != want:
         return 3, (
             f"bundle STALE: built for payload {meta.get('payload_fingerprint')}, checkout has {want} "
-            f"(patches/adapter/patch tool/stubs changed); rebuild: bash tools/gpu/build_bundle.sh {meta.get('lane')}"
+            f"(patches, adapter, stubs or deps.txt changed); rebuild: bash tools/gpu/build_bundle.sh {meta.get('lane')}"
         )
     return 0, (
         f"bundle OK: lane {meta.get('lane')} vllm {meta.get('vllm')} vllm-omni {meta.get('vllm_omni')} "
