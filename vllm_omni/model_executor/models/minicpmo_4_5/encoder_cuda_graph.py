@@ -473,6 +473,9 @@ class EncoderCudaGraph:
             stream.cuda_stream,
             tuple(None if x is None else (tuple(x.shape), x.dtype, x.device) for x in inputs),
         )
+        manager = self.graphs.get(key)
+        if manager is not None:  # hit: the common case, kept to one lookup
+            return self._replay(manager, inputs)
         decision = self.admission.admit(key)
         if decision is Admission.CAPTURE:
             if self.options.min_free_bytes:
@@ -485,9 +488,8 @@ class EncoderCudaGraph:
                     )
                     return self.forward(*inputs)
             self._capture(key, inputs, device, stream)
-            decision = Admission.REPLAY
-        if decision is Admission.REPLAY:
-            return self.graphs[key].execute({str(i): x for i, x in enumerate(inputs) if x is not None})[0]
+            # the capturing call is served by the new graph's first replay
+            return self._replay(self.graphs[key], inputs)
 
         out = self.forward(*inputs)
         if decision is Admission.WARMUP:
@@ -555,6 +557,11 @@ class EncoderCudaGraph:
         ):
             return None
         return devices.pop()
+
+    @staticmethod
+    def _replay(manager: Any, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Replay through vLLM's manager; it copies ``inputs`` into the static buffers and clones the output."""
+        return manager.execute({str(i): x for i, x in enumerate(inputs) if x is not None})[0]
 
     @staticmethod
     def _replay_stream(device: torch.device) -> torch.cuda.Stream:
