@@ -22,27 +22,15 @@ set first::
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+# tests/e2e is on sys.path: pytest imports this module rootdir-relative, without a package
+import serve_smoke as smoke
+
 pytestmark = [pytest.mark.cuda]
-
-
-def _serve_smoke():
-    name = "minicpmo_cg_e2e_serve_smoke"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("serve_smoke.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-smoke = _serve_smoke()
 
 
 @pytest.fixture(scope="module")

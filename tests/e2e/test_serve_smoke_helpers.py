@@ -9,7 +9,6 @@ starts and stops the server robustly and judges the answers correctly.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import json
 import re
@@ -21,23 +20,13 @@ from pathlib import Path
 
 import pytest
 
+# tests/e2e is on sys.path: pytest imports this module rootdir-relative, without a package
+import serve_smoke as smoke
+
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
-
-
-def _serve_smoke():
-    name = "minicpmo_cg_e2e_serve_smoke"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("serve_smoke.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-smoke = _serve_smoke()
 
 
 def _decode(url: str, mime: str) -> bytes:
