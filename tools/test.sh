@@ -14,7 +14,11 @@ case "$which" in
   all) lanes=(current legacy) ;;
   *) echo "usage: tools/test.sh {current|legacy|all} [pytest args...]" >&2; exit 2 ;;
 esac
-export MINICPMO_CG_DIFF_DIR="${MINICPMO_CG_DIFF_DIR:-$(mktemp -d -t minicpmo-cg-diff.XXXXXX)}"
+if [ -z "${MINICPMO_CG_DIFF_DIR:-}" ]; then
+  MINICPMO_CG_DIFF_DIR="$(mktemp -d -t minicpmo-cg-diff.XXXXXX)"
+  trap 'rm -rf "$MINICPMO_CG_DIFF_DIR"' EXIT
+fi
+export MINICPMO_CG_DIFF_DIR
 cd "$root"
 status=0
 for lane in "${lanes[@]}"; do
