@@ -1,17 +1,22 @@
-"""Fixtures for the adapter tests: the adapter module as vllm-omni imports it."""
+"""Fixtures for the adapter tests: the adapter module as vllm-omni imports it, a CPU device
+backend for the adapter's seam, and log capture for vLLM's loggers."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
-REPO_ADAPTER = Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+REPO_ADAPTER = (
+    Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+)
 
 
 def _sha(path: Path) -> str:
@@ -30,7 +35,9 @@ def ecg():
     if spec is not None and spec.origin:
         installed = Path(spec.origin)
         if _sha(installed) != _sha(REPO_ADAPTER):
-            pytest.fail(f"installed adapter {installed} differs from {REPO_ADAPTER}: run `minicpmo-cg-patch apply`")
+            pytest.fail(
+                f"installed adapter {installed} differs from {REPO_ADAPTER}: run `minicpmo-cg-patch apply`"
+            )
         return importlib.import_module(MODULE)
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
     spec = importlib.util.spec_from_file_location(MODULE, REPO_ADAPTER)
@@ -45,3 +52,127 @@ def vllm_config():
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
     return standalone_vllm_config()
+
+
+class StaticBufferGraph:
+    """A CPU stand-in for vLLM's captured manager that keeps its data flow.
+
+    Built as ``EncoderCudaGraphManager`` builds a graph: the static input buffers
+    come from the encoder's ``prepare_encoder_cudagraph_capture_inputs``, called in
+    whatever autograd mode the capturing call runs in, and the output buffer is
+    allocated under ``inference_mode``. ``execute`` copies the inputs into the
+    buffers with the encoder's padding logics (in the caller's mode), recomputes the
+    output into the buffer under ``inference_mode`` (a replay writes it outside
+    autograd) and returns the encoder's post-processed clone.
+    """
+
+    graph_pool = None
+
+    def __init__(self, encoder, device):
+        self.encoder = encoder
+        self.config = encoder.get_encoder_cudagraph_config()
+        capture = encoder.prepare_encoder_cudagraph_capture_inputs(
+            encoder.tokens, 1, 0, device, encoder.dtype
+        )
+        self.input_buffers = capture.values
+        with torch.inference_mode():
+            self.output_buffer = torch.empty_like(encoder.encoder_cudagraph_forward(dict(self.input_buffers)))
+        self.graph_hits = 0
+        self.graph_misses = 0
+
+    def execute(self, mm_kwargs):
+        replay = self.encoder.prepare_encoder_cudagraph_replay_buffers(mm_kwargs, 1, 0)
+        for key, buf in self.input_buffers.items():
+            self.config.padding_logics[key](buf, replay.values[key])
+        with torch.inference_mode():
+            self.output_buffer.copy_(self.encoder.encoder_cudagraph_forward(dict(self.input_buffers)))
+        self.graph_hits += 1
+        dest = {}
+        self.encoder.postprocess_encoder_output({"default": self.output_buffer}, [0], [1], dest, clone=True)
+        return [dest[0]]
+
+
+class CpuGraphBackend:
+    """The adapter's device seam on CPU: CPU tensors are eligible and captures are scripted.
+
+    Records every capture as ``(output shape, [input shape or None])`` in ``captures``
+    and every device asked for free memory in ``devices_asked``.
+
+    Args:
+        free: free bytes reported, or a callable returning them (default: plenty).
+        fail_with: an exception every capture raises.
+    """
+
+    STREAM = 7
+
+    def __init__(self, free=None, fail_with=None):
+        self.free = free
+        self.fail_with = fail_with
+        self.captures = []
+        self.devices_asked = []
+        self.pools = []
+
+    def eligible_device(self, inputs):
+        tensors = [x for x in inputs if x is not None]
+        if not tensors or not all(isinstance(x, torch.Tensor) for x in tensors):
+            return None
+        devices = {x.device for x in tensors}
+        return devices.pop() if len(devices) == 1 else None
+
+    def replay_stream(self, device):
+        return self.STREAM
+
+    def free_bytes(self, device):
+        self.devices_asked.append(device)
+        if callable(self.free):
+            return self.free()
+        return 1 << 62 if self.free is None else self.free
+
+    def capture(self, encoder, vllm_config, device, pool):
+        shapes = [None if t is None else tuple(t[0]) for t in encoder.templates]
+        self.captures.append((tuple(encoder.output_shape), shapes))
+        if self.fail_with is not None:
+            raise self.fail_with
+        if pool is None:
+            pool = object()
+            self.pools.append(pool)
+        return StaticBufferGraph(encoder, device), pool
+
+
+@pytest.fixture
+def cpu_backend():
+    """The :class:`CpuGraphBackend` class (construct one per adapter)."""
+    return CpuGraphBackend
+
+
+class LogRecords(logging.Handler):
+    """Collects the records of one logger (vLLM's loggers do not propagate to pytest's caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, level=logging.DEBUG):
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def log_records():
+    """``log_records(logger) -> LogRecords`` attached to ``logger`` for the test."""
+    attached = []
+
+    def attach(target):
+        handler = LogRecords()
+        previous = target.level
+        target.addHandler(handler)
+        target.setLevel(logging.DEBUG)
+        attached.append((target, handler, previous))
+        return handler
+
+    yield attach
+    for target, handler, previous in attached:
+        target.removeHandler(handler)
+        target.setLevel(previous)

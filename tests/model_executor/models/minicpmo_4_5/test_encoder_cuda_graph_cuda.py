@@ -3,7 +3,7 @@
 
 Real captures through vLLM's ``EncoderCudaGraphManager`` on small forwards: replay
 freshness, retained outputs, keys (mask/None, dtype, stream), graph pools, the memory
-floor, the fatal contract, caps and exact stats. The MiniCPM-o 4.5 SigLIP/Whisper
+floor, the fatal contract, caps and exact stats, autograd modes, module hooks. The MiniCPM-o 4.5 SigLIP/Whisper
 modules at checkpoint dimensions are in ``test_encoder_cuda_graph_models.py``.
 """
 
@@ -36,6 +36,16 @@ class TinyEncoder:
         if mask is not None:
             y = y + mask.sum(-1, keepdim=True).to(y.dtype)
         return torch.nn.functional.gelu(y)
+
+
+def reading_backend(ecg, free_memory):
+    """The real CUDA backend with an injected free-memory reading ``free_memory(device)``."""
+
+    class ReadingBackend(ecg.CudaGraphBackend):
+        def free_bytes(self, device):
+            return free_memory(device)
+
+    return ReadingBackend()
 
 
 def rand(*shape, dtype=torch.float32):
@@ -181,7 +191,9 @@ def test_memory_floor_defers_capture_and_keeps_replaying_below_it(ecg, vllm_conf
         return reading["free"]
 
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config, min_free_bytes=1024, free_memory_fn=free_memory)
+    graph = ecg.EncoderCudaGraph(
+        enc, vllm_config, min_free_bytes=1024, backend=reading_backend(ecg, free_memory)
+    )
     x = rand(2, 64)
     for _ in range(4):  # warmup + 3 deferred captures
         torch.testing.assert_close(graph(x), enc(x), rtol=0, atol=0)
@@ -327,3 +339,62 @@ def test_grad_autocast_and_foreign_capture_stay_eager(ecg, vllm_config):
         torch.testing.assert_close(static_out, enc(static_x), rtol=0, atol=0)
     stats = graph.get_cumulative_stats()
     assert stats["ineligible_misses"] == 4 and stats["num_graphs"] == 0 and not graph.admission.history
+
+
+MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+@pytest.mark.parametrize(
+    "capture_mode, later_mode", [("inference_mode", "no_grad"), ("no_grad", "inference_mode")]
+)
+def test_graph_captured_in_one_autograd_mode_replays_in_the_other(ecg, vllm_config, capture_mode, later_mode):
+    """A capture under ``inference_mode`` used to leave inference-tensor static inputs that a
+    later ``no_grad`` replay could not copy into ("Inplace update to inference tensor outside
+    InferenceMode"); both orders must replay and match eager, returning an inference tensor
+    exactly when the eager call does."""
+    enc = TinyEncoder()
+    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    mask = None
+    with MODES[capture_mode]():
+        x, mask = rand(4, 64), rand(4, 8)
+        graph(x, mask), graph(x, mask)  # warmup, capture (served by a replay)
+    assert graph.get_cumulative_stats()["num_graphs"] == 1
+    for mode in (later_mode, capture_mode, later_mode, later_mode):
+        with MODES[mode]():
+            x, mask = rand(4, 64), rand(4, 8)
+            out = graph(x, mask)
+            eager = enc(x, mask)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        assert out.is_inference() == eager.is_inference() == (mode == "inference_mode"), mode
+    stats = graph.get_cumulative_stats()
+    assert stats["num_graphs"] == 1 and stats["graph_hits"] == 5 and stats["ineligible_misses"] == 0
+
+
+class HookedTower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+
+    def encode(self, x):
+        return self.body(x)
+
+
+@torch.inference_mode()
+def test_forward_hooks_keep_the_encoder_eager_so_they_keep_running(ecg, vllm_config, monkeypatch):
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    def no_capture(self, graph_pool):
+        raise AssertionError("captured although hooks are registered in the region")
+
+    monkeypatch.setattr(EncoderCudaGraphManager, "capture", no_capture)
+    tower = HookedTower()
+    fired = []
+    tower.body[0].register_forward_hook(lambda module, args, out: fired.append(out.shape))
+    graph = ecg.EncoderCudaGraph(tower.encode, vllm_config, min_free_bytes=0, captured_modules=("body",))
+    for _ in range(4):
+        x = rand(8, 64)
+        torch.testing.assert_close(graph(x), tower.encode(x), rtol=0, atol=0)
+    assert len(fired) == 8  # every adapter call ran the hook (and each reference call)
+    assert graph.eager_reason is not None and "HookedTower.body.0 (forward hook)" in graph.eager_reason
+    stats = graph.get_cumulative_stats()
+    assert stats["num_graphs"] == 0 and stats["ineligible_misses"] == 3 and stats["warmup_misses"] == 1

@@ -71,7 +71,9 @@ def test_vision_padded_masks_and_changed_tgt_sizes_match_eager(model):
     # same padded shape (3 x 1024 patches), new tgt_sizes, mask and pixels: the same graph must follow
     second = vision_data([(30, 34), (32, 32), (16, 60)], seed=1)
     out2 = model.get_vision_hidden_states(second)
-    assert_graphed_equals_eager(out2, eager(model, lambda: model.get_vision_hidden_states(second)), "vision 2")
+    assert_graphed_equals_eager(
+        out2, eager(model, lambda: model.get_vision_hidden_states(second)), "vision 2"
+    )
     assert not torch.equal(out, out2)
     stats = graph.get_cumulative_stats()
     assert stats["num_graphs"] == 1 and stats["graph_hits"] == 3
@@ -84,7 +86,9 @@ def test_vision_full_slices_use_a_maskless_graph(model):
     data = vision_data([(32, 32)] * 2, seed=2)  # nothing padded: attention_mask is None
     for _ in range(3):
         out = model.get_vision_hidden_states(data)
-    assert_graphed_equals_eager(out, eager(model, lambda: model.get_vision_hidden_states(data)), "vision full")
+    assert_graphed_equals_eager(
+        out, eager(model, lambda: model.get_vision_hidden_states(data)), "vision full"
+    )
     assert graph.get_cumulative_stats()["num_graphs"] == before + 1
     assert any(key[1][1] is None for key in graph.graphs)
 
@@ -99,6 +103,28 @@ def test_vision_hidden_states_request_bypasses_the_graph(model):
     out = model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, output_hidden_states=True)
     assert len(out.hidden_states) == 27
     assert graph.get_cumulative_stats() == before
+
+
+def test_duplex_frame_captured_under_inference_mode_replays_under_no_grad(model):
+    """vllm-omni's duplex stage encodes frames under ``torch.no_grad()`` only, while the
+    engine's own calls run under ``torch.inference_mode()``: a 1-slice frame captured by the
+    latter must replay for the former (it used to raise "Inplace update to inference tensor
+    outside InferenceMode") and match eager in both modes."""
+    graph = model.vpm._encoder_graph
+    frame = vision_data([(32, 32)], seed=7)
+    with torch.inference_mode():
+        for _ in range(2):
+            model.get_vision_hidden_states(frame)
+    key = next(k for k in graph.graphs if k[1][0][0] == (1, 1024, 1152))
+    hits = graph.graphs[key].graph_hits
+    for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            data = vision_data([(32, 32)], seed=8)
+            out = model.get_vision_hidden_states(data)
+            ref = eager(model, lambda data=data: model.get_vision_hidden_states(data))
+        assert out.is_inference() == ref.is_inference()
+        assert_graphed_equals_eager(out, ref, f"duplex frame under {mode.__name__}")
+    assert graph.graphs[key].graph_hits == hits + 3
 
 
 def audio_data(lengths, frames, seed):
@@ -139,4 +165,6 @@ def test_audio_one_second_chunk_matches_eager(model):
     for _ in range(3):
         out = model.get_audio_hidden_states(chunk)
     assert out[0].shape == (10, 4096)
-    assert_graphed_equals_eager(out[0], eager(model, lambda: model.get_audio_hidden_states(chunk))[0], "audio 1 s")
+    assert_graphed_equals_eager(
+        out[0], eager(model, lambda: model.get_audio_hidden_states(chunk))[0], "audio 1 s"
+    )

@@ -69,9 +69,13 @@ def test_inputs_spanning_two_devices_run_eagerly_as_ineligible(ecg, vllm_config)
 @torch.inference_mode()
 def test_memory_floor_reads_the_inputs_device_not_the_current_one(ecg, vllm_config, monkeypatch):
     asked = []
-    graph = ecg.EncoderCudaGraph(
-        forward, vllm_config, min_free_bytes=1, free_memory_fn=lambda d: asked.append(d) or 1 << 40
-    )
+
+    class ReadingBackend(ecg.CudaGraphBackend):
+        def free_bytes(self, device):
+            asked.append(device)
+            return 1 << 40
+
+    graph = ecg.EncoderCudaGraph(forward, vllm_config, min_free_bytes=1, backend=ReadingBackend())
     torch.cuda.set_device(0)
     x = torch.randn(2, 16, device="cuda:1")
     graph(x), graph(x)
@@ -118,8 +122,13 @@ def test_one_worker_process_per_gpu_captures_and_replays_its_own_graphs(tmp_path
     script.write_text(WORKER)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for rank in (0, 1)
     ]
     results = []

@@ -9,6 +9,7 @@ which tensors, and that the routed result equals the eager one.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -388,6 +389,8 @@ def test_init_encoder_cuda_graphs_builds_adapters(vllm_configs):
     assert vision.options.max_graphs == 7 and audio.options.min_capture_calls == 3
     assert vision.forward == model.vpm._encode_last_hidden_state
     assert audio.forward == model._encode_audio_features
+    assert vision.captured_modules == ("encoder", "post_layernorm")
+    assert audio.captured_modules == ("apm", "audio_projection_layer", "audio_avg_pooler")
 
 
 def test_real_adapter_on_cpu_runs_eagerly_and_counts_ineligible(vllm_configs):
@@ -456,10 +459,110 @@ class _Tripwire:
 
 
 @pytest.mark.parametrize(
-    "key, value", [("encoder_cuda_graph_max_graphs", True), ("encoder_cuda_graph", "false")]
+    "key, value",
+    [
+        ("encoder_cuda_graph_max_graphs", True),
+        ("encoder_cuda_graph", "false"),
+        ("encoder_cuda_graph_max_graph", 8),
+    ],
 )
 def test_bad_override_fails_model_construction_before_anything_heavy(key, value):
     vllm_config = SimpleNamespace(model_config=_Tripwire(SimpleNamespace(**{key: value})))
     with pytest.raises(ValueError, match=key) as info:
         Model(vllm_config=vllm_config)
-    assert repr(value) in str(info.value)
+    assert json.dumps(value) in str(info.value)
+
+
+def test_every_bad_override_is_reported_by_model_construction():
+    hf_config = SimpleNamespace(encoder_cuda_graphs=False, encoder_cuda_graph_max_graphs="4")
+    with pytest.raises(adapter_mod.HfOverridesError) as info:
+        Model(vllm_config=SimpleNamespace(model_config=_Tripwire(hf_config)))
+    assert info.value.problems == [
+        'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0',
+        "encoder_cuda_graphs=false: unknown key, did you mean encoder_cuda_graph?",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Start-up state, LoRA, hooks on the real modules
+# ---------------------------------------------------------------------------
+
+
+def startup_line(records):
+    (line,) = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 encoder CUDA graphs:")]
+    return line
+
+
+@pytest.mark.parametrize(
+    "config, vllm_key, vision, audio",
+    [
+        (SimpleNamespace(), "graphs", "on", "on"),
+        (SimpleNamespace(encoder_cuda_graph_max_graphs=0), "graphs",
+         "off (encoder_cuda_graph_max_graphs=0)", "off (encoder_cuda_graph_max_graphs=0)"),
+        (SimpleNamespace(encoder_cuda_graph=False), "graphs", "off (encoder_cuda_graph=false)",
+         "off (encoder_cuda_graph=false)"),
+        (SimpleNamespace(), "eager", "off (--enforce-eager)", "off (--enforce-eager)"),
+    ],
+    ids=["default", "max_graphs_0", "disabled", "enforce_eager"],
+)  # fmt: skip
+def test_startup_log_states_each_encoders_effective_state(
+    config, vllm_key, vision, audio, vllm_configs, log_records
+):
+    records = log_records(llm.logger)
+    model = bare_model(config)
+    model._init_encoder_cuda_graphs(vllm_configs[vllm_key])
+    line = startup_line(records)
+    assert line.startswith(f"MiniCPM-o 4.5 encoder CUDA graphs: vision={vision}, audio={audio}; ")
+    assert line.endswith(adapter_mod.EncoderCudaGraphOptions.from_hf_config(config).describe())
+
+
+def test_startup_log_without_an_encoder(vllm_configs, log_records):
+    records = log_records(llm.logger)
+    bare_model(SimpleNamespace(), vpm=False)._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    assert "vision=off (no encoder), audio=on;" in startup_line(records)
+
+
+def test_lora_config_keeps_both_encoders_eager_with_one_log_line(vllm_configs, log_records):
+    """vllm-omni's MiniCPM-o 4.5 class declares no get_mm_mapping(), so vLLM would hand every
+    LoRA-capable layer, encoder layers included, the language model's adapters."""
+    import copy
+
+    from vllm.config import LoRAConfig
+
+    vllm_config = copy.copy(vllm_configs["graphs"])
+    object.__setattr__(vllm_config, "lora_config", LoRAConfig())
+    records = log_records(llm.logger)
+    model = bare_model(SimpleNamespace())
+    model._init_encoder_cuda_graphs(vllm_config)
+    assert model.vpm._encoder_graph is None and model._audio_encoder_graph is None
+    line = startup_line(records)
+    reason = (
+        "off (LoRA is enabled and the model has no get_mm_mapping(), so adapters may target encoder layers"
+    )
+    assert f"vision={reason}" in line and f"audio={reason}" in line
+    assert line.count("a replay would keep the weights live at capture") == 2
+    assert not hasattr(Model, "get_mm_mapping")  # the fact the reason rests on, on this lane's vllm-omni
+
+
+def test_hooks_are_looked_for_in_the_real_captured_regions(vllm_configs, cpu_backend):
+    model = tiny_audio_model()
+    model.vpm = tiny_vpm()
+    model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
+    vision.backend, audio.backend = cpu_backend(), cpu_backend()
+    model.vpm.embeddings.register_forward_hook(lambda *args: None)  # outside the region: harmless
+    model.vpm.encoder.layers[1].mlp.fc2.register_forward_hook(lambda *args: None)
+    model.audio_projection_layer.register_forward_pre_hook(lambda *args: None)
+    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
+    data = audio_batch()
+    with torch.no_grad():
+        for _ in range(2):
+            model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+            model.get_audio_hidden_states(data)
+    assert vision.eager_reason == (
+        "module hooks in the captured region: SiglipVisionTransformer.encoder.layers.1.mlp.fc2 (forward hook)"
+    )
+    assert audio.eager_reason == (
+        f"module hooks in the captured region: {Model.__name__}.audio_projection_layer (forward_pre hook)"
+    )
+    assert vision.backend.captures == [] and audio.backend.captures == []

@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU tests of the ``--hf-overrides`` registry and the adapter's options: types, ranges,
+unknown and look-alike keys, one error for all problems, the factory's per-encoder state
+and the LoRA rule."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+DESIGN_DOC = Path(__file__).resolve().parents[4] / "docs/design/minicpmo_encoder_cuda_graph.md"
+
+# ---------------------------------------------------------------------------
+# Values
+# ---------------------------------------------------------------------------
+
+BAD_OPTIONS = [
+    ("encoder_cuda_graph", "false", "JSON boolean"),
+    ("encoder_cuda_graph", 1, "JSON boolean"),
+    ("encoder_cuda_graph_share_pools", "true", "JSON boolean"),
+    ("encoder_cuda_graph_max_graphs", True, "integer >= 0"),
+    ("encoder_cuda_graph_max_graphs", -1, "integer >= 0"),
+    ("encoder_cuda_graph_max_graphs", 2.0, "integer >= 0"),
+    ("encoder_cuda_graph_min_capture_calls", 1, "integer >= 2"),
+    ("encoder_cuda_graph_min_capture_calls", 2.5, "integer >= 2"),
+    ("encoder_cuda_graph_min_free_bytes", -1, "integer >= 0"),
+    ("encoder_cuda_graph_min_free_bytes", "1GiB", "integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("key,value,allowed", BAD_OPTIONS)
+def test_bad_hf_override_names_key_value_and_allowed(ecg, key, value, allowed):
+    hf_config = types.SimpleNamespace(**{key: value})
+    with pytest.raises(ValueError) as info:
+        ecg.EncoderCudaGraphOptions.from_hf_config(hf_config)
+    message = str(info.value)
+    assert key in message and json.dumps(value) in message and allowed in message
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("encoder_cuda_graph_max_graphs", "4", 'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0'),
+        ("encoder_cuda_graph_max_graphs", True, "encoder_cuda_graph_max_graphs=true: got a boolean, expected an integer >= 0"),
+        ("encoder_cuda_graph_max_graphs", 2.0, "encoder_cuda_graph_max_graphs=2.0: got a float, expected an integer >= 0"),
+        ("encoder_cuda_graph_max_graphs", None, "encoder_cuda_graph_max_graphs=null: got null, expected an integer >= 0"),
+        ("encoder_cuda_graph_min_capture_calls", 1, "encoder_cuda_graph_min_capture_calls=1: got an integer, expected an integer >= 2"),
+        ("encoder_cuda_graph", "false", 'encoder_cuda_graph="false": got a string, expected a JSON boolean (true or false)'),
+        ("encoder_cuda_graph_share_pools", [1], "encoder_cuda_graph_share_pools=[1]: got an array, expected a JSON boolean (true or false)"),
+    ],
+)  # fmt: skip
+def test_message_names_key_json_value_type_received_and_allowed(ecg, key, value, expected):
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(types.SimpleNamespace(**{key: value}))
+    assert info.value.problems == [expected]
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_bad_key_is_reported_in_one_error(ecg):
+    hf_config = types.SimpleNamespace(
+        encoder_cuda_graph="false",
+        encoder_cuda_graph_max_graphs="4",
+        encoder_cuda_graph_min_free_bytes=-1,
+        encoder_cuda_graph_max_graph=8,
+        encoder_cuda_graph_min_capture_calls=3,  # valid: not reported
+    )
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.EncoderCudaGraphOptions.from_hf_config(hf_config)
+    problems = info.value.problems
+    assert len(problems) == 4
+    assert [p.split("=")[0] for p in problems] == [
+        "encoder_cuda_graph",
+        "encoder_cuda_graph_max_graphs",
+        "encoder_cuda_graph_min_free_bytes",
+        "encoder_cuda_graph_max_graph",
+    ]
+    assert str(info.value).startswith("invalid --hf-overrides for MiniCPM-o 4.5 (4 problems):")
+    assert all(p in str(info.value) for p in problems)
+
+
+def test_direct_construction_reports_every_bad_field(ecg):
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.EncoderCudaGraphOptions(enabled=1, max_graphs=-1)
+    assert [p.split("=")[0] for p in info.value.problems] == [
+        "encoder_cuda_graph",
+        "encoder_cuda_graph_max_graphs",
+    ]
+
+
+def test_options_defaults_and_overrides(ecg):
+    defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
+    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True)
+    hf_config = types.SimpleNamespace(
+        encoder_cuda_graph=False,
+        encoder_cuda_graph_max_graphs=0,
+        encoder_cuda_graph_min_capture_calls=5,
+        encoder_cuda_graph_min_free_bytes=0,
+        encoder_cuda_graph_share_pools=False,
+    )
+    assert ecg.EncoderCudaGraphOptions.from_hf_config(hf_config) == ecg.EncoderCudaGraphOptions(
+        enabled=False, max_graphs=0, min_capture_calls=5, min_free_bytes=0, share_pools=False
+    )
+
+
+def test_options_read_from_a_transformers_config(ecg):
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(encoder_cuda_graph_max_graphs=7)
+    assert ecg.EncoderCudaGraphOptions.from_hf_config(config).max_graphs == 7
+    with pytest.raises(ValueError, match="encoder_cuda_graph_min_capture_calls"):
+        ecg.EncoderCudaGraphOptions.from_hf_config(PretrainedConfig(encoder_cuda_graph_min_capture_calls=0))
+
+
+def test_adapter_constructor_validates_like_the_options(ecg, vllm_config):
+    with pytest.raises(ValueError, match="encoder_cuda_graph_max_graphs"):
+        ecg.EncoderCudaGraph(torch.neg, vllm_config, max_graphs=True)
+    with pytest.raises(ValueError, match="encoder_cuda_graph_share_pools"):
+        ecg.EncoderCudaGraph(torch.neg, vllm_config, share_pools=0)
+
+
+def test_describe_writes_the_options_as_json(ecg):
+    text = ecg.EncoderCudaGraphOptions(share_pools=False, max_graphs=0).describe()
+    assert text == (
+        "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
+        "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Unknown and look-alike keys
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [
+        ("encoder_cuda_graph_max_graph", "encoder_cuda_graph_max_graphs"),
+        ("encoder_cuda_graphs", "encoder_cuda_graph"),
+        ("encoder_cudagraph_max_graphs", "encoder_cuda_graph_max_graphs"),  # vLLM-style spelling
+        ("encoder_cuda_grph_min_capture_calls", "encoder_cuda_graph_min_capture_calls"),  # no project prefix
+        ("encoder_cuda_graph_min_free", "encoder_cuda_graph_min_free_bytes"),
+        ("Encoder_Cuda_Graph_Share_Pools", "encoder_cuda_graph_share_pools"),
+    ],
+)
+def test_misspelled_key_fails_with_the_closest_valid_key(ecg, typo, suggestion):
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.EncoderCudaGraphOptions.from_hf_config(types.SimpleNamespace(**{typo: 8}))
+    assert info.value.problems == [f"{typo}=8: unknown key, did you mean {suggestion}?"]
+
+
+def test_unknown_prefixed_key_without_a_close_match_lists_the_valid_keys(ecg):
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(types.SimpleNamespace(encoder_cuda_graph_use_the_npu_graph_instead=True))
+    (problem,) = info.value.problems
+    assert problem.startswith("encoder_cuda_graph_use_the_npu_graph_instead=true: unknown key, valid keys: ")
+    assert all(key in problem for key in ecg.HF_OVERRIDE_KEYS)
+
+
+def test_overrides_applied_the_way_vllm_applies_them_are_checked(ecg):
+    """vLLM applies --hf-overrides with ``PretrainedConfig.update``: the keys become attributes."""
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.update({"encoder_cuda_graphs": False, "encoder_cuda_graph_max_graphs": "4"})
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(config)
+    assert sorted(p.split(":")[0] for p in info.value.problems) == [
+        'encoder_cuda_graph_max_graphs="4"',
+        "encoder_cuda_graphs=false",
+    ]
+
+
+def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
+    """No false positives on the checkpoint's own keys (MiniCPMOConfig at the checkpoint's values)."""
+    pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
+    from transformers import PretrainedConfig
+
+    from minicpmo_cg.standalone import model_module, thinker_config
+
+    for config in (PretrainedConfig(), model_module().MiniCPMOConfig(), thinker_config()):
+        assert ecg.read_hf_overrides(config) == {k: spec.default for k, spec in ecg.HF_OVERRIDE_KEYS.items()}
+
+
+# ---------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------
+
+
+def test_options_fields_are_registry_entries(ecg):
+    import dataclasses
+
+    for f in dataclasses.fields(ecg.EncoderCudaGraphOptions):
+        spec = ecg.HF_OVERRIDE_KEYS[f.metadata["hf_key"]]
+        assert f.default == spec.default and spec.doc
+    assert {f.metadata["hf_key"] for f in dataclasses.fields(ecg.EncoderCudaGraphOptions)} == set(
+        ecg.HF_OVERRIDE_KEYS
+    )
+
+
+def test_design_doc_options_table_lists_every_key_with_its_default(ecg):
+    table = DESIGN_DOC.read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
+    for key, spec in ecg.HF_OVERRIDE_KEYS.items():
+        row = re.search(rf"^\| `{key}` \|(.*)$", table, re.MULTILINE)
+        assert row, f"{key} missing from the design doc's options table"
+        assert f"`{json.dumps(spec.default)}`" in row.group(1), row.group(0)
+
+
+def _key(name, kind, default, **extra):
+    return {"name": name, "kind": kind, "default": default, "doc": "d", **extra}
+
+
+FUTURE_KEYS = [
+    _key("vision_attn_implementation", "choice", "sdpa", choices=("sdpa", "eager", "flash_attention_2")),
+    _key("encoder_cuda_graph_admission", "choice", "cost", choices=("cost", "count")),
+    _key("encoder_cuda_graph_max_bytes", "int", 0, minimum=0),
+    _key("encoder_cuda_graph_log_interval_s", "number", 60.0, minimum=0),
+    _key("encoder_cuda_graph_streaming_audio", "bool", True),
+]
+
+
+@pytest.fixture
+def future_registry(ecg, monkeypatch):
+    """The registry with the keys other changes will add (each one entry)."""
+    for entry in FUTURE_KEYS:
+        monkeypatch.setitem(ecg.HF_OVERRIDE_KEYS, entry["name"], ecg.HfOverrideKey(**entry))
+    return ecg.HF_OVERRIDE_KEYS
+
+
+@pytest.mark.parametrize(
+    "key, good, bad, expected",
+    [
+        ("vision_attn_implementation", "eager", "sdpa2",
+         'vision_attn_implementation="sdpa2": got a string, expected one of "sdpa", "eager", "flash_attention_2"'),
+        ("encoder_cuda_graph_admission", "count", 1,
+         'encoder_cuda_graph_admission=1: got an integer, expected one of "cost", "count"'),
+        ("encoder_cuda_graph_max_bytes", 1 << 40, 1.5,
+         "encoder_cuda_graph_max_bytes=1.5: got a float, expected an integer >= 0"),
+        ("encoder_cuda_graph_log_interval_s", 0.5, -1,
+         "encoder_cuda_graph_log_interval_s=-1: got an integer, expected a number >= 0"),
+        ("encoder_cuda_graph_log_interval_s", 0, True,
+         "encoder_cuda_graph_log_interval_s=true: got a boolean, expected a number >= 0"),
+        ("encoder_cuda_graph_log_interval_s", 10, math.nan,
+         "encoder_cuda_graph_log_interval_s=NaN: got a float, expected a number >= 0"),
+        ("encoder_cuda_graph_streaming_audio", False, "no",
+         'encoder_cuda_graph_streaming_audio="no": got a string, expected a JSON boolean (true or false)'),
+    ],
+)  # fmt: skip
+def test_registry_kinds(ecg, future_registry, key, good, bad, expected):
+    assert ecg.read_hf_overrides(types.SimpleNamespace(**{key: good}))[key] == good
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(types.SimpleNamespace(**{key: bad}))
+    assert info.value.problems == [expected]
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [("vision_attn_impl", "vision_attn_implementation"), ("vision_attention_implementation", "vision_attn_implementation")],
+)  # fmt: skip
+def test_look_alikes_of_any_registered_key_fail(ecg, future_registry, typo, suggestion):
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(types.SimpleNamespace(**{typo: "sdpa"}))
+    assert info.value.problems == [f'{typo}="sdpa": unknown key, did you mean {suggestion}?']
+
+
+def test_registry_entry_with_an_invalid_default_is_refused(ecg):
+    with pytest.raises(ValueError, match="default"):
+        ecg.HfOverrideKey(name="encoder_cuda_graph_x", kind="int", default=-1, minimum=0, doc="d")
+    with pytest.raises(ValueError, match="default"):
+        ecg.HfOverrideKey(name="x", kind="choice", default="c", choices=("a", "b"), doc="d")
+
+
+# ---------------------------------------------------------------------------
+# Factory: per-encoder state, LoRA
+# ---------------------------------------------------------------------------
+
+
+def test_factory_builds_nothing_when_disabled_or_enforce_eager(ecg):
+    from minicpmo_cg.vllm_config import standalone_vllm_config
+
+    on = ecg.EncoderCudaGraphOptions()
+    adapter, state = ecg.make_encoder_cuda_graph(torch.neg, standalone_vllm_config(), on, name="vision")
+    assert isinstance(adapter, ecg.EncoderCudaGraph) and adapter.name == "vision" and state == "on"
+    eager = standalone_vllm_config(enforce_eager=True)
+    assert ecg.make_encoder_cuda_graph(torch.neg, eager, on, name="v") == (None, "off (--enforce-eager)")
+    off = ecg.EncoderCudaGraphOptions(enabled=False)
+    assert ecg.make_encoder_cuda_graph(torch.neg, standalone_vllm_config(), off, name="v") == (
+        None,
+        "off (encoder_cuda_graph=false)",
+    )
+
+
+def test_factory_state_with_zero_graphs_is_off_but_counts(ecg, vllm_config):
+    adapter, state = ecg.make_encoder_cuda_graph(
+        torch.neg, vllm_config, ecg.EncoderCudaGraphOptions(max_graphs=0), name="audio"
+    )
+    assert state == "off (encoder_cuda_graph_max_graphs=0)"
+    assert adapter is not None and adapter.options.max_graphs == 0
+
+
+def with_lora(vllm_config, **lora_fields):
+    import copy
+
+    from vllm.config import LoRAConfig
+
+    config = copy.copy(vllm_config)
+    object.__setattr__(config, "lora_config", LoRAConfig(**lora_fields))
+    return config
+
+
+class MappedModel:
+    """A model that declares vLLM's multimodal module mapping, as MiniCPM-V does."""
+
+    def get_mm_mapping(self):
+        from vllm.model_executor.models.module_mapping import MultiModelKeys
+
+        return MultiModelKeys.from_string_field(
+            language_model="llm", connector="resampler", tower_model="vpm"
+        )
+
+
+def test_lora_rule(ecg, vllm_config):
+    reach = ecg.lora_may_reach
+    vision, audio = ("vpm.encoder", "vpm.post_layernorm"), ("apm", "audio_projection_layer")
+    assert reach(vllm_config, object(), vision) is None  # no --enable-lora
+    unmapped = with_lora(vllm_config)
+    assert "get_mm_mapping" in reach(unmapped, object(), vision)
+    assert "get_mm_mapping" in reach(unmapped, object(), audio)
+    # with a mapping, towers are opened only by enable_tower_connector_lora, and only their prefixes
+    assert reach(unmapped, MappedModel(), vision) is None
+    towers = with_lora(vllm_config, enable_tower_connector_lora=True)
+    assert (
+        reach(towers, MappedModel(), vision) == "LoRA with enable_tower_connector_lora may target vpm.encoder"
+    )
+    assert reach(towers, MappedModel(), audio) is None
+
+
+def test_lora_keeps_the_encoder_eager_with_the_reason(ecg, vllm_config):
+    config = with_lora(vllm_config)
+    reason = ecg.lora_may_reach(config, object(), ("apm",))
+    adapter, state = ecg.make_encoder_cuda_graph(
+        torch.neg, config, ecg.EncoderCudaGraphOptions(), name="audio", lora_reason=reason
+    )
+    assert adapter is None
+    assert state == f"off ({reason}; a replay would keep the weights live at capture)"
