@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 import math
 import time
 from collections import Counter, OrderedDict
@@ -77,6 +78,12 @@ STATS_KEYS = (
 
 GraphKey = tuple[Hashable, ...]
 """``(replay stream handle, per-input (shape, dtype, device) or None)``."""
+
+#: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
+#: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
+#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (design
+#: doc, "Capturing inside a live worker"). Needs patches/vllm/0007 (checked at construction).
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 # ---------------------------------------------------------------------------
@@ -416,6 +423,8 @@ class EncoderCudaGraph:
 
     Raises:
         ValueError: invalid option values (see :class:`EncoderCudaGraphOptions`).
+        RuntimeError: vLLM's ``EncoderCudaGraphManager`` cannot capture in
+            :data:`CAPTURE_ERROR_MODE` (``patches/vllm/0007`` not applied).
     """
 
     def __init__(
@@ -430,6 +439,7 @@ class EncoderCudaGraph:
         name: str = "encoder",
         free_memory_fn: Callable[[torch.device], int] | None = None,
     ) -> None:
+        _require_capture_error_mode()
         self.options = EncoderCudaGraphOptions(
             max_graphs=max_graphs,
             min_capture_calls=min_capture_calls,
@@ -634,7 +644,13 @@ class EncoderCudaGraph:
 
         model = _ExactShapeEncoder(self.forward, inputs, output_shape)
         first = next(x for x in inputs if x is not None)
-        manager = EncoderCudaGraphManager(self._manager_config(model.tokens), device, first.dtype, model)
+        manager = EncoderCudaGraphManager(
+            self._manager_config(model.tokens),
+            device,
+            first.dtype,
+            model,
+            capture_error_mode=CAPTURE_ERROR_MODE,
+        )
         pool, capture_stream = self._pool_and_stream(device, replay_stream)
         # A late capture into a shared pool starts after earlier replays and output clones.
         capture_stream.wait_stream(replay_stream)
@@ -642,6 +658,19 @@ class EncoderCudaGraph:
             manager.capture(graph_pool=pool)
         replay_stream.wait_stream(capture_stream)
         return manager
+
+
+def _require_capture_error_mode() -> None:
+    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    if "capture_error_mode" not in inspect.signature(EncoderCudaGraphManager).parameters:
+        raise RuntimeError(
+            "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs "
+            "would be captured in global mode, which a CUDA call of any other thread breaks: apply "
+            "patches/vllm/0007-encoder-cudagraph-capture-error-mode.patch (minicpmo-cg-patch apply), "
+            "or run the encoders eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
+        )
 
 
 def _describe(key: GraphKey) -> list[Any]:
