@@ -286,12 +286,19 @@ def test_status_json_on_pristine_copy(tmp_site, versions):
     wiring = next(p for p in report["patches"] if p["name"] == WIRING)
     assert wiring == {**wiring, "package": "vllm-omni", "state": "pending", "files": [MODEL_REL]}
     assert report["adapter"] == {**report["adapter"], "path": ADAPTER_REL, "state": "missing"}
+    shipped = {p.name: p for p in load_all_series(resources.patches_dir())}
     for patch in report["patches"]:
         assert patch["state"] in patchtool.PATCH_STATES
         if patch["package"] == "vllm":
-            # vLLM patches: applied on the legacy lane (0.28.0), shipped upstream on 0.30.0
-            expected = {"pending", "n/a"} if versions["vllm"] == "0.28.0" else {"upstream", "n/a"}
-            assert patch["state"] in expected, patch
+            # a pristine copy: upstream where Upstream-Since holds (0001-0006 on 0.30.0), else
+            # pending on the versions in Targets (0001-0006 on 0.28.0, 0007 on both), n/a elsewhere
+            parsed = shipped[patch["name"]]
+            since = parsed.upstream_since
+            if since is not None and since.reached(versions[since.package]):
+                expected = "upstream"
+            else:
+                expected = "pending" if parsed.targets_version(versions["vllm"]) else "n/a"
+            assert patch["state"] == expected, patch
     assert report["conflicts"] == [] and report["changed"] == []
 
 

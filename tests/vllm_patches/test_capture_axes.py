@@ -165,7 +165,7 @@ class _EmulatedGraph:
 
 
 @contextlib.contextmanager
-def _emulated_capture(graph, pool=None, stream=None):
+def _emulated_capture(graph, pool=None, stream=None, capture_error_mode="global"):
     graph.captured = True
     yield
 

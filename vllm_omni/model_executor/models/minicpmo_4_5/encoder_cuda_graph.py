@@ -48,6 +48,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import inspect
 import json
 import math
 import time
@@ -103,6 +104,12 @@ STATS_KEYS = (
 
 GraphKey = tuple[Hashable, ...]
 """``(replay stream handle, per-input (shape, dtype, device) or None)``."""
+
+#: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
+#: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
+#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (design
+#: doc, "Capturing inside a live worker"). Needs patches/vllm/0007 (checked at construction).
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 # ---------------------------------------------------------------------------
@@ -711,7 +718,11 @@ class CudaGraphBackend:
                 pool = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
         handle, capture_stream = pool
         manager = EncoderCudaGraphManager(
-            _manager_config(vllm_config, encoder.tokens), device, encoder.dtype, encoder
+            _manager_config(vllm_config, encoder.tokens),
+            device,
+            encoder.dtype,
+            encoder,
+            capture_error_mode=CAPTURE_ERROR_MODE,
         )
         capture_stream.wait_stream(replay_stream)
         with torch.cuda.device(device), torch.cuda.stream(capture_stream):
@@ -796,6 +807,8 @@ class EncoderCudaGraph:
 
     Raises:
         HfOverridesError: (a ``ValueError``) invalid option values.
+        RuntimeError: vLLM's ``EncoderCudaGraphManager`` cannot capture in
+            :data:`CAPTURE_ERROR_MODE` (``patches/vllm/0007`` not applied).
     """
 
     #: A memory-floor deferral warns the first time and then every this many deferrals.
@@ -816,6 +829,7 @@ class EncoderCudaGraph:
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
+        _require_capture_error_mode()
         self.options = EncoderCudaGraphOptions(
             max_graphs=max_graphs,
             min_capture_calls=min_capture_calls,
@@ -1051,6 +1065,19 @@ class EncoderCudaGraph:
             return
         for sub in self.captured_modules:
             yield from owner.get_submodule(sub).named_modules(prefix=f"{owner_name}.{sub}")
+
+
+def _require_capture_error_mode() -> None:
+    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    if "capture_error_mode" not in inspect.signature(EncoderCudaGraphManager).parameters:
+        raise RuntimeError(
+            "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs "
+            "would be captured in global mode, which a CUDA call of any other thread breaks: apply "
+            "patches/vllm/0007-encoder-cudagraph-capture-error-mode.patch (minicpmo-cg-patch apply), "
+            "or run the encoders eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
+        )
 
 
 def _describe(key: GraphKey) -> list[Any]:
