@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5 input encoder CUDA graphs: a fork-style patch set on vllm-omni.
 
-Installs the ``minicpmo_cg`` package (patch tool, main job) and ships, as package
+Installs the ``minicpmo_cg`` package (patch tool, demo) and ships, as package
 data, the adapter (``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py``)
 and the patch series (``patches/``) that the tool installs into vllm-omni / vLLM.
 
@@ -55,7 +55,7 @@ setup(
     entry_points={
         "console_scripts": [
             "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
-            "minicpmo-cg-demo = minicpmo_cg.main_job:main",
+            "minicpmo-cg-demo = minicpmo_cg.demo:main",
         ]
     },
     classifiers=[

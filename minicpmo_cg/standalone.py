@@ -1,7 +1,8 @@
 """MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
 
-The checkpoint (``openbmb/MiniCPM-o-4_5``) cannot be downloaded here, and the main job only
-needs the input encoders, not the Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
+The demo, the benchmark and the CUDA tests need the input encoders at the checkpoint's
+dimensions, but neither the checkpoint (``openbmb/MiniCPM-o-4_5``, about 17 GB) nor its
+Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
 builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
 ``vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm``: the instance is
 created with ``object.__new__`` + ``nn.Module.__init__`` (so ``__init__``, which builds the
@@ -27,6 +28,7 @@ materialised on the CPU and initialised deterministically from a seeded generato
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ import torch
 from torch import nn
 
 MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
+#: The adapter as the patch tool installs it beside the model file.
+ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 
 PATCH_HINT = (
     "the installed vllm-omni model file is not patched for encoder CUDA graphs "
@@ -47,10 +51,9 @@ PATCH_HINT = (
 # Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
 #
 # "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (checked by tests/test_main_job.py::test_config_values).
+# installed minicpmo_4_5_omni_llm.py (checked by tests/demo/test_demo.py::test_config_values...).
 # "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
-# absent in) the MiniCPMOConfig defaults; these are the values the adapter contract
-# (docs: adapter_contract.md sections 12-13) and the model's own comments name.
+# absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
 # ---------------------------------------------------------------------------------------------
 
 #: Thinker LLM (Qwen3-8B): only ``hidden_size`` matters to the encoders (resampler embed dim and
@@ -119,8 +122,6 @@ def _progress(msg: str) -> None:
 
 def model_module() -> Any:
     """Import and return the installed vllm-omni MiniCPM-o 4.5 thinker model module."""
-    import importlib
-
     return importlib.import_module(MODEL_MODULE)
 
 
@@ -180,7 +181,7 @@ def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> Non
 
 @dataclass(frozen=True)
 class EncoderBuildInfo:
-    """What :func:`build_thinker_encoders` built (for logs and the main job's JSON).
+    """What :func:`build_thinker_encoders` built (for logs and the demo's JSON).
 
     Attributes:
         vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
@@ -306,29 +307,35 @@ def has_graph_wiring(model: Any) -> bool:
     return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
 
 
-def wire_encoder_graphs(model: Any, vllm_config: Any, *, enabled: bool, **options: Any) -> None:
+def wire_encoder_graphs(model: Any, vllm_config: Any, *, enabled: Any, **options: Any) -> None:
     """Set the encoder CUDA graph ``--hf-overrides`` keys on ``model.config`` and wire the graphs.
 
-    Calls the patched ``model._init_encoder_cuda_graphs(vllm_config)``, which reads the options
-    from ``model.config`` and sets ``model.vpm._encoder_graph`` and
-    ``model._audio_encoder_graph`` (None when graphs are off).
+    The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
+    model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
+    only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
+    reads them and sets ``model.vpm._encoder_graph`` and ``model._audio_encoder_graph`` (None when
+    graphs are off).
 
     Args:
         model: from :func:`build_thinker_encoders`.
         vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
-        enabled: value of ``encoder_cuda_graph``.
-        **options: other keys without the ``encoder_cuda_graph_`` prefix, e.g.
-            ``max_graphs=16`` sets ``encoder_cuda_graph_max_graphs``.
+        enabled: value of ``encoder_cuda_graph`` (a bool).
+        **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
+            ``encoder_cuda_graph_max_graphs``.
 
     Raises:
         PatchMissingError: the installed model file is not patched (run ``minicpmo-cg-patch apply``).
+        ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
+        TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
     if not has_graph_wiring(model):
         raise PatchMissingError(f"minicpmo_cg: {PATCH_HINT}")
-    model.config.encoder_cuda_graph = bool(enabled)
-    for key, value in options.items():
-        setattr(model.config, f"encoder_cuda_graph_{key}", value)
+    options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
+    values = {"enabled": enabled, **options}
+    options_cls(**values)  # validates; raises before model.config changes
+    for attr, value in values.items():
+        setattr(model.config, options_cls.HF_KEYS[attr], value)
     model._init_encoder_cuda_graphs(vllm_config)
     if not enabled and (vision_graph(model) is not None or audio_graph(model) is not None):
         raise RuntimeError(
