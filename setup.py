@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5 input encoder CUDA graphs: a fork-style patch set on vllm-omni.
 
-Installs the ``minicpmo_cg`` package (patch tool, demo) and ships, as package
+Installs the ``minicpmo_cg`` package (patch tool, demo, benchmark) and ships, as package
 data, the adapter (``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py``)
 and the patch series (``patches/``) that the tool installs into vllm-omni / vLLM.
 
@@ -56,6 +56,7 @@ setup(
         "console_scripts": [
             "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
             "minicpmo-cg-demo = minicpmo_cg.demo:main",
+            "minicpmo-cg-bench = minicpmo_cg.bench.cli:main",
         ]
     },
     classifiers=[
