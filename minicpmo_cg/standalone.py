@@ -228,23 +228,37 @@ def build_thinker_encoders(
         :func:`wire_encoder_graphs`.
     """
     start = time.perf_counter()
-    mod = model_module()
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
-
-    cls = mod.MiniCPMO45OmniLLMForConditionalGeneration
-    model = object.__new__(cls)
-    nn.Module.__init__(model)
-    model.config = config
-
     if progress:
         _progress(
             f"building thinker encoders ({'reduced' if reduced else 'full'}: "
             f"{config.vision_config.num_hidden_layers - int(config.drop_vision_last_layer)} vision + "
             f"{config.audio_config.encoder_layers} audio layers) ..."
         )
+    model = _bare_model_on_meta(config)
+    _materialise_(model, device=device, dtype=dtype, seed=seed, progress=progress)
+    model.build_info = EncoderBuildInfo(
+        vision_layers=len(model.vpm.encoder.layers),
+        audio_layers=len(model.apm.layers),
+        vision_attn=str(config.vision_config._attn_implementation),
+        audio_attn=str(model.apm.config._attn_implementation),
+        num_params=sum(p.numel() for p in model.parameters()),
+        build_s=time.perf_counter() - start,
+    )
+    if progress:
+        _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
+    return model
+
+
+def _bare_model_on_meta(config: Any) -> Any:
+    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device."""
+    mod = model_module()
+    model = object.__new__(mod.MiniCPMO45OmniLLMForConditionalGeneration)
+    nn.Module.__init__(model)
+    model.config = config
     # As MiniCPMO45OmniLLMForConditionalGeneration.__init__ does without a model-level
     # _attn_implementation (vLLM's ModelConfig has none): eager SigLIP attention.
     config.vision_config._attn_implementation = "eager"
@@ -255,51 +269,37 @@ def build_thinker_encoders(
         vpm.embed_dim = vpm.embeddings.embed_dim
         vpm.patch_size = vpm.embeddings.patch_size
         embed_dim = config.hidden_size
-        resampler = mod.Resampler(
+        model.vpm = vpm
+        model.resampler = mod.Resampler(
             num_queries=config.query_num,
             embed_dim=embed_dim,
             num_heads=embed_dim // 128,
             kv_dim=vpm.embed_dim,
             adaptive=True,
         )
-        apm = mod.MiniCPMWhisperEncoder(config.audio_config)
-        audio_output_dim = int(apm.config.encoder_ffn_dim // 4)
-        audio_avg_pooler = nn.AvgPool1d(config.audio_pool_step, stride=config.audio_pool_step)
-        audio_projection_layer = mod.MultiModalProjector(in_dim=audio_output_dim, out_dim=embed_dim)
-
-    model.vpm = vpm
-    model.resampler = resampler
-    model.apm = apm
-    model.audio_avg_pooler = audio_avg_pooler
-    model.audio_projection_layer = audio_projection_layer
+        model.apm = mod.MiniCPMWhisperEncoder(config.audio_config)
+        audio_output_dim = int(model.apm.config.encoder_ffn_dim // 4)
+        model.audio_avg_pooler = nn.AvgPool1d(config.audio_pool_step, stride=config.audio_pool_step)
+        model.audio_projection_layer = mod.MultiModalProjector(in_dim=audio_output_dim, out_dim=embed_dim)
     model.audio_encoder_layer = -1
     model.audio_past_key_values = None
+    return model
 
+
+def _materialise_(model: Any, *, device: torch.device, dtype: torch.dtype, seed: int, progress: bool) -> None:
+    """Allocate the meta model on the CPU, initialise it (:func:`init_weights_`), move and cast it."""
     model.to_empty(device="cpu")
     # to_empty leaves buffers uninitialised: rebuild the resampler's sincos position cache.
-    resampler._set_2d_pos_cache(resampler.max_size, device="cpu")
+    model.resampler._set_2d_pos_cache(model.resampler.max_size, device="cpu")
     if progress:
         num_params = sum(p.numel() for p in model.parameters())
         _progress(f"initialising {num_params / 1e6:.0f} M parameters (seed {seed}) ...")
     init_weights_(model, seed=seed)
-
     model.to(device=device)
     for param in model.parameters():
         param.data = param.data.to(dtype=dtype)
     model.eval()
     model.requires_grad_(False)
-
-    model.build_info = EncoderBuildInfo(
-        vision_layers=len(vpm.encoder.layers),
-        audio_layers=len(apm.layers),
-        vision_attn=str(config.vision_config._attn_implementation),
-        audio_attn=str(apm.config._attn_implementation),
-        num_params=sum(p.numel() for p in model.parameters()),
-        build_s=time.perf_counter() - start,
-    )
-    if progress:
-        _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
-    return model
 
 
 def has_graph_wiring(model: Any) -> bool:
