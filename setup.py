@@ -12,6 +12,7 @@ Lanes are extras because the patch set supports two pinned vLLM/vllm-omni pairs;
 
 import os
 import shutil
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -39,7 +40,7 @@ setup(
     name="minicpmo-encoder-cuda-graphs",
     version="0.1.0",
     description="Exact-shape CUDA graphs for MiniCPM-o 4.5's vision and audio encoders on vllm-omni",
-    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description=Path(HERE, "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
