@@ -51,7 +51,8 @@ PATCH_HINT = (
 # Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
 #
 # "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (checked by tests/demo/test_demo.py::test_config_values_match_installed_defaults).
+# installed minicpmo_4_5_omni_llm.py (checked by
+# tests/demo/test_demo.py::test_config_values_match_installed_defaults).
 # "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
 # absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
 # ---------------------------------------------------------------------------------------------
