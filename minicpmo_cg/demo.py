@@ -287,10 +287,12 @@ def format_stats(name: str, stats: dict[str, Any] | None) -> str:
 def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     """What the demo prints on stdout: header, notes, table, stats, checks and the verdict."""
     m, cuda = report["model"], report["cuda_graphs"]
+    reduced = "reduced, " if report["size"] == "reduced" else ""
     lines = [
         (
-            f"MiniCPM-o 4.5 thinker encoders ({'reduced, ' if report['size'] == 'reduced' else ''}random weights): "
-            f"SigLIP {m['vision_layers']} layers ({m['vision_attn']}) + resampler, Whisper {m['audio_layers']} "
+            f"MiniCPM-o 4.5 thinker encoders ({reduced}random weights): "
+            f"SigLIP {m['vision_layers']} layers ({m['vision_attn']}) + resampler, "
+            f"Whisper {m['audio_layers']} "
             f"layers ({m['audio_attn']}) + projection; {report['dtype']} on {report['device_name']} "
             f"({report['device']}); median of {report['repeats']} call(s)"
         )
@@ -494,7 +496,8 @@ def _graphed_input(demo: Demo, item: Any, r: InputResult, eager_out: Any, adapte
         r.problems.append("graphed output is not finite")
     if r.rel_diff > rel_tol:
         r.problems.append(
-            f"max|graphed - eager| = {r.max_abs_diff:.3g} exceeds {rel_tol:.3g} x max|eager| ({r.output_max_abs:.3g})"
+            f"max|graphed - eager| = {r.max_abs_diff:.3g} exceeds {rel_tol:.3g} x max|eager| "
+            f"({r.output_max_abs:.3g})"
         )
     if r.replays != r.expected_replays:
         r.problems.append(f"only {r.replays} of {r.expected_replays} timed encoder calls were graph replays")
@@ -577,7 +580,10 @@ def _report_header(demo: Demo) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[InputResult]]:
-    """Run the demo; return ``(exit status, JSON-able report, per-input results)``. Prints nothing on stdout."""
+    """Run the demo; return ``(exit status, JSON-able report, per-input results)``.
+
+    Prints nothing on stdout (:func:`format_report` makes the table from the results).
+    """
     import torch
 
     demo = configure(args)

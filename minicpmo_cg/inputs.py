@@ -352,7 +352,8 @@ def audio_input(
 # ---------------------------------------------------------------------------------------------
 
 
-#: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches instead of 1024.
+#: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches
+#: instead of 1024.
 QUICK_SCALE_RESOLUTION = 224
 
 

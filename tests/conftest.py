@@ -29,6 +29,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if bad:
         raise pytest.UsageError(
-            f"every test needs exactly one of the marks {', '.join(HARDWARE_MARKS)}; these have another count:\n  "
-            + "\n  ".join(bad)
+            f"every test needs exactly one of the marks {', '.join(HARDWARE_MARKS)}; "
+            "these have another count:\n  " + "\n  ".join(bad)
         )

@@ -15,7 +15,8 @@ from minicpmo_cg.bench.memory import graph_metas
 
 METHOD = (
     "host perf_counter per call, median over batches; misses: adapter(x) - forward(x) with a no-op forward; "
-    "hit: adapter(x) - (copy into the captured input buffer + graph.replay() + output clone) on the same graph"
+    "hit: adapter(x) - (copy into the captured input buffer + graph.replay() + output clone) "
+    "on the same graph"
 )
 
 
@@ -128,7 +129,8 @@ def format_section(bk: dict[str, Any]) -> list[str]:
     lines = [
         f"\n-- adapter bookkeeping per call (us, host; target < {goal:.0f} us)",
         (
-            f"hit: adapter call {h['adapter_call_us']:.1f} = bare copy+replay+clone {h['bare_replay_us']:.1f} "
+            f"hit: adapter call {h['adapter_call_us']:.1f} = "
+            f"bare copy+replay+clone {h['bare_replay_us']:.1f} "
             f"+ vLLM manager {h['vllm_manager_us']:.1f} + adapter own {h['adapter_own_us']:.1f} "
             f"-> bookkeeping {h['bookkeeping_us']:.1f} {'ok' if h['bookkeeping_us'] < goal else 'MISS'} "
             f"(adapter own {'ok' if h['adapter_own_us'] < goal else 'MISS'})"

@@ -11,7 +11,8 @@ def _header(meta: dict[str, Any]) -> list[str]:
     lines = [
         "=== RESULTS: encoder CUDA graph benchmark ===",
         (
-            f"device {meta['device_name']} | torch {meta['torch']} | vllm {meta['vllm']} | vllm-omni {meta['vllm_omni']} "
+            f"device {meta['device_name']} | torch {meta['torch']} | vllm {meta['vllm']} "
+            f"| vllm-omni {meta['vllm_omni']} "
             f"| {meta['dtype']} | mode {meta['mode']} | model {meta['model']}"
         ),
     ]

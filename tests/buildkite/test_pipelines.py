@@ -259,7 +259,8 @@ class Count:
 out = {"counts": {}}
 for expr in json.loads(sys.argv[1]):
     counter = Count()
-    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"], plugins=[counter])
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"]
+    rc = pytest.main(args, plugins=[counter])
     out["counts"][expr] = {"rc": int(rc), "items": counter.items}
     out["markers"] = counter.markers
 print("MARKER-COUNTS " + json.dumps(out))

@@ -648,8 +648,10 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
             )
     if problems and reference.get("env", {}).get("gpu") != candidate.get("env", {}).get("gpu"):
         problems.append(
-            f"note: recorded on different GPUs ({reference['env'].get('gpu')} vs {candidate['env'].get('gpu')}); "
-            "rerun both modes on one GPU (tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py) to rule that out"
+            f"note: recorded on different GPUs "
+            f"({reference['env'].get('gpu')} vs {candidate['env'].get('gpu')}); "
+            "rerun both modes on one GPU (tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py) "
+            "to rule that out"
         )
     return problems
 
@@ -697,7 +699,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"DIFF: {p}", file=sys.stderr)
     if not problems:
         print(
-            f"serve_smoke: {len(reference['answers'])} answers equal ({reference['mode']} vs {candidate['mode']})"
+            f"serve_smoke: {len(reference['answers'])} answers equal "
+            f"({reference['mode']} vs {candidate['mode']})"
         )
     return 1 if problems else 0
 

@@ -17,7 +17,8 @@ or the hub snapshot is already cached. ``MINICPMO_CG_E2E_ENFORCE_EAGER=1`` adds 
 ``--enforce-eager`` server. Run it through the lane setup, which applies the patch
 set first::
 
-    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda -k test_minicpmo_4_5_encoder_cuda_graph
+    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda \\
+        -k test_minicpmo_4_5_encoder_cuda_graph
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def test_graphed_answers_equal_eager(recordings: dict[str, dict]) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(
     os.environ.get("MINICPMO_CG_E2E_ENFORCE_EAGER") != "1",
-    reason="set MINICPMO_CG_E2E_ENFORCE_EAGER=1 to also start an --enforce-eager server (one more model load)",
+    reason="set MINICPMO_CG_E2E_ENFORCE_EAGER=1 to also start an --enforce-eager server "
+    "(one more model load)",
 )
 def test_enforce_eager_serves_without_encoder_graphs(model: str, tmp_path: Path) -> None:
     # --enforce-eager also turns off the Thinker's decode graphs, so only self-consistency
