@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5 input encoder CUDA graphs: a fork-style patch set on vllm-omni.
 
-Installs the ``minicpmo_cg`` package (patch tool, main job) and ships, as package
+Installs the ``minicpmo_cg`` package (patch tool, demo, benchmark) and ships, as package
 data, the adapter (``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py``)
 and the patch series (``patches/``) that the tool installs into vllm-omni / vLLM.
 
@@ -12,6 +12,7 @@ Lanes are extras because the patch set supports two pinned vLLM/vllm-omni pairs;
 
 import os
 import shutil
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -39,7 +40,7 @@ setup(
     name="minicpmo-encoder-cuda-graphs",
     version="0.1.0",
     description="Exact-shape CUDA graphs for MiniCPM-o 4.5's vision and audio encoders on vllm-omni",
-    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description=Path(HERE, "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
@@ -55,7 +56,8 @@ setup(
     entry_points={
         "console_scripts": [
             "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
-            "minicpmo-cg-demo = minicpmo_cg.main_job:main",
+            "minicpmo-cg-demo = minicpmo_cg.demo:main",
+            "minicpmo-cg-bench = minicpmo_cg.bench.cli:main",
         ]
     },
     classifiers=[

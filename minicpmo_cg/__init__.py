@@ -1,1 +1,1 @@
-"""Patch tool, resources and main job for the MiniCPM-o 4.5 encoder CUDA graph patch set."""
+"""MiniCPM-o 4.5 encoder CUDA graphs: the patch tool, the demo and the benchmark around the patch set."""

@@ -1,11 +1,12 @@
-"""Real inputs for the main job: photos and speech, through MiniCPM-o's own preprocessing.
+"""Real inputs for the demo and the benchmark: photos and speech, through MiniCPM-o's own preprocessing.
 
 Photos come from scikit-image's bundled sample data (``skimage.data``; the files ship inside
 the wheel, so nothing is downloaded) and go through vllm-omni's ``MiniCPMVImageProcessor``
 with the checkpoint's slicing (``max_slice_nums`` 9, ``scale_resolution`` 448, patch 14): each
 image becomes a source slice plus, when its area exceeds 448², a grid of slices, every slice
 unfolded to ``(3, 14, h*w*14)`` float32 with ``tgt_sizes`` row ``(h, w)`` in patches.
-(``--quick`` slices at ``scale_resolution`` 224 instead, for about 4x fewer patches per slice.)
+(The demo's reduced size slices at ``scale_resolution`` 224 instead, for about 4x fewer patches
+per slice.)
 
 Speech comes from the voice ``.wav`` files that the installed vllm-omni wheel ships (found by
 :func:`voice_files`), resampled to 16 kHz with ``scipy.signal.resample_poly`` and turned into
@@ -32,7 +33,6 @@ import torch
 #: Whisper front end: 16 kHz input, 80 mel bins, hop 160 samples -> 100 mel frames per second.
 SAMPLING_RATE = 16000
 NUM_MEL_BINS = 80
-MEL_FRAMES_PER_SECOND = 100
 #: MiniCPM-o cuts audio into parts of at most 30 s (Whisper's window, 3000 mel frames).
 MAX_CLIP_SECONDS = 30.0
 
@@ -141,9 +141,6 @@ class AudioInput:
 # Photos
 # ---------------------------------------------------------------------------------------------
 
-#: skimage.data photos used by the job (colour photographs available offline in the wheel).
-PHOTOS = ("chelsea", "astronaut", "rocket", "coffee", "hubble_deep_field", "retina")
-
 
 def load_photo(name: str) -> Any:
     """Return ``skimage.data.<name>()`` as an RGB ``PIL.Image``.
@@ -188,7 +185,7 @@ def make_image_processor(scale_resolution: int = SCALE_RESOLUTION) -> Any:
 
     Args:
         scale_resolution: slice side in pixels (the checkpoint's ``image_size``, 448, gives
-            slices of about 32 x 32 = 1024 patches); ``--quick`` uses 224 (about 256 patches).
+            slices of about 32 x 32 = 1024 patches); the demo's reduced size uses 224 (about 256 patches).
     """
     from minicpmo_cg.standalone import model_module
 
@@ -251,7 +248,9 @@ def voice_files() -> list[Path]:
     root = Path(vllm_omni.__file__).resolve().parent
     files = sorted(root.rglob("*.wav"))
     if not files:
-        raise RuntimeError(f"no .wav voice files found under {root} (the main job needs real speech)")
+        raise RuntimeError(
+            f"no .wav voice files found under {root} (the demo and the benchmark need real speech)"
+        )
     return files
 
 
@@ -349,16 +348,17 @@ def audio_input(
 
 
 # ---------------------------------------------------------------------------------------------
-# The job's input sets
+# The demo's input sets
 # ---------------------------------------------------------------------------------------------
 
 
-#: ``scale_resolution`` of ``--quick``: slices of about 16 x 16 = 256 patches instead of 1024.
+#: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches
+#: instead of 1024.
 QUICK_SCALE_RESOLUTION = 224
 
 
 def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
-    """The main job's inputs, vision first.
+    """The demo's inputs, vision first.
 
     Full set (checkpoint slicing, ``scale_resolution`` 448): ``chelsea`` (451x300, 1 slice of
     26x39), ``astronaut`` (512x512, 3 slices, padded mask), ``rocket`` (640x427, 3 slices,
@@ -368,7 +368,7 @@ def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
     ``speech_5s``, ``speech_full`` (default_female.wav, 9.04 s) and ``speech_pair``
     (default_male.wav 7.7 s + default_female.wav, padded batch of 2).
 
-    Quick set (smaller slices, ``scale_resolution`` :data:`QUICK_SCALE_RESOLUTION`):
+    Reduced set (``quick=True``; smaller slices, ``scale_resolution`` :data:`QUICK_SCALE_RESOLUTION`):
     ``chelsea@224`` (3 slices of up to 260 patches, padded mask), ``frame@224`` (224x224 crop,
     1 slice of 16x16), ``speech_1s``, ``speech_5s``.
     """

@@ -1,7 +1,8 @@
 """MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
 
-The checkpoint (``openbmb/MiniCPM-o-4_5``) cannot be downloaded here, and the main job only
-needs the input encoders, not the Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
+The demo, the benchmark and the CUDA tests need the input encoders at the checkpoint's
+dimensions, but neither the checkpoint (``openbmb/MiniCPM-o-4_5``, about 17 GB) nor its
+Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
 builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
 ``vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm``: the instance is
 created with ``object.__new__`` + ``nn.Module.__init__`` (so ``__init__``, which builds the
@@ -27,6 +28,8 @@ materialised on the CPU and initialised deterministically from a seeded generato
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +39,8 @@ import torch
 from torch import nn
 
 MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
+#: The adapter as the patch tool installs it beside the model file.
+ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 
 PATCH_HINT = (
     "the installed vllm-omni model file is not patched for encoder CUDA graphs "
@@ -47,10 +52,10 @@ PATCH_HINT = (
 # Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
 #
 # "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (checked by tests/test_main_job.py::test_config_values).
+# installed minicpmo_4_5_omni_llm.py (checked by
+# tests/demo/test_demo.py::test_config_values_match_installed_defaults).
 # "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
-# absent in) the MiniCPMOConfig defaults; these are the values the adapter contract
-# (docs: adapter_contract.md sections 12-13) and the model's own comments name.
+# absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
 # ---------------------------------------------------------------------------------------------
 
 #: Thinker LLM (Qwen3-8B): only ``hidden_size`` matters to the encoders (resampler embed dim and
@@ -119,8 +124,6 @@ def _progress(msg: str) -> None:
 
 def model_module() -> Any:
     """Import and return the installed vllm-omni MiniCPM-o 4.5 thinker model module."""
-    import importlib
-
     return importlib.import_module(MODEL_MODULE)
 
 
@@ -180,7 +183,7 @@ def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> Non
 
 @dataclass(frozen=True)
 class EncoderBuildInfo:
-    """What :func:`build_thinker_encoders` built (for logs and the main job's JSON).
+    """What :func:`build_thinker_encoders` built (for logs and the demo's JSON).
 
     Attributes:
         vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
@@ -227,23 +230,37 @@ def build_thinker_encoders(
         :func:`wire_encoder_graphs`.
     """
     start = time.perf_counter()
-    mod = model_module()
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
-
-    cls = mod.MiniCPMO45OmniLLMForConditionalGeneration
-    model = object.__new__(cls)
-    nn.Module.__init__(model)
-    model.config = config
-
     if progress:
         _progress(
             f"building thinker encoders ({'reduced' if reduced else 'full'}: "
             f"{config.vision_config.num_hidden_layers - int(config.drop_vision_last_layer)} vision + "
             f"{config.audio_config.encoder_layers} audio layers) ..."
         )
+    model = _bare_model_on_meta(config)
+    _materialise_(model, device=device, dtype=dtype, seed=seed, progress=progress)
+    model.build_info = EncoderBuildInfo(
+        vision_layers=len(model.vpm.encoder.layers),
+        audio_layers=len(model.apm.layers),
+        vision_attn=str(config.vision_config._attn_implementation),
+        audio_attn=str(model.apm.config._attn_implementation),
+        num_params=sum(p.numel() for p in model.parameters()),
+        build_s=time.perf_counter() - start,
+    )
+    if progress:
+        _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
+    return model
+
+
+def _bare_model_on_meta(config: Any) -> Any:
+    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device."""
+    mod = model_module()
+    model = object.__new__(mod.MiniCPMO45OmniLLMForConditionalGeneration)
+    nn.Module.__init__(model)
+    model.config = config
     # As MiniCPMO45OmniLLMForConditionalGeneration.__init__ does without a model-level
     # _attn_implementation (vLLM's ModelConfig has none): eager SigLIP attention.
     config.vision_config._attn_implementation = "eager"
@@ -254,51 +271,37 @@ def build_thinker_encoders(
         vpm.embed_dim = vpm.embeddings.embed_dim
         vpm.patch_size = vpm.embeddings.patch_size
         embed_dim = config.hidden_size
-        resampler = mod.Resampler(
+        model.vpm = vpm
+        model.resampler = mod.Resampler(
             num_queries=config.query_num,
             embed_dim=embed_dim,
             num_heads=embed_dim // 128,
             kv_dim=vpm.embed_dim,
             adaptive=True,
         )
-        apm = mod.MiniCPMWhisperEncoder(config.audio_config)
-        audio_output_dim = int(apm.config.encoder_ffn_dim // 4)
-        audio_avg_pooler = nn.AvgPool1d(config.audio_pool_step, stride=config.audio_pool_step)
-        audio_projection_layer = mod.MultiModalProjector(in_dim=audio_output_dim, out_dim=embed_dim)
-
-    model.vpm = vpm
-    model.resampler = resampler
-    model.apm = apm
-    model.audio_avg_pooler = audio_avg_pooler
-    model.audio_projection_layer = audio_projection_layer
+        model.apm = mod.MiniCPMWhisperEncoder(config.audio_config)
+        audio_output_dim = int(model.apm.config.encoder_ffn_dim // 4)
+        model.audio_avg_pooler = nn.AvgPool1d(config.audio_pool_step, stride=config.audio_pool_step)
+        model.audio_projection_layer = mod.MultiModalProjector(in_dim=audio_output_dim, out_dim=embed_dim)
     model.audio_encoder_layer = -1
     model.audio_past_key_values = None
+    return model
 
+
+def _materialise_(model: Any, *, device: torch.device, dtype: torch.dtype, seed: int, progress: bool) -> None:
+    """Allocate the meta model on the CPU, initialise it (:func:`init_weights_`), move and cast it."""
     model.to_empty(device="cpu")
     # to_empty leaves buffers uninitialised: rebuild the resampler's sincos position cache.
-    resampler._set_2d_pos_cache(resampler.max_size, device="cpu")
+    model.resampler._set_2d_pos_cache(model.resampler.max_size, device="cpu")
     if progress:
         num_params = sum(p.numel() for p in model.parameters())
         _progress(f"initialising {num_params / 1e6:.0f} M parameters (seed {seed}) ...")
     init_weights_(model, seed=seed)
-
     model.to(device=device)
     for param in model.parameters():
         param.data = param.data.to(dtype=dtype)
     model.eval()
     model.requires_grad_(False)
-
-    model.build_info = EncoderBuildInfo(
-        vision_layers=len(vpm.encoder.layers),
-        audio_layers=len(apm.layers),
-        vision_attn=str(config.vision_config._attn_implementation),
-        audio_attn=str(apm.config._attn_implementation),
-        num_params=sum(p.numel() for p in model.parameters()),
-        build_s=time.perf_counter() - start,
-    )
-    if progress:
-        _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
-    return model
 
 
 def has_graph_wiring(model: Any) -> bool:
@@ -306,30 +309,44 @@ def has_graph_wiring(model: Any) -> bool:
     return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
 
 
-def wire_encoder_graphs(model: Any, vllm_config: Any, *, enabled: bool, **options: Any) -> None:
+def wire_encoder_graphs(
+    model: Any, vllm_config: Any, *, enabled: Any, backend: Any = None, **options: Any
+) -> None:
     """Set the encoder CUDA graph ``--hf-overrides`` keys on ``model.config`` and wire the graphs.
 
-    Calls the patched ``model._init_encoder_cuda_graphs(vllm_config)``, which reads the options
-    from ``model.config`` and sets ``model.vpm._encoder_graph`` and
-    ``model._audio_encoder_graph`` (None when graphs are off).
+    The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
+    model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
+    only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
+    reads them and sets ``model.vpm._encoder_graph`` and ``model._audio_encoder_graph`` (None when
+    graphs are off).
 
     Args:
         model: from :func:`build_thinker_encoders`.
         vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
-        enabled: value of ``encoder_cuda_graph``.
-        **options: other keys without the ``encoder_cuda_graph_`` prefix, e.g.
-            ``max_graphs=16`` sets ``encoder_cuda_graph_max_graphs``.
+        enabled: value of ``encoder_cuda_graph`` (a bool).
+        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. the
+            benchmark's CPU stand-in; None keeps the adapter's CUDA backend.
+        **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
+            ``encoder_cuda_graph_max_graphs``.
 
     Raises:
         PatchMissingError: the installed model file is not patched (run ``minicpmo-cg-patch apply``).
+        ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
+        TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
     if not has_graph_wiring(model):
         raise PatchMissingError(f"minicpmo_cg: {PATCH_HINT}")
-    model.config.encoder_cuda_graph = bool(enabled)
-    for key, value in options.items():
-        setattr(model.config, f"encoder_cuda_graph_{key}", value)
+    options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
+    values = {"enabled": enabled, **options}
+    options_cls(**values)  # validates; raises before model.config changes
+    hf_keys = {f.name: f.metadata["hf_key"] for f in dataclasses.fields(options_cls)}
+    for attr, value in values.items():
+        setattr(model.config, hf_keys[attr], value)
     model._init_encoder_cuda_graphs(vllm_config)
+    for adapter in (vision_graph(model), audio_graph(model)):
+        if adapter is not None and backend is not None:
+            adapter.backend = backend  # before the first call, as the adapter allows
     if not enabled and (vision_graph(model) is not None or audio_graph(model) is not None):
         raise RuntimeError(
             "minicpmo_cg: _init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "

@@ -1,8 +1,8 @@
-"""A ``VllmConfig`` for running the encoders outside an engine (main job, benchmark, tests).
+"""A ``VllmConfig`` for running the encoders outside an engine (demo, benchmark, tests).
 
 vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and the
-compilation/parallel configs; a full ``ModelConfig`` would need a checkpoint, which
-cannot be downloaded here. ``ModelConfig.__new__`` gives an instance without running
+compilation/parallel configs; a full ``ModelConfig`` would need the checkpoint, which
+the encoders at random weights do not. ``ModelConfig.__new__`` gives an instance without running
 its checkpoint-resolving ``__init__``; only the attributes the manager and the
 adapter factory read are set.
 """
@@ -22,7 +22,9 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     from vllm.config import DeviceConfig, ModelConfig, MultiModalConfig, VllmConfig
 
     # Without a GPU vLLM cannot infer a device type; the encoders then only run eagerly.
-    config = VllmConfig() if torch.cuda.is_available() else VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config = (
+        VllmConfig() if torch.cuda.is_available() else VllmConfig(device_config=DeviceConfig(device="cpu"))
+    )
     model_config = ModelConfig.__new__(ModelConfig)
     object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
     object.__setattr__(model_config, "enforce_eager", enforce_eager)

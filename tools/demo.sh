@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Set up the current lane (cached venv), apply the patch set, and run the main job.
-#   usage: tools/demo.sh [LANE=current] [minicpmo-cg-demo args...]   e.g. tools/demo.sh --quick
+# Set up a lane (cached venv), apply the patch set, and run the demo (minicpmo-cg-demo).
+#   usage: tools/demo.sh [LANE=current] [minicpmo-cg-demo args...]   e.g. tools/demo.sh --full
+#   (LANE: a lanes/LANE.txt; without CUDA the demo runs its reduced size unless given --full)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 lane=current
 case "${1:-}" in
-  current|legacy) lane="$1"; shift ;;
   ""|-*) ;;
-  *) echo "usage: tools/demo.sh [current|legacy] [minicpmo-cg-demo args...] (unknown lane '$1')" >&2; exit 2 ;;
+  *)
+    if [ ! -f "$root/lanes/$1.txt" ]; then
+      lanes="$(cd "$root/lanes" && ls -- *.txt | sed 's/\.txt$//' | xargs)"
+      echo "usage: tools/demo.sh [LANE] [minicpmo-cg-demo args...]; unknown lane '$1' (lanes: $lanes)" >&2; exit 2
+    fi
+    lane="$1"; shift ;;
 esac
 venv="$(bash "$root/tools/setup_lane.sh" "$lane" | tail -n 1)"
 "$venv/bin/minicpmo-cg-patch" apply >&2

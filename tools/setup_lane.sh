@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment of one pinned lane and install this patch set into it.
-#   usage: tools/setup_lane.sh {current|legacy}     prints the venv's path on the last line of stdout
+#   usage: tools/setup_lane.sh LANE     (LANE: a lanes/LANE.txt, e.g. current) prints the venv's path on the last line of stdout
 # The venv is cached under ${MINICPMO_CG_CACHE:-~/.cache/minicpmo-cg}, keyed by the sha256 of
 # lanes/<lane>.txt and the Python version, so a change of pins builds a new one (~4 min, ~9 GB) and
 # anything else reuses it. The pip prefix ignores a machine-wide pip config / PIP_FIND_LINKS whose
 # CPU torch breaks vLLM's CUDA torchvision (see README "Install"); on an ordinary machine it is a no-op.
 set -euo pipefail
-lane="${1:-}"; [ -n "$lane" ] || { echo "usage: tools/setup_lane.sh current|legacy" >&2; exit 2; }
+lane="${1:-}"; [ -n "$lane" ] || { echo "usage: tools/setup_lane.sh LANE (a lanes/LANE.txt)" >&2; exit 2; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 pins="$root/lanes/$lane.txt"
 [ -f "$pins" ] || { echo "setup_lane: unknown lane '$lane' (have: $(ls "$root/lanes" | sed 's/\.txt//' | tr '\n' ' '))" >&2; exit 2; }

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Run the test suite on one pinned lane, or on both.
-#   usage: tools/test.sh {current|legacy|all} [pytest args...]
+# Run the test suite on one pinned lane, or on every lane.
+#   usage: tools/test.sh {LANE|all} [pytest args...]        (LANE: a lanes/LANE.txt, e.g. current)
 # For each lane: build/reuse its cached venv (tools/setup_lane.sh), apply the patch set to the
 # installed vLLM/vllm-omni (minicpmo-cg-patch apply: idempotent), print the patch status, run pytest.
-# CUDA tests skip with a reason on machines without a GPU; run them on a GPU host through
-# tools/gpu/run.sh. Lanes run current first, so the legacy lane's differential test can compare
+# CUDA tests skip with a reason on machines without a GPU. `all` runs the lanes in the sorted order
+# of their file names (current, then legacy), so the legacy lane's differential test can compare
 # against the outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 which="${1:-}"; shift || true
-case "$which" in
-  current|legacy) lanes=("$which") ;;
-  all) lanes=(current legacy) ;;
-  *) echo "usage: tools/test.sh {current|legacy|all} [pytest args...]" >&2; exit 2 ;;
-esac
+all_lanes=()
+for pins in "$root"/lanes/*.txt; do all_lanes+=("$(basename "$pins" .txt)"); done
+if [ "$which" = all ]; then
+  lanes=("${all_lanes[@]}")
+elif [ -n "$which" ] && [ -f "$root/lanes/$which.txt" ]; then
+  lanes=("$which")
+else
+  echo "usage: tools/test.sh {LANE|all} [pytest args...]; lanes: ${all_lanes[*]}" >&2; exit 2
+fi
 if [ -z "${MINICPMO_CG_DIFF_DIR:-}" ]; then
   MINICPMO_CG_DIFF_DIR="$(mktemp -d -t minicpmo-cg-diff.XXXXXX)"
   trap 'rm -rf "$MINICPMO_CG_DIFF_DIR"' EXIT

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run a command inside a lane's venv with the patch set applied (what tools/test.sh does before
-# pytest, for commands that are not pytest, e.g. tests/e2e/serve_smoke.py).
-#   usage: .buildkite/scripts/lane_exec.sh {current|legacy} COMMAND [ARGS...]
+# pytest, for commands that are not pytest, e.g. tests/helpers/serve_smoke.py).
+#   usage: .buildkite/scripts/lane_exec.sh LANE COMMAND [ARGS...]     (LANE: a lanes/LANE.txt)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 lane="${1:-}"; shift || true
-case "$lane" in
-  current|legacy) ;;
-  *) echo "usage: .buildkite/scripts/lane_exec.sh {current|legacy} COMMAND [ARGS...]" >&2; exit 2 ;;
-esac
+if [ -z "$lane" ] || [ ! -f "$root/lanes/$lane.txt" ]; then
+  echo "usage: .buildkite/scripts/lane_exec.sh LANE COMMAND [ARGS...]; lanes: $(cd "$root/lanes" && ls -- *.txt | sed 's/\.txt$//' | xargs)" >&2
+  exit 2
+fi
 [ $# -gt 0 ] || { echo "lane_exec: no command" >&2; exit 2; }
 venv="$(bash "$root/tools/setup_lane.sh" "$lane" | tail -n 1)"
 "$venv/bin/minicpmo-cg-patch" apply >&2

@@ -12,6 +12,10 @@ vllm-omni's style that Buildkite does not know, handled here:
   changed file lies under a path of its groups (``common/ci_source_file_dependencies.yml``);
   a step that depends on a dropped step is dropped too. Other builds run every step.
 
+One value is filled in: a matrix dimension ``lane: lanes/*.txt`` becomes the lane names (the
+file names of ``lanes/*.txt``, sorted), and a matrix adjustment that names no lane is repeated
+for every lane, so the level files never list the lanes themselves.
+
 Levels (cumulative): L2 ``test-ready`` (pull request labelled ``ready``; without the label
 only its CPU steps), L3 ``test-merge`` (builds of the default branch), L4 ``test-nightly``
 (scheduled builds). ``MINICPMO_CG_CI_LEVEL=L2|L3|L4`` forces a level.
@@ -42,7 +46,8 @@ LEVEL_FILES = {"L2": "cuda/test-ready.yml", "L3": "cuda/test-merge.yml", "L4": "
 LEVEL_ORDER = ("L2", "L3", "L4")
 HARDWARE_FILE = "common/ci_mirror_hardwares.yml"
 DEPENDENCY_FILE = "common/ci_source_file_dependencies.yml"
-CUSTOM_KEYS = ("mirror_hardwares", "source_file_dependencies")
+#: the value of a ``lane`` matrix dimension that stands for every lane
+LANES_GLOB = "lanes/*.txt"
 READY_LABEL = "ready"
 
 
@@ -112,6 +117,38 @@ def changed_files(env: Mapping[str, str]) -> list[str] | None:
 # ---------------------------------------------------------------------------
 
 
+def lane_names() -> list[str]:
+    """The lanes, by the file names of ``lanes/*.txt`` (sorted: ``current`` before ``legacy``)."""
+    return sorted(p.stem for p in REPO.glob(LANES_GLOB))
+
+
+def resolve_lanes(step: Mapping[str, Any], lanes: Sequence[str]) -> dict[str, Any]:
+    """``step`` with a ``lane: lanes/*.txt`` matrix dimension replaced by ``lanes``.
+
+    An adjustment without a ``lane`` applies to every lane: it is repeated once per lane (Buildkite
+    needs every dimension in an adjustment). Other steps are returned unchanged (as a copy).
+
+    Raises:
+        PipelineError: the step needs the lanes but there are none.
+    """
+    step = copy.deepcopy(dict(step))
+    matrix = step.get("matrix")
+    if not isinstance(matrix, dict) or matrix.get("setup", {}).get("lane") != LANES_GLOB:
+        return step
+    if not lanes:
+        raise PipelineError(f"step {step.get('key')!r}: no lanes in {LANES_GLOB}")
+    matrix["setup"]["lane"] = list(lanes)
+    if "adjustments" in matrix:
+        adjustments = []
+        for adj in matrix["adjustments"]:
+            if "lane" in adj["with"]:
+                adjustments.append(adj)
+            else:
+                adjustments += [{**adj, "with": {"lane": lane, **adj["with"]}} for lane in lanes]
+        matrix["adjustments"] = adjustments
+    return step
+
+
 def _depends_on(step: Mapping[str, Any]) -> list[str]:
     deps = step.get("depends_on") or []
     if isinstance(deps, (str, dict)):
@@ -149,41 +186,31 @@ def touches(paths: Sequence[str], changed: Sequence[str]) -> bool:
     return any(f == p or (p.endswith("/") and f.startswith(p)) for f in changed for p in paths)
 
 
-def build_steps(
-    level_docs: Sequence[Mapping[str, Any]],
+def _drop_reason(
+    step: Mapping[str, Any],
     hardware: Mapping[str, Mapping[str, Any]],
     groups: Mapping[str, Sequence[str]],
     changed: Sequence[str] | None,
-    cpu_only: bool = False,
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Plain Buildkite steps from the level documents, and the messages about dropped steps."""
-    steps = [copy.deepcopy(s) for doc in level_docs for s in (doc or {}).get("steps", [])]
-    dropped: dict[str, str] = {}
-    kept: list[dict[str, Any]] = []
-    for step in steps:
-        key = step.get("key")
-        if not key:
-            raise PipelineError(f"step without a key: {step.get('label')!r}")
-        hws = step.get("mirror_hardwares") or []
-        unknown = [h for h in hws if h not in hardware]
-        if unknown:
-            raise PipelineError(f"step {key!r}: unknown mirror_hardwares {unknown} ({HARDWARE_FILE})")
-        paths = step_paths(step, groups)
-        if cpu_only and any(hardware[h].get("gpus", 0) for h in hws):
-            dropped[key] = "needs a GPU (add the `ready` label to run GPU steps)"
-        elif changed is not None and paths is not None and not touches(paths, changed):
-            dropped[key] = "no change under its source_file_dependencies"
-        else:
-            kept.append(step)
-    # a step whose dependency was dropped cannot run either (repeat until stable)
-    while True:
-        newly = [s for s in kept if any(d in dropped for d in _depends_on(s))]
-        if not newly:
-            break
-        for s in newly:
-            dropped[s["key"]] = "depends on a dropped step"
-        kept = [s for s in kept if s["key"] not in dropped]
+    cpu_only: bool,
+) -> str | None:
+    """Why this build does not run ``step`` (None: it runs); raises on unknown names."""
+    key = step.get("key")
+    if not key:
+        raise PipelineError(f"step without a key: {step.get('label')!r}")
+    hws = step.get("mirror_hardwares") or []
+    unknown = [h for h in hws if h not in hardware]
+    if unknown:
+        raise PipelineError(f"step {key!r}: unknown mirror_hardwares {unknown} ({HARDWARE_FILE})")
+    paths = step_paths(step, groups)
+    if cpu_only and any(hardware[h].get("gpus", 0) for h in hws):
+        return "needs a GPU (add the `ready` label to run GPU steps)"
+    if changed is not None and paths is not None and not touches(paths, changed):
+        return "no change under its source_file_dependencies"
+    return None
 
+
+def _mirror(kept: list[dict[str, Any]], hardware: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Resolve ``mirror_hardwares`` into ``agents`` (one copy per hardware when there are several)."""
     copies: dict[str, list[str]] = {}
     out: list[dict[str, Any]] = []
     for step in kept:
@@ -204,8 +231,41 @@ def build_steps(
             out.append(mirrored)
     for step in out:
         _rewrite_depends_on(step, copies)
+    return out
+
+
+def build_steps(
+    level_docs: Sequence[Mapping[str, Any]],
+    hardware: Mapping[str, Mapping[str, Any]],
+    groups: Mapping[str, Sequence[str]],
+    changed: Sequence[str] | None,
+    cpu_only: bool = False,
+    lanes: Sequence[str] | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Plain Buildkite steps from the level documents, and the messages about dropped steps.
+
+    ``lanes`` defaults to :func:`lane_names`.
+    """
+    lanes = lane_names() if lanes is None else lanes
+    steps = [resolve_lanes(s, lanes) for doc in level_docs for s in (doc or {}).get("steps", [])]
+    dropped: dict[str, str] = {}
+    kept: list[dict[str, Any]] = []
+    for step in steps:
+        reason = _drop_reason(step, hardware, groups, changed, cpu_only)
+        if reason is None:
+            kept.append(step)
+        else:
+            dropped[step["key"]] = reason
+    # a step whose dependency was dropped cannot run either (repeat until stable)
+    while True:
+        newly = [s for s in kept if any(d in dropped for d in _depends_on(s))]
+        if not newly:
+            break
+        for s in newly:
+            dropped[s["key"]] = "depends on a dropped step"
+        kept = [s for s in kept if s["key"] not in dropped]
     messages = [f"skipped {key}: {why}" for key, why in dropped.items()]
-    return out, messages
+    return _mirror(kept, hardware), messages
 
 
 def build_pipeline(

@@ -3,201 +3,57 @@
 
 Checked without Buildkite: every YAML parses; steps are keyed (unique), labelled and time
 bounded and use only known attributes; matrices are consistent (placeholders, adjustments,
-skip reasons); every repo path a command names exists; every ``-m`` expression uses only the
-markers registered in pyproject.toml and selects at least one collected test; the matrices
-cover lane (current, legacy) × mode (eager, graphed) × level (CPU unit, CUDA unit, e2e);
-the e2e comparison reads what the serve jobs write; and the uploader that turns the level
-files into plain Buildkite YAML selects levels, filters and resolves hardware correctly.
+skip reasons); the level files take their lanes from ``lanes/*.txt``; every repo path a command
+names exists; every ``-m`` expression uses only the markers registered in pyproject.toml and
+selects at least one collected test; the matrices cover lane (every ``lanes/*.txt``) × mode
+(eager, graphed) × level (CPU unit, CUDA unit, e2e); the e2e comparison reads what the serve
+jobs write; and the uploader that turns the level files into plain Buildkite YAML selects
+levels, fills in the lanes, filters and resolves hardware correctly.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import copy
 import itertools
 import json
-import re
-import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
-
-REPO = Path(__file__).resolve().parents[2]
-BK = REPO / ".buildkite"
-LANES = ("current", "legacy")
-MODES = ("eager", "graphed")
-LEVELS = ("cpu-unit", "cuda-unit", "e2e")
-
-# Buildkite command-step attributes (https://buildkite.com/docs/pipelines/configure/step-types/command-step)
-# plus the two vllm-omni-style keys that upload_pipeline.py consumes.
-COMMAND_STEP_ATTRIBUTES = {
-    "label",
-    "key",
-    "command",
-    "commands",
-    "agents",
-    "env",
-    "timeout_in_minutes",
-    "matrix",
-    "depends_on",
-    "artifact_paths",
-    "retry",
-    "soft_fail",
-    "skip",
-    "if",
-    "plugins",
-    "priority",
-    "parallelism",
-    "concurrency",
-    "concurrency_group",
-    "allow_dependency_failure",
-    "branches",
-    "cancel_on_build_failing",
-    "notify",
-    "signature",
-}
-CUSTOM_ATTRIBUTES = {"mirror_hardwares", "source_file_dependencies"}
-KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-PLACEHOLDER_RE = re.compile(r"\{\{\s*matrix\.([A-Za-z0-9_]+)\s*\}\}")
-# repo-relative paths a command may name (outputs under out/ are written, not read)
-PATH_RE = re.compile(
-    r"^(?:\./)?((?:tools|tests|\.buildkite|benchmarks|patches|lanes|vllm_omni|minicpmo_cg|docs)/[\w./-]*)$"
+from helpers import serve_smoke as smoke
+from helpers.buildkite import (
+    BK,
+    COMMAND_STEP_ATTRIBUTES,
+    CUSTOM_ATTRIBUTES,
+    GROUPS,
+    HARDWARE,
+    KEY_RE,
+    LANES,
+    LEVELS,
+    MODES,
+    PATH_RE,
+    PLACEHOLDER_RE,
+    REPO,
+    SERVE_SMOKE,
+    Job,
+    all_jobs,
+    all_steps,
+    expr_words,
+    lane_of,
+    level_of,
+    level_steps,
+    load,
+    marker_expressions,
+    mode_of,
+    raw_level_steps,
+    uploader,
+    yaml_files,
 )
-LANE_SCRIPTS = ("tools/test.sh", ".buildkite/scripts/lane_exec.sh", "tools/demo.sh")
 
-
-def _load_script(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-uploader = _load_script("minicpmo_cg_bk_upload_pipeline", BK / "scripts" / "upload_pipeline.py")
-smoke = _load_script("minicpmo_cg_e2e_serve_smoke", REPO / "tests" / "e2e" / "serve_smoke.py")
-
-
-# ---------------------------------------------------------------------------
-# Loading and matrix expansion
-# ---------------------------------------------------------------------------
-
-
-def yaml_files() -> list[Path]:
-    return sorted(p for pattern in ("*.yml", "*.yaml") for p in BK.rglob(pattern))
-
-
-def load(path: Path) -> Any:
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
-
-
-def level_steps() -> list[tuple[str, dict]]:
-    """(level id, step) of every level file, in upload order."""
-    return [(lv, s) for lv in uploader.LEVEL_ORDER for s in load(BK / uploader.LEVEL_FILES[lv])["steps"]]
-
-
-def all_steps() -> list[dict]:
-    return load(BK / "pipeline.yml")["steps"] + [s for _, s in level_steps()]
-
-
-HARDWARE = load(BK / uploader.HARDWARE_FILE)
-GROUPS = load(BK / uploader.DEPENDENCY_FILE)
-
-
-@dataclass
-class Job:
-    step_key: str
-    label: str
-    command: str
-    values: dict[str, str]
-    hardware: list[str]
-    skip: Any = None  # None: runs; else the adjustment's skip value
-
-    @property
-    def argv(self) -> list[str]:
-        return shlex.split(self.command.replace(";", " ; "))
-
-
-def _interpolate(text: str, values: dict[str, str]) -> str:
-    return PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], text)
-
-
-def expand(step: dict) -> list[Job]:
-    """The jobs Buildkite makes of a step: its matrix product, adjusted (skip / added combinations)."""
-    command = step.get("command") or "\n".join(step.get("commands", []))
-    hardware = list(step.get("mirror_hardwares") or [])
-    matrix = step.get("matrix")
-    if matrix is None:
-        return [Job(step["key"], step["label"], command, {}, hardware)]
-    setup = matrix["setup"]
-    dims = list(setup)
-    combos = [dict(zip(dims, vals)) for vals in itertools.product(*(setup[d] for d in dims))]
-    skips: dict[tuple, Any] = {}
-    for adj in matrix.get("adjustments", []):
-        combo = {k: str(v) for k, v in adj["with"].items()}
-        if combo not in combos:
-            combos.append(combo)
-        if "skip" in adj:
-            skips[tuple(sorted(combo.items()))] = adj["skip"]
-    return [
-        Job(
-            step["key"],
-            _interpolate(step["label"], c),
-            _interpolate(command, c),
-            c,
-            hardware,
-            skips.get(tuple(sorted(c.items()))),
-        )
-        for c in combos
-    ]
-
-
-def all_jobs() -> list[Job]:
-    return [job for _, step in level_steps() for job in expand(step)]
-
-
-def marker_expr(job: Job) -> str | None:
-    argv = job.argv
-    return argv[argv.index("-m") + 1] if "-m" in argv else None
-
-
-def expr_words(expr: str) -> set[str]:
-    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)) - {"and", "or", "not"}
-
-
-def lane_of(job: Job) -> str | None:
-    argv = job.argv
-    for script in LANE_SCRIPTS:
-        if script in argv:
-            return argv[argv.index(script) + 1]
-    return None
-
-
-def level_of(job: Job) -> str | None:
-    argv = job.argv
-    if "tests/e2e/serve_smoke.py" in argv and "run" in argv:
-        return "e2e"
-    expr = marker_expr(job)
-    if expr is None:
-        return None
-    words = expr_words(expr)
-    if "multi_gpu" in words:
-        return "multi-gpu"
-    return "cuda-unit" if "cuda" in words else "cpu-unit" if "cpu" in words else None
-
-
-def mode_of(job: Job) -> str | None:
-    argv = job.argv
-    if "--mode" in argv:
-        return argv[argv.index("--mode") + 1]
-    return job.values.get("mode")
+pytestmark = [pytest.mark.core_model]
 
 
 # ---------------------------------------------------------------------------
@@ -205,6 +61,7 @@ def mode_of(job: Job) -> str | None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_the_tree_has_the_entry_point_and_the_level_files() -> None:
     names = {str(p.relative_to(BK)) for p in yaml_files()}
     assert {
@@ -215,12 +72,14 @@ def test_the_tree_has_the_entry_point_and_the_level_files() -> None:
     } <= names
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(BK)))
 def test_every_yaml_parses_to_a_mapping(path: Path) -> None:
     doc = load(path)
     assert isinstance(doc, dict) and doc, f"{path} is empty or not a mapping"
 
 
+@pytest.mark.cpu
 def test_steps_are_keyed_unique_labelled_time_bounded_and_known() -> None:
     keys = []
     for step in all_steps():
@@ -241,6 +100,7 @@ def test_steps_are_keyed_unique_labelled_time_bounded_and_known() -> None:
     assert len(keys) == len(set(keys)), f"duplicate step keys: {sorted(k for k in keys if keys.count(k) > 1)}"
 
 
+@pytest.mark.cpu
 def test_the_entry_point_only_uploads() -> None:
     (step,) = load(BK / "pipeline.yml")["steps"]
     assert step["command"] == "bash .buildkite/scripts/bootstrap.sh"
@@ -248,6 +108,7 @@ def test_the_entry_point_only_uploads() -> None:
     assert "upload_pipeline.py" in (BK / "scripts" / "bootstrap.sh").read_text()
 
 
+@pytest.mark.cpu
 def test_matrices_are_consistent() -> None:
     for _, step in level_steps():
         key = step["key"]
@@ -275,6 +136,49 @@ def test_matrices_are_consistent() -> None:
                 assert isinstance(adj["skip"], str) and adj["skip"].strip(), f"{key}: a skip needs its reason"
 
 
+@pytest.mark.cpu
+def test_level_files_take_their_lanes_from_the_lanes_folder() -> None:
+    assert LANES and LANES == tuple(sorted(p.stem for p in (REPO / "lanes").glob("*.txt")))
+    with_lanes = 0
+    for _, step in raw_level_steps():
+        matrix = step.get("matrix") or {}
+        if "lane" in matrix.get("setup", {}):
+            assert matrix["setup"]["lane"] == uploader.LANES_GLOB, f"{step['key']}: lists its lanes"
+            with_lanes += 1
+        for adj in matrix.get("adjustments", []):
+            assert "lane" not in adj["with"], f"{step['key']}: an adjustment names a lane"
+        command = step.get("command") or "\n".join(step.get("commands", []))
+        words = set(command.replace(";", " ").split())
+        assert not words & set(LANES), f"{step['key']}: names a lane in its command"
+    assert with_lanes >= 5
+
+
+@pytest.mark.cpu
+def test_resolve_lanes_fills_in_every_lane_and_repeats_lane_free_adjustments() -> None:
+    step = {
+        "key": "k",
+        "matrix": {
+            "setup": {"lane": uploader.LANES_GLOB, "mode": ["graphed", "eager"]},
+            "adjustments": [{"with": {"mode": "eager"}, "skip": "why"}, {"with": {"lane": "b", "mode": "x"}}],
+        },
+    }
+    original = copy.deepcopy(step)
+    resolved = uploader.resolve_lanes(step, ["a", "b", "c"])
+    assert step == original  # not modified in place
+    assert resolved["matrix"]["setup"] == {"lane": ["a", "b", "c"], "mode": ["graphed", "eager"]}
+    assert resolved["matrix"]["adjustments"] == [
+        {"with": {"lane": "a", "mode": "eager"}, "skip": "why"},
+        {"with": {"lane": "b", "mode": "eager"}, "skip": "why"},
+        {"with": {"lane": "c", "mode": "eager"}, "skip": "why"},
+        {"with": {"lane": "b", "mode": "x"}},
+    ]
+    plain = {"key": "p", "matrix": {"setup": {"mode": ["a"]}}}
+    assert uploader.resolve_lanes(plain, ["a"]) == plain
+    with pytest.raises(uploader.PipelineError, match="no lanes"):
+        uploader.resolve_lanes(step, [])
+
+
+@pytest.mark.cpu
 def test_depends_on_targets_exist_at_the_same_or_a_lower_level() -> None:
     seen: set[str] = set()
     for level in uploader.LEVEL_ORDER:
@@ -286,6 +190,7 @@ def test_depends_on_targets_exist_at_the_same_or_a_lower_level() -> None:
         seen = keys
 
 
+@pytest.mark.cpu
 def test_hardware_and_source_dependency_groups_resolve_to_existing_things() -> None:
     for _, step in level_steps():
         hws = step.get("mirror_hardwares")
@@ -308,6 +213,7 @@ def test_hardware_and_source_dependency_groups_resolve_to_existing_things() -> N
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_every_path_a_command_names_exists() -> None:
     checked = 0
     for job in all_jobs():
@@ -322,6 +228,7 @@ def test_every_path_a_command_names_exists() -> None:
     assert checked >= len(all_jobs()), "path extraction found fewer paths than jobs; is PATH_RE stale?"
 
 
+@pytest.mark.cpu
 def test_lane_arguments_are_pinned_lanes() -> None:
     lanes = {p.stem for p in (REPO / "lanes").glob("*.txt")}
     assert set(LANES) <= lanes
@@ -335,10 +242,6 @@ def test_lane_arguments_are_pinned_lanes() -> None:
                 assert lane == job.values["lane"], (
                     f"{job.label}: runs lane {lane} in the {job.values['lane']} cell"
                 )
-
-
-def marker_expressions() -> list[str]:
-    return sorted({e for job in all_jobs() if (e := marker_expr(job)) is not None})
 
 
 _COLLECT_DRIVER = """
@@ -356,7 +259,8 @@ class Count:
 out = {"counts": {}}
 for expr in json.loads(sys.argv[1]):
     counter = Count()
-    rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"], plugins=[counter])
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr, "tests"]
+    rc = pytest.main(args, plugins=[counter])
     out["counts"][expr] = {"rc": int(rc), "items": counter.items}
     out["markers"] = counter.markers
 print("MARKER-COUNTS " + json.dumps(out))
@@ -382,6 +286,7 @@ def collected() -> dict[str, Any]:
     return json.loads(lines[-1][len("MARKER-COUNTS ") :])
 
 
+@pytest.mark.cpu
 def test_marker_expressions_use_only_registered_markers(collected: dict[str, Any]) -> None:
     exprs = marker_expressions()
     assert {"core_model and cpu", "core_model and cuda"} <= set(exprs)
@@ -391,6 +296,7 @@ def test_marker_expressions_use_only_registered_markers(collected: dict[str, Any
         assert expr_words(expr) <= registered, f"-m {expr!r}: unregistered {expr_words(expr) - registered}"
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("expr", marker_expressions())
 def test_marker_expression_selects_collected_tests(expr: str, collected: dict[str, Any]) -> None:
     result = collected["counts"][expr]
@@ -398,11 +304,49 @@ def test_marker_expression_selects_collected_tests(expr: str, collected: dict[st
     assert result["items"] and result["items"] > 0, f"-m {expr!r} selects no test"
 
 
+_MARK_CASES = """
+import pytest
+
+def test_unmarked():
+    pass
+
+@pytest.mark.cpu
+def test_cpu():
+    pass
+
+@pytest.mark.cpu
+@pytest.mark.cuda
+def test_both():
+    pass
+"""
+
+
+@pytest.mark.cpu
+def test_root_conftest_rejects_tests_without_exactly_one_hardware_mark(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cpu: c\n    cuda: g\n")
+    (tmp_path / "test_marks.py").write_text(_MARK_CASES)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out
+    error = out[out.index("every test needs exactly one of the marks cpu, cuda") :]
+    assert "test_marks.py::test_unmarked (none)" in error and "test_marks.py::test_both (cpu, cuda)" in error
+    assert "test_cpu" not in error
+
+
 # ---------------------------------------------------------------------------
 # Coverage and the e2e contract
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_matrix_covers_every_lane_mode_and_level() -> None:
     cells: dict[tuple[str, str, str], list[Job]] = {}
     for job in all_jobs():
@@ -422,6 +366,7 @@ def test_matrix_covers_every_lane_mode_and_level() -> None:
             assert mode_of(job) == job.values["mode"], f"{job.label}: serves --mode {mode_of(job)}"
 
 
+@pytest.mark.cpu
 def test_the_lane_differential_runs_both_lanes_in_one_job() -> None:
     # tests/vllm_patches/test_lane_differential.py compares the lanes through $MINICPMO_CG_DIFF_DIR,
     # which tools/test.sh shares only between the lanes of one invocation
@@ -431,6 +376,7 @@ def test_the_lane_differential_runs_both_lanes_in_one_job() -> None:
     assert (REPO / "tests/vllm_patches/test_lane_differential.py").is_file()
 
 
+@pytest.mark.cpu
 def test_levels_run_on_matching_hardware() -> None:
     for job in all_jobs():
         level = level_of(job)
@@ -443,6 +389,7 @@ def test_levels_run_on_matching_hardware() -> None:
             assert gpus and min(gpus) >= 2, f"{job.step_key}: multi_gpu tests need two GPUs"
 
 
+@pytest.mark.cpu
 def test_e2e_modes_are_the_documented_flags() -> None:
     assert smoke.MODE_ARGS["graphed"] == []
     flags = smoke.MODE_ARGS["eager"]
@@ -452,6 +399,7 @@ def test_e2e_modes_are_the_documented_flags() -> None:
     assert served <= set(smoke.MODE_ARGS), served
 
 
+@pytest.mark.cpu
 def test_e2e_compare_reads_what_the_serve_jobs_write() -> None:
     outputs: dict[tuple[str, str], str] = {}
     serve_keys = set()
@@ -460,7 +408,7 @@ def test_e2e_compare_reads_what_the_serve_jobs_write() -> None:
             argv = job.argv
             outputs[(lane_of(job), mode_of(job))] = argv[argv.index("--out") + 1]
             serve_keys.add(job.step_key)
-    compares = [j for j in all_jobs() if "tests/e2e/serve_smoke.py" in j.argv and "compare" in j.argv]
+    compares = [j for j in all_jobs() if SERVE_SMOKE in j.argv and "compare" in j.argv]
     compared_lanes = set()
     for job in compares:
         argv = job.argv
@@ -479,6 +427,7 @@ def test_e2e_compare_reads_what_the_serve_jobs_write() -> None:
     assert all("out/e2e/*.json" in a for a in artifacts), "serve jobs must upload their recordings"
 
 
+@pytest.mark.cpu
 def test_lane_exec_rejects_unknown_lanes_before_doing_anything() -> None:
     script = BK / "scripts" / "lane_exec.sh"
     for path in (BK / "scripts").glob("*.sh"):
@@ -494,6 +443,7 @@ def test_lane_exec_rejects_unknown_lanes_before_doing_anything() -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize(
     "env, levels, cpu_only",
     [
@@ -522,11 +472,13 @@ def test_level_selection(env: dict, levels: list[str], cpu_only: bool) -> None:
     assert uploader.select_levels(env) == (levels, cpu_only)
 
 
+@pytest.mark.cpu
 def test_unknown_forced_level_is_an_error() -> None:
     with pytest.raises(uploader.PipelineError):
         uploader.select_levels({"MINICPMO_CG_CI_LEVEL": "L9"})
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("level", uploader.LEVEL_ORDER)
 def test_uploaded_pipeline_is_plain_buildkite(level: str) -> None:
     pipeline = uploader.build_pipeline({}, None, level)
@@ -544,16 +496,23 @@ def test_uploaded_pipeline_is_plain_buildkite(level: str) -> None:
         )
         assert step["agents"]["queue"], step["key"]
         assert set(uploader._depends_on(step)) <= keys
+        if "lane" in step.get("matrix", {}).get("setup", {}):
+            assert step["matrix"]["setup"]["lane"] == list(LANES), step["key"]
     # round trip through the YAML the agent receives
     assert yaml.safe_load(yaml.safe_dump(pipeline, allow_unicode=True)) == pipeline
 
 
+@pytest.mark.cpu
 def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() -> None:
     def keys(changed):
         return [s["key"] for s in uploader.build_pipeline({}, changed, "L3")["steps"]]
 
     assert keys(["README.md"]) == []
-    assert keys(["tests/e2e/serve_smoke.py"]) == ["e2e-serve", "e2e-compare"]
+    assert keys([SERVE_SMOKE]) == ["e2e-serve", "e2e-compare"]
+    assert keys(["tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py"]) == [
+        "e2e-serve",
+        "e2e-compare",
+    ]
     assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]) == [
         "cpu-unit",
         "cuda-unit",
@@ -578,6 +537,7 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
     assert keys(["tests/e2e_old/notes.txt"]) == []
 
 
+@pytest.mark.cpu
 def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
     env = {"BUILDKITE_PULL_REQUEST": "3", "BUILDKITE_PULL_REQUEST_LABELS": ""}
     steps = uploader.build_pipeline(
@@ -589,6 +549,7 @@ def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
     assert [s["key"] for s in steps] == ["cpu-unit", "lane-differential"]
 
 
+@pytest.mark.cpu
 def test_mirroring_dropping_and_unknown_names() -> None:
     hardware = {
         "cpu": {"gpus": 0, "agents": {"queue": "c"}},

@@ -1,27 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The main job on CUDA: ``--quick`` with encoder graphs must match eager (kept apart from
-``test_main_job.py`` so that ``-m "core_model and cpu"`` never selects it)."""
+"""The demo on CUDA: the reduced size with encoder graphs must match eager (kept apart from
+``test_demo.py`` so that ``-m "core_model and cpu"`` never selects it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.runs import REDUCED_INPUTS, demo_table_rows, run_demo
 
-from test_main_job import QUICK_INPUTS, _run_job, _table_rows
+from minicpmo_cg.measure import GRAPH_REL_TOL
 
 pytestmark = [pytest.mark.core_model]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
-def test_quick_job_on_cuda_graphs_match_eager(tmp_path):
-    proc, report = _run_job("--quick", "--device", "cuda", tmp_path=tmp_path)
+def test_quick_demo_on_cuda_graphs_match_eager(tmp_path):
+    proc, report = run_demo("--quick", "--device", "cuda", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RESULT: OK" in proc.stdout and "need a CUDA device" not in proc.stdout
     assert report["cuda_graphs"] is True and report["dtype"] == "bfloat16"
     rel_tol = report["tolerance"]["rel_tol"]
-    rows = _table_rows(proc.stdout)
-    assert sorted(rows) == sorted(QUICK_INPUTS)
+    assert rel_tol == GRAPH_REL_TOL["bfloat16"]
+    rows = demo_table_rows(proc.stdout)
+    assert sorted(rows) == sorted(REDUCED_INPUTS)
     for r in report["inputs"]:
         assert r["finite"] and r["graphed_ms_median"] > 0 and r["eager_ms_median"] > 0, r["name"]
         assert r["max_abs_diff"] <= rel_tol * r["output_max_abs"], r

@@ -1,58 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The main job ``minicpmo-cg-demo``: its inputs, its standalone encoders and end-to-end runs.
+"""The demo ``minicpmo-cg-demo``: its inputs, its standalone encoders, its patch check and a run on CPU.
 
-The end-to-end runs start the job in a subprocess (``python -m minicpmo_cg.main_job``), as a
-user would, against the vllm-omni installed for the running interpreter; they need the patch
-set applied (``minicpmo-cg-patch apply``). ``--quick`` on CPU takes about a minute here
-(``~15 s`` of it importing vLLM).
+The run starts the demo in a subprocess (``python -m minicpmo_cg.demo``), as a user would,
+against the vllm-omni installed for the running interpreter; it needs the patch set applied
+(``minicpmo-cg-patch apply``). On CPU it takes about a minute (``~15 s`` of it importing vLLM).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.runs import REDUCED_INPUTS, demo_table_rows, run_demo
 
-from minicpmo_cg import main_job, standalone
+from minicpmo_cg import demo, standalone
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
-
-QUICK_INPUTS = ["chelsea@224", "frame@224", "speech_1s", "speech_5s"]
-JOB_TIMEOUT_S = 900
-
-
-def _run_job(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    out_json = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "minicpmo_cg.main_job", *args, "--json", str(out_json)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert out_json.is_file(), f"no JSON written (rc={proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}"
-    return proc, json.loads(out_json.read_text())
-
-
-def _table_rows(stdout: str) -> dict[str, list[str]]:
-    """Rows of the results table keyed by input name (the lines between the dashes and the legend)."""
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("input ") and "eager ms" in line)
-    rows = {}
-    for line in lines[start + 2 :]:
-        if line.startswith("input shape:"):
-            break
-        cells = line.split()
-        rows[cells[0]] = cells
-    return rows
+pytestmark = [pytest.mark.core_model]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +28,7 @@ def _table_rows(stdout: str) -> dict[str, list[str]]:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_config_values_match_installed_defaults():
     """Values standalone.py attributes to MiniCPMOConfig defaults are the installed file's defaults."""
     mod = standalone.model_module()
@@ -94,6 +63,7 @@ def test_config_values_match_installed_defaults():
     ) == (1024, 24, 16, 4096, 80)
 
 
+@pytest.mark.cpu
 def test_reduced_encoders_shapes_and_deterministic_weights():
     a = standalone.build_thinker_encoders(reduced=True, seed=3)
     b = standalone.build_thinker_encoders(reduced=True, seed=3)
@@ -113,6 +83,7 @@ def test_reduced_encoders_shapes_and_deterministic_weights():
     assert a.resampler.pos_embed.dtype == torch.float32 and a.resampler.pos_embed.abs().max() <= 1.0
 
 
+@pytest.mark.cpu
 def test_wiring_without_patch_names_the_patch_tool():
     class Unpatched:
         config = object()
@@ -121,11 +92,149 @@ def test_wiring_without_patch_names_the_patch_tool():
         standalone.wire_encoder_graphs(Unpatched(), None, enabled=True)
 
 
+@pytest.mark.cpu
 def test_bad_repeats_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        main_job.parse_args(["--repeats", "0"])
+        demo.parse_args(["--repeats", "0"])
     assert exc.value.code == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.cpu
+def test_quick_and_full_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exc:
+        demo.parse_args(["--quick", "--full"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "flags, cuda, size",
+    [
+        ([], True, "full"),
+        ([], False, "reduced"),  # without CUDA the full size would run eagerly for ~11 min
+        (["--quick"], True, "reduced"),
+        (["--full"], False, "full"),
+        (["--quick"], False, "reduced"),
+    ],
+)
+def test_size_defaults_to_reduced_without_cuda(flags, cuda, size):
+    args = demo.parse_args(flags)
+    assert demo.resolve_size(quick=args.quick, full=args.full, cuda=cuda) == size
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring options: validated by the adapter's own EncoderCudaGraphOptions
+# ---------------------------------------------------------------------------------------------
+
+
+class _PatchedModel:
+    """Has the patched model's wiring entry point; records its calls."""
+
+    def __init__(self):
+        self.config = SimpleNamespace()
+        self.wired = 0
+
+    def _init_encoder_cuda_graphs(self, vllm_config):
+        self.wired += 1
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "enabled, options, key",
+    [
+        ("false", {}, "encoder_cuda_graph"),  # the string "false" is not a boolean (it used to mean on)
+        (0, {}, "encoder_cuda_graph"),
+        (True, {"max_graphs": True}, "encoder_cuda_graph_max_graphs"),
+        (True, {"min_capture_calls": 1}, "encoder_cuda_graph_min_capture_calls"),
+    ],
+)
+def test_wiring_rejects_what_the_model_rejects(enabled, options, key):
+    model = _PatchedModel()
+    with pytest.raises(ValueError, match=key):
+        standalone.wire_encoder_graphs(model, None, enabled=enabled, **options)
+    assert model.wired == 0 and vars(model.config) == {}  # nothing set, nothing wired
+
+
+@pytest.mark.cpu
+def test_wiring_sets_the_hf_override_keys():
+    model = _PatchedModel()
+    standalone.wire_encoder_graphs(model, None, enabled=True, max_graphs=8, share_pools=False)
+    assert vars(model.config) == {
+        "encoder_cuda_graph": True,
+        "encoder_cuda_graph_max_graphs": 8,
+        "encoder_cuda_graph_share_pools": False,
+    }
+    assert model.wired == 1
+    with pytest.raises(TypeError, match="max_graph"):
+        standalone.wire_encoder_graphs(model, None, enabled=True, max_graph=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The patch check, before any heavy import
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan(states, adapter_state="installed"):
+    reports = [SimpleNamespace(patch=SimpleNamespace(name=name), state=st) for name, st in states.items()]
+    return SimpleNamespace(reports=reports, adapter_state=adapter_state)
+
+
+@pytest.mark.cpu
+def test_patch_problems_names_what_is_not_applied():
+    applied = {
+        "vllm/0001-a.patch": "upstream",
+        "vllm-omni/0001-b.patch": "applied",
+        "vllm/0002-c.patch": "n/a",
+    }
+    assert demo.patch_problems(_plan(applied)) == []
+    assert demo.patch_problems(_plan(applied, adapter_state="n/a")) == []
+    problems = demo.patch_problems(_plan({**applied, "vllm-omni/0001-b.patch": "pending"}, "missing"))
+    assert problems == ["vllm-omni/0001-b.patch: pending", "adapter copy: missing"]
+    assert demo.patch_problems(_plan({"x.patch": "conflict"}, "outdated")) == [
+        "x.patch: conflict",
+        "adapter copy: outdated",
+    ]
+
+
+_HEAVY = ("torch", "vllm", "vllm_omni", "transformers")
+
+_UNPATCHED_DRIVER = f"""
+import sys
+from types import SimpleNamespace
+from minicpmo_cg import demo, patchtool
+pending = SimpleNamespace(patch=SimpleNamespace(name="vllm-omni/0001-x.patch"), state="pending")
+patchtool.build_plan = lambda install: SimpleNamespace(reports=[pending], adapter_state="missing")
+rc = demo.main(["--device", "cpu"])
+print("IMPORTED", sorted(m for m in {_HEAVY!r} if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.cpu
+def test_not_patched_fails_before_heavy_imports():
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNPATCHED_DRIVER], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "IMPORTED []" in proc.stdout, proc.stdout
+    assert "vllm-omni/0001-x.patch: pending; adapter copy: missing" in proc.stderr
+    assert "run `minicpmo-cg-patch apply` first" in proc.stderr
+
+
+@pytest.mark.cpu
+def test_patch_check_passes_here_without_heavy_imports():
+    code = (
+        "import sys; from minicpmo_cg import demo; demo.check_patched(); "
+        f"print('IMPORTED', sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "IMPORTED []" in proc.stdout
+    assert "cannot read the patch state" not in proc.stderr  # the tool could tell: applied
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +249,7 @@ def processor():
     return inputs.make_image_processor()
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize(
     "photo, grid",
     [("astronaut", (1, 2)), ("hubble_deep_field", (2, 2)), ("retina", (3, 3))],
@@ -160,6 +270,7 @@ def test_multi_slice_photo_tgt_sizes(processor, photo, grid):
         assert -1.0 <= float(pixels.min()) and float(pixels.max()) <= 1.0
 
 
+@pytest.mark.cpu
 def test_single_slice_photo_and_duplex_frame(processor):
     from minicpmo_cg import inputs
 
@@ -171,6 +282,7 @@ def test_single_slice_photo_and_duplex_frame(processor):
     assert data["pixel_values"][0].dtype == torch.bfloat16 and data["tgt_sizes"].shape == (1, 2)
 
 
+@pytest.mark.cpu
 def test_voice_files_and_mel_frames():
     from minicpmo_cg import inputs
 
@@ -200,15 +312,22 @@ def test_voice_files_and_mel_frames():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_quick_job_on_cpu(tmp_path):
-    proc, report = _run_job("--quick", "--device", "cpu", tmp_path=tmp_path)
+@pytest.mark.cpu
+def test_demo_on_cpu_runs_the_reduced_size_and_keeps_logs_off_stdout(tmp_path):
+    proc, report = run_demo("--device", "cpu", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "NOTE: encoder CUDA graphs need a CUDA device" in out
+    assert demo.REDUCED_WITHOUT_CUDA_LINE in out
     assert "RESULT: OK" in out
+    # stdout is the report; progress and vLLM's log lines (the model's wiring line) are on stderr
+    assert out.splitlines()[0].startswith("MiniCPM-o 4.5 thinker encoders (reduced, random weights)")
+    assert "[minicpmo-cg" not in out and "[minicpmo-cg-demo]" in proc.stderr
+    assert "encoder CUDA graphs: vision=" not in out
+    assert "MiniCPM-o 4.5 encoder CUDA graphs: vision=" in proc.stderr
 
-    rows = _table_rows(out)
-    assert sorted(rows) == sorted(QUICK_INPUTS)
+    rows = demo_table_rows(out)
+    assert sorted(rows) == sorted(REDUCED_INPUTS)
     for name, cells in rows.items():
         eager_ms = float(cells[-5])
         assert math.isfinite(eager_ms) and eager_ms > 0, name
@@ -216,9 +335,10 @@ def test_quick_job_on_cpu(tmp_path):
 
     assert report["ok"] is True and report["device"] == "cpu" and report["cuda_graphs"] is False
     assert report["dtype"] == "float32" and report["quick"] is True
+    assert report["size"] == "reduced" and report["size_defaulted"] is True
     assert report["model"]["vision_layers"] == 2 and report["model"]["audio_layers"] == 2
     by_name = {r["name"]: r for r in report["inputs"]}
-    assert sorted(by_name) == sorted(QUICK_INPUTS)
+    assert sorted(by_name) == sorted(REDUCED_INPUTS)
     for r in by_name.values():
         assert r["finite"] and math.isfinite(r["output_max_abs"]) and r["output_max_abs"] > 0
         assert r["eager_ms_median"] > 0 and len(r["eager_ms"]) == report["repeats"]

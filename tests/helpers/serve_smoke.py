@@ -23,8 +23,8 @@ again, whose answer must equal its first (eager) answer within the same server.
 CLI (used by ``.buildkite/cuda/test-merge.yml``; needs the lane venv with the patch set
 applied, see ``.buildkite/scripts/lane_exec.sh``)::
 
-    python tests/e2e/serve_smoke.py run --mode graphed --out out/e2e/current-graphed.json
-    python tests/e2e/serve_smoke.py compare out/e2e/current-eager.json out/e2e/current-graphed.json
+    python tests/helpers/serve_smoke.py run --mode graphed --out out/e2e/current-graphed.json
+    python tests/helpers/serve_smoke.py compare out/e2e/current-eager.json out/e2e/current-graphed.json
 
 Module-level imports are stdlib only, so ``compare`` runs on any Python 3.10+.
 """
@@ -301,7 +301,7 @@ def turn_deploy_config(directory: Path) -> Path:
         raise FileNotFoundError(f"vllm-omni has no MiniCPM-o 4.5 deploy config at {base}")
     path = directory / "minicpmo_4_5_e2e_turn.yaml"
     path.write_text(
-        "# Written by tests/e2e/serve_smoke.py: vllm-omni's MiniCPM-o 4.5 deploy, turn-based engine.\n"
+        "# Written by tests/helpers/serve_smoke.py: vllm-omni's MiniCPM-o 4.5 deploy, turn-based engine.\n"
         f"base_config: {json.dumps(str(base))}\n"
         "session_mode: turn\n",
         encoding="utf-8",
@@ -648,8 +648,10 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
             )
     if problems and reference.get("env", {}).get("gpu") != candidate.get("env", {}).get("gpu"):
         problems.append(
-            f"note: recorded on different GPUs ({reference['env'].get('gpu')} vs {candidate['env'].get('gpu')}); "
-            "rerun both modes on one GPU (tests/e2e/test_serve_eager_vs_graphed.py) to rule that out"
+            f"note: recorded on different GPUs "
+            f"({reference['env'].get('gpu')} vs {candidate['env'].get('gpu')}); "
+            "rerun both modes on one GPU (tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py) "
+            "to rule that out"
         )
     return problems
 
@@ -697,7 +699,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"DIFF: {p}", file=sys.stderr)
     if not problems:
         print(
-            f"serve_smoke: {len(reference['answers'])} answers equal ({reference['mode']} vs {candidate['mode']})"
+            f"serve_smoke: {len(reference['answers'])} answers equal "
+            f"({reference['mode']} vs {candidate['mode']})"
         )
     return 1 if problems else 0
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU checks of the e2e smoke's machinery: inputs, server command, lifecycle, checks.
 
-The GPU run (``test_serve_eager_vs_graphed.py``) only happens on a GPU agent with a
+The GPU run (``test_minicpmo_4_5_encoder_cuda_graph.py``) only happens on a GPU agent with a
 checkpoint; these tests make sure that, when it does, it sends what it claims,
 starts and stops the server robustly and judges the answers correctly.
 """
@@ -19,13 +19,11 @@ import wave
 from pathlib import Path
 
 import pytest
+from helpers import serve_smoke as smoke
 
-# tests/e2e is on sys.path: pytest imports this module rootdir-relative, without a package
-import serve_smoke as smoke
+pytestmark = [pytest.mark.core_model]
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
-
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
 
 
@@ -42,6 +40,7 @@ def _parts(prompt, kind):
 # -- inputs ----------------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_prompt_groups_share_one_shape_with_distinct_content() -> None:
     from PIL import Image
 
@@ -77,6 +76,7 @@ def test_prompt_groups_share_one_shape_with_distinct_content() -> None:
     assert kinds == {(True, False), (False, True), (True, True)}  # image, audio, image+audio
 
 
+@pytest.mark.cpu
 def test_audio_window_is_the_exact_slice_of_the_bundled_voice() -> None:
     with wave.open(str(smoke.vllm_omni_voice("default_female"))) as src:
         rate = src.getframerate()
@@ -89,6 +89,7 @@ def test_audio_window_is_the_exact_slice_of_the_bundled_voice() -> None:
         smoke.audio_wav("default_female", 8.0, 4.0)
 
 
+@pytest.mark.cpu
 def test_images_come_from_scikit_image_bundled_photos() -> None:
     from PIL import Image
 
@@ -103,6 +104,7 @@ def test_images_come_from_scikit_image_bundled_photos() -> None:
 # -- server command and deploy config ----------------------------------------------
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("mode", ["graphed", "eager", "enforce-eager"])
 def test_server_command_per_mode(mode: str, tmp_path: Path) -> None:
     cmd = smoke.server_command("/ckpt", mode, 8123, tmp_path / "d.yaml", vllm="/venv/bin/vllm")
@@ -117,6 +119,7 @@ def test_server_command_per_mode(mode: str, tmp_path: Path) -> None:
         smoke.server_command("/ckpt", "cuda-graph", 1, tmp_path)
 
 
+@pytest.mark.cpu
 def test_turn_deploy_overlay_loads_with_vllm_omni(tmp_path: Path) -> None:
     from vllm_omni.config.stage_config import load_deploy_config
 
@@ -126,6 +129,7 @@ def test_turn_deploy_overlay_loads_with_vllm_omni(tmp_path: Path) -> None:
     assert [s.stage_id for s in deploy.stages] == [0, 1, 2]
 
 
+@pytest.mark.cpu
 def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(smoke, "_hub_snapshot_cached", lambda repo: False)
     model, why = smoke.resolve_model({})
@@ -209,6 +213,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.cpu
 def test_ready_chat_and_stop_reaps_the_whole_process_group(tmp_path: Path) -> None:
     server = _fake(tmp_path, "serve")
     with server:
@@ -226,6 +231,7 @@ def test_ready_chat_and_stop_reaps_the_whole_process_group(tmp_path: Path) -> No
     assert smoke.parse_captures(server.log_path.read_text()) == [{"encoder": "vision", "index": 1, "cap": 4}]
 
 
+@pytest.mark.cpu
 def test_server_that_exits_fails_fast_with_its_log(tmp_path: Path) -> None:
     server = _fake(tmp_path, "exit")
     start = time.monotonic()
@@ -234,6 +240,7 @@ def test_server_that_exits_fails_fast_with_its_log(tmp_path: Path) -> None:
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.cpu
 def test_server_that_never_gets_ready_times_out_within_the_bound(tmp_path: Path) -> None:
     server = _fake(tmp_path, "never-ready")
     start = time.monotonic()
@@ -243,6 +250,7 @@ def test_server_that_never_gets_ready_times_out_within_the_bound(tmp_path: Path)
     assert server.proc is None
 
 
+@pytest.mark.cpu
 def test_stop_kills_a_server_that_ignores_sigterm(tmp_path: Path) -> None:
     server = _fake(tmp_path, "ignore-term").start()
     try:
@@ -255,6 +263,7 @@ def test_stop_kills_a_server_that_ignores_sigterm(tmp_path: Path) -> None:
     assert smoke.group_members(pgid) == [] and not _alive(child)
 
 
+@pytest.mark.cpu
 def test_free_port_is_bindable_on_loopback() -> None:
     import socket
 
@@ -266,12 +275,14 @@ def test_free_port_is_bindable_on_loopback() -> None:
 # -- judging recordings ---------------------------------------------------------------
 
 
+@pytest.mark.cpu
 def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
     wiring = "".join(p.read_text() for p in sorted((REPO / "patches/vllm-omni").glob("*.patch")))
     names = set(re.findall(r'make_encoder_cuda_graph\((?:.|\n)*?name="([^"]+)"', wiring))
     assert names == set(smoke.CAPTURED_ENCODERS), names
 
 
+@pytest.mark.cpu
 def test_capture_regex_matches_the_adapter_log_format() -> None:
     source = ADAPTER.read_text()
     fmt = re.search(r'"(Captured %s encoder CUDA graph %d/%d[^"]*)"', source)
@@ -293,6 +304,7 @@ def _record(mode: str, answers: dict[str, str], captures=("vision", "audio"), gp
 ANSWERS = {"img/0": "A cat.", "img/1": "A dog.", "img/0#again": "A cat."}
 
 
+@pytest.mark.cpu
 def test_check_run() -> None:
     assert smoke.check_run(_record("graphed", ANSWERS)) == []
     assert smoke.check_run(_record("eager", ANSWERS, captures=())) == []
@@ -307,6 +319,7 @@ def test_check_run() -> None:
     )
 
 
+@pytest.mark.cpu
 def test_compare() -> None:
     eager = _record("eager", ANSWERS, captures=())
     assert smoke.compare(eager, _record("graphed", ANSWERS)) == []
@@ -319,6 +332,7 @@ def test_compare() -> None:
     )
 
 
+@pytest.mark.cpu
 def test_compare_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_record("eager", ANSWERS, captures=())))

@@ -3,13 +3,13 @@
 
 Starts the server twice on this machine's GPU, one after the other (eager:
 ``--hf-overrides '{"encoder_cuda_graph": false}'``; graphed: defaults), sends the
-fixed image, audio and image+audio prompts of ``serve_smoke.py`` greedily and
+fixed image, audio and image+audio prompts of ``tests/helpers/serve_smoke.py`` greedily and
 requires identical answers. Within each server, a repeated input must get its
 first answer again (in the graphed server the first answer is eager warmup and
 the repeat a graph replay), the graphed server's log must show captures of both
 encoders and the eager server's none.
 
-Marked ``cuda`` only (not ``core_model``): it needs a GPU that holds the whole
+Each test is marked ``cuda`` and the module has no ``core_model`` mark: it needs a GPU that holds the whole
 three-stage deploy (an 80 GB H100 class device) and a checkpoint, so it is not
 part of ``-m "core_model and cuda"``. Skipped unless ``MINICPMO_CG_E2E_MODEL``
 points to a local checkpoint, ``MINICPMO_CG_E2E_HUB=1`` allows the hub download,
@@ -17,7 +17,8 @@ or the hub snapshot is already cached. ``MINICPMO_CG_E2E_ENFORCE_EAGER=1`` adds 
 ``--enforce-eager`` server. Run it through the lane setup, which applies the patch
 set first::
 
-    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda -k serve_eager_vs_graphed
+    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda \\
+        -k test_minicpmo_4_5_encoder_cuda_graph
 """
 
 from __future__ import annotations
@@ -26,11 +27,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-# tests/e2e is on sys.path: pytest imports this module rootdir-relative, without a package
-import serve_smoke as smoke
-
-pytestmark = [pytest.mark.cuda]
+from helpers import serve_smoke as smoke
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +53,24 @@ def recordings(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return {mode: smoke.run_mode(model, mode, root / mode) for mode in ("eager", "graphed")}
 
 
+@pytest.mark.cuda
 def test_each_server_runs_in_its_mode_and_is_self_consistent(recordings: dict[str, dict]) -> None:
     problems = smoke.check_run(recordings["eager"]) + smoke.check_run(recordings["graphed"])
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.cuda
 def test_graphed_answers_equal_eager(recordings: dict[str, dict]) -> None:
     assert len(recordings["graphed"]["answers"]) == len(smoke.PROMPTS)
     problems = smoke.compare(recordings["eager"], recordings["graphed"])
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     os.environ.get("MINICPMO_CG_E2E_ENFORCE_EAGER") != "1",
-    reason="set MINICPMO_CG_E2E_ENFORCE_EAGER=1 to also start an --enforce-eager server (one more model load)",
+    reason="set MINICPMO_CG_E2E_ENFORCE_EAGER=1 to also start an --enforce-eager server "
+    "(one more model load)",
 )
 def test_enforce_eager_serves_without_encoder_graphs(model: str, tmp_path: Path) -> None:
     # --enforce-eager also turns off the Thinker's decode graphs, so only self-consistency

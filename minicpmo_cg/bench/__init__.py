@@ -1,0 +1,59 @@
+"""The benchmark (``minicpmo-cg-bench``, ``python -m minicpmo_cg.bench``): MiniCPM-o 4.5's encoder
+CUDA graph adapter, eager vs graphed, capture cost, graph memory, adapter bookkeeping, two traffic
+replays and shared vs separate graph pools.
+
+Runs on a CUDA GPU. The encoders are vllm-omni's own classes at the checkpoint's dimensions with
+random bf16 weights (:func:`minicpmo_cg.standalone.build_thinker_encoders`); the adapter is the
+patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One module per scenario
+(``--only`` selects some; default all), each measuring and formatting its own section:
+
+``vision`` / ``audio`` (:mod:`.per_shape`)
+    Per input shape: eager vs graphed latency of the captured region (SigLIP stack + post-LN;
+    Whisper + projection + 5x pooling), capture cost, graph memory. Inputs are recorded from the
+    model's own call sites (``get_vision_hidden_states`` / ``get_audio_hidden_states``), so
+    hidden states, padding masks and the chunked audio mask are exactly what MiniCPM-o builds.
+    Each timed call rotates among :data:`~.context.ROTATE` pre-made inputs of the same shape (a
+    replay reads fresh data, not a cached buffer). Latency: :class:`minicpmo_cg.measure.Timer`;
+    median and p90 over n calls after a warm-up (n adapts to the call's cost). Memory per graph
+    (each shape gets its own adapter with ``share_pools=False``, so its pool is its own): ``pool``
+    = bytes of the CUDA caching-allocator segments of the graph's private pool
+    (``torch.cuda.memory_snapshot()``, ``segment_pool_id``); ``static`` = the manager's input
+    buffers + output buffer (allocated outside the graph); plus the allocated/reserved deltas
+    around the capturing call. The graphed output must equal the eager one within
+    :data:`minicpmo_cg.measure.GRAPH_REL_TOL`.
+``bookkeeping`` (:mod:`.bookkeeping`)
+    Host cost of the adapter per call, with a no-op forward returning a preallocated tensor. Hit
+    path: a tiny captured forward; ``adapter(x)`` minus ``copy + graph.replay() + clone`` on the
+    same captured graph (what any replay must do), split into the adapter's own part
+    (``adapter(x)`` - ``manager.execute``) and vLLM's manager part. Miss paths (ineligible:
+    autograd on / CPU tensor; warmup; capacity; memory floor with the real ``cudaMemGetInfo``
+    and with an injected reading): ``adapter(x)`` minus calling the forward directly. Host time
+    (``perf_counter``) per call, median over batches of calls.
+``streaming`` (:mod:`.streaming`)
+    A duplex-style session: one 448x448 frame per second (one 32x32 slice) and one 1 s speech
+    chunk per second for 120 s of simulated time, interleaved, through the patched call sites,
+    eager vs graphed (default adapter options; captures happen inside the session and are paid
+    there). Hit rate, misses by kind, graph memory, total encoder time.
+``offline`` (:mod:`.offline`)
+    Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats;
+    same report. Default options (4 graphs per encoder) and, in full mode, 16 graphs.
+``pools`` (:mod:`.pools`)
+    The same shapes captured with ``share_pools`` True and False: total pool bytes, reserved
+    delta and replay latency per shape.
+
+Targets printed next to the values (not asserted): graphed/eager >= 2x for one image slice,
+>= 3x for a 1 s audio chunk, bookkeeping < 20 us per call. Full mode takes about 2-4 minutes
+on an H200.
+
+Usage::
+
+    minicpmo-cg-bench [--quick] [--only vision,audio,...] [--json PATH] [--reduced]
+    minicpmo-cg-bench --allow-cpu --quick     # logic dry run on tiny shapes
+
+Without CUDA it exits with status 2 unless ``--allow-cpu``: then it runs every section on tiny
+shapes with 2+2 encoder layers and a CPU stand-in for graph capture
+(:class:`~.cpu_backend.CpuGraphBackend`: the adapter's real admission policy, eager "replays");
+only the logic is exercised, the numbers mean nothing. The report goes to stdout, progress and
+logs to stderr. Exit status: 0 done (targets are reported, not enforced), 1 a graphed output
+differed from eager or a section failed, 2 usage/environment error.
+"""

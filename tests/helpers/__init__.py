@@ -1,0 +1,1 @@
+"""Helpers shared by several test modules (not collected: no ``test_*`` files here)."""
