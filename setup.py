@@ -44,6 +44,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
     packages=find_packages(include=["minicpmo_cg", "minicpmo_cg.*"]),
+    package_data={
+        "minicpmo_cg.offline_gpu": ["deps.txt", "stubs/vllm/*.py", "stubs/vllm/vllm_flash_attn/*.py"]
+    },
     cmdclass={"build_py": BuildPyWithPayload},
     install_requires=[],  # torch/vLLM/vllm-omni come from a lane extra
     extras_require={
@@ -56,6 +59,7 @@ setup(
         "console_scripts": [
             "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
             "minicpmo-cg-demo = minicpmo_cg.main_job:main",
+            "minicpmo-cg-offline-gpu = minicpmo_cg.offline_gpu.cli:main",
         ]
     },
     classifiers=[

@@ -3,9 +3,9 @@
 #   usage: tools/test.sh {current|legacy|all} [pytest args...]
 # For each lane: build/reuse its cached venv (tools/setup_lane.sh), apply the patch set to the
 # installed vLLM/vllm-omni (minicpmo-cg-patch apply: idempotent), print the patch status, run pytest.
-# CUDA tests skip with a reason on machines without a GPU; run them on a GPU host through
-# tools/gpu/run.sh. Lanes run current first, so the legacy lane's differential test can compare
-# against the outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
+# CUDA tests skip with a reason on machines without a GPU; run them on a GPU host (offline:
+# python -m minicpmo_cg.offline_gpu run). Lanes run current first, so the legacy lane's differential
+# test can compare against the outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 which="${1:-}"; shift || true
