@@ -45,6 +45,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
     packages=find_packages(include=["minicpmo_cg", "minicpmo_cg.*"]),
+    package_data={
+        "minicpmo_cg.offline_gpu": ["deps.txt", "stubs/vllm/*.py", "stubs/vllm/vllm_flash_attn/*.py"]
+    },
     cmdclass={"build_py": BuildPyWithPayload},
     install_requires=[],  # torch/vLLM/vllm-omni come from a lane extra
     extras_require={
@@ -58,6 +61,7 @@ setup(
             "minicpmo-cg-patch = minicpmo_cg.patchtool:main",
             "minicpmo-cg-demo = minicpmo_cg.demo:main",
             "minicpmo-cg-bench = minicpmo_cg.bench.cli:main",
+            "minicpmo-cg-offline-gpu = minicpmo_cg.offline_gpu.cli:main",
         ]
     },
     classifiers=[

@@ -3,9 +3,10 @@
 #   usage: tools/test.sh {LANE|all} [pytest args...]        (LANE: a lanes/LANE.txt, e.g. current)
 # For each lane: build/reuse its cached venv (tools/setup_lane.sh), apply the patch set to the
 # installed vLLM/vllm-omni (minicpmo-cg-patch apply: idempotent), print the patch status, run pytest.
-# CUDA tests skip with a reason on machines without a GPU. `all` runs the lanes in the sorted order
-# of their file names (current, then legacy), so the legacy lane's differential test can compare
-# against the outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
+# CUDA tests skip with a reason on machines without a GPU; run them on a GPU host (offline:
+# python -m minicpmo_cg.offline_gpu run). `all` runs the lanes in the sorted order of their file
+# names (current, then legacy), so the legacy lane's differential test can compare against the
+# outputs the current lane saved in $MINICPMO_CG_DIFF_DIR.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 which="${1:-}"; shift || true

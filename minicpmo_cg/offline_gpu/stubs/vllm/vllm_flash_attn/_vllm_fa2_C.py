@@ -1,5 +1,6 @@
-# STUB (offline GPU bundle, tools/gpu/). Stands in for vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so
-# (294 MB, built for torch 2.13 while the GPU host has torch 2.11), which is not carried.
+# STUB (offline GPU bundle, minicpmo_cg/offline_gpu/). Stands in for
+# vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so (294 MB, built for the torch vLLM pins, not loadable with
+# another), which is not carried.
 #
 # Why it exists: vllm/vllm_flash_attn/__init__.py raises ImportError unless _vllm_fa2_C or
 # _vllm_fa3_C imports, and vllm/v1/attention/backends/fa_utils.py imports that package

@@ -1,0 +1,145 @@
+"""On the GPU host: unpack a lane bundle and describe the environment that runs against it.
+
+:func:`install` unpacks ``<bundle dir>/<lane>/site.tar.xz`` into a site directory (reused while
+the same archive and checkout are in place), and re-patches it from this checkout when the
+bundle is stale but its dependencies still match. :func:`environment` lists the variables every
+command run against the bundle needs; ``env`` prints them as shell ``export`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from minicpmo_cg.offline_gpu import payload
+
+STAMP = ".offline-gpu-install.json"
+
+#: Fixed variables of a run against a bundle (``PYTHONPATH`` is added by :func:`environment`).
+FIXED_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    # No network: fail at once instead of retrying downloads.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    # NVLink multicast (NVLS / symmetric memory) off: the two-GPU tests need plain NCCL only, and
+    # multicast objects need fabric support that a shared or virtualised host may not provide.
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def default_site(lane: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"minicpmo-cg-site-{lane}"
+
+
+def environment(site: Path, repo: Path) -> dict[str, str]:
+    """Variables for a process that runs this checkout against the unpacked bundle ``site``.
+
+    ``PYTHONPATH`` puts the bundle first: its patched ``vllm_omni`` package must win over the
+    checkout's ``vllm_omni/`` source folder (which holds only the adapter).
+    """
+    return {"PYTHONPATH": f"{site}{os.pathsep}{repo}", **FIXED_ENV}
+
+
+def shell_exports(env: dict[str, str]) -> str:
+    return "\n".join(f"export {key}={shlex.quote(value)}" for key, value in env.items())
+
+
+@dataclass
+class Installed:
+    """Outcome of :func:`install`.
+
+    Attributes:
+        code: 0 usable; :data:`payload.STALE` (3) stale and not re-patchable here;
+            :data:`payload.MISSING` (4) no bundle or a damaged archive.
+        message: what happened, one line per step.
+        status: the bundle's freshness before installing.
+    """
+
+    code: int
+    message: str
+    status: payload.BundleStatus
+
+
+def _stamp(status: payload.BundleStatus, repo: Path) -> dict:
+    return {
+        "archive_sha256": status.manifest.get("archive_sha256"),
+        "checkout": payload.payload_fingerprint(repo),
+    }
+
+
+def _unpack(lane_dir: Path, site: Path, status: payload.BundleStatus) -> str:
+    """Verify the archive's checksum and unpack it into a fresh ``site``; returns a report line."""
+    t0 = time.time()
+    archive = lane_dir / payload.ARCHIVE
+    want = status.manifest.get("archive_sha256")
+    if want and payload.file_sha256(archive) != want:
+        raise ValueError(f"{archive}: checksum differs from {payload.MANIFEST} (incomplete copy?)")
+    staging = site.with_name(site.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    payload.unpack(archive, staging)
+    shutil.rmtree(site, ignore_errors=True)
+    staging.rename(site)
+    return f"install: unpacked {archive} into {site} in {time.time() - t0:.1f} s"
+
+
+def repatch(site: Path, repo: Path, python: str, status: payload.BundleStatus) -> str:
+    """Bring a stale unpacked bundle to this checkout's patch series, adapter and stubs.
+
+    The patch tool reverts the bundle's series byte-exactly and applies the checkout's (needs GNU
+    ``patch``); a bundle built with another dependency list cannot be fixed here.
+
+    Raises:
+        RuntimeError: the dependency list changed, or the patch tool failed.
+    """
+    lane = status.manifest.get("lane", "")
+    if status.manifest.get("deps") != payload.read_deps(lane):
+        raise RuntimeError("deps.txt changed since the bundle was built: rebuild it")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}"}
+    steps = (["revert"] if status.manifest.get("patched") else []) + ["apply"]
+    for step in steps:
+        argv = [python, "-m", "minicpmo_cg.patchtool", step, "--site-packages", str(site)]
+        proc = subprocess.run(argv, check=False, cwd=repo, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"patch tool {step} failed: {(proc.stdout + proc.stderr).strip()[-1500:]}")
+    shutil.copytree(payload.STUBS_DIR, site, dirs_exist_ok=True)
+    return "WARNING: re-patched the unpacked bundle from this checkout (patch series, adapter, stubs)"
+
+
+def install(lane_dir: Path, site: Path, repo: Path, python: str = sys.executable) -> Installed:
+    """Make ``site`` hold the bundle of ``lane_dir`` matching the checkout ``repo``."""
+    status = payload.bundle_status(lane_dir, repo)
+    if status.code == payload.MISSING:
+        return Installed(payload.MISSING, f"FATAL: {status.message}", status)
+    stamp = _stamp(status, repo)
+    stamp_file = site / STAMP
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return Installed(0, f"{status.message}\ninstall: reusing {site} (same archive and checkout)", status)
+    lines = [status.message]
+    try:
+        lines.append(_unpack(lane_dir, site, status))
+    except (OSError, ValueError) as exc:
+        return Installed(
+            payload.MISSING, "\n".join([*lines, f"FATAL: cannot unpack the bundle: {exc}"]), status
+        )
+    if status.code == payload.STALE:
+        try:
+            lines.append(repatch(site, repo, python, status))
+        except (RuntimeError, OSError) as exc:
+            lines.append(f"FATAL: stale bundle, re-patching here failed: {exc}")
+            return Installed(payload.STALE, "\n".join(lines), status)
+    stamp_file.write_text(json.dumps(stamp) + "\n")
+    return Installed(0, "\n".join(lines), status)
