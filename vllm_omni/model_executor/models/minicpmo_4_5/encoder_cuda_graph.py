@@ -103,7 +103,16 @@ STATS_KEYS = (
 )
 
 GraphKey = tuple[Hashable, ...]
-"""``(replay stream handle, per-input (shape, dtype, device) or None)``."""
+"""``(replay stream handle, per input: (shape, dtype, device), None, or (STATIC_ARG, value))``."""
+
+#: Tags a static argument's entry in a graph key, so it never equals a tensor's ``(shape, dtype, device)``.
+STATIC_ARG = "static"
+
+
+def _is_static(x: Any) -> bool:
+    """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
+    return x is not None and not isinstance(x, torch.Tensor)
+
 
 #: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
 #: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
@@ -485,15 +494,18 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     exactly that one token budget and a batch of one, so its packing always
     picks the single captured graph and nothing is padded.
 
-    Buffer keys are ``"0"``, ``"1"``, ... for the positional inputs that are not
-    None; a None input stays None in the forward call.
+    Buffer keys are ``"0"``, ``"1"``, ... for the positional tensor inputs; a
+    None input stays None in the forward call, and a static argument keeps its
+    value in every forward call (warm-up, capture and eager), so the captured
+    graph bakes it in.
 
     Attributes:
-        templates: per positional input ``(shape, dtype, device)``, or None.
-        keys: buffer keys of the non-None inputs.
+        templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
+        statics: position -> value of each static argument.
+        keys: buffer keys of the tensor inputs.
         output_shape: the eager output's shape, recorded at the key's first sighting.
         tokens: ``prod(output_shape[:-1])`` (at least 1), the manager's token budget.
-        dtype: dtype of the first non-None input (the manager's dtype).
+        dtype: dtype of the first tensor input (the manager's dtype).
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
@@ -501,19 +513,22 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
-        inputs: Sequence[torch.Tensor | None],
+        inputs: Sequence[Any],
         output_shape: torch.Size,
     ) -> None:
         self._forward = forward
         self.arity = len(inputs)
-        self.templates = [None if x is None else (x.shape, x.dtype, x.device) for x in inputs]
-        self.keys = [str(i) for i, x in enumerate(inputs) if x is not None]
+        tensors = [isinstance(x, torch.Tensor) for x in inputs]
+        self.templates = [(x.shape, x.dtype, x.device) if t else None for x, t in zip(inputs, tensors)]
+        self.statics = {i: x for i, x in enumerate(inputs) if _is_static(x)}
+        self.keys = [str(i) for i, t in enumerate(tensors) if t]
         self.output_shape = torch.Size(output_shape)
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
-        self.dtype = next(x.dtype for x in inputs if x is not None)
+        self.dtype = next(x.dtype for x, t in zip(inputs, tensors) if t)
 
     def _call(self, values: dict[str, Any]) -> torch.Tensor:
-        return self._forward(*(values.get(str(i)) for i in range(self.arity)))
+        statics = self.statics
+        return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
 
     # -- SupportsEncoderCudaGraph -------------------------------------------------
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
@@ -627,8 +642,10 @@ class EncoderGraphBackend(Protocol):
     """
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
-        """The single device of ``inputs`` if this backend can graph the call, else None.
+        """The single device of the tensors in ``inputs`` if this backend can graph the call, else None.
 
+        ``inputs`` are the call's positional inputs: tensors, None and static
+        arguments; only the tensors count (a call without any is not eligible).
         Called only with autograd disabled (the adapter checks that first).
         """
         ...
@@ -676,7 +693,8 @@ def _manager_config(vllm_config: Any, tokens: int) -> Any:
 class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
-    - eligible: every tensor input on one CUDA device, CUDA autocast off, and
+    - eligible: at least one tensor input, every tensor input on one CUDA
+      device (None and static arguments are skipped), CUDA autocast off, and
       the current stream not being captured by someone else;
     - replay stream: ``torch.cuda.current_stream(device).cuda_stream``;
     - free bytes: ``torch.cuda.mem_get_info(device)[0]`` (``cudaMemGetInfo``);
@@ -692,9 +710,9 @@ class CudaGraphBackend:
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         devices = set()
         for x in inputs:
-            if x is None:
-                continue
-            if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            if not isinstance(x, torch.Tensor):
+                continue  # None or a static argument
+            if not x.is_cuda:
                 return None
             devices.add(x.device)
         if len(devices) != 1 or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
@@ -757,10 +775,21 @@ class EncoderCudaGraph:
     replays), an inference tensor exactly when the eager call's would be (the
     call runs under ``torch.inference_mode()``). Graphs captured under
     ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors or None; the graph key is the replay stream
-    plus each input's ``(shape, dtype, device)`` (None stays None, so "mask
-    given" and "no mask" are different graphs). Strides and values are not part
-    of the key; replays read the live input values.
+    Inputs are positional tensors, None, or static arguments; the graph key is
+    the replay stream plus, per input, a tensor's ``(shape, dtype, device)``,
+    None (so "mask given" and "no mask" are different graphs), or a static
+    argument's value. Strides and tensor values are not part of the key;
+    replays read the live input values.
+
+    *Static arguments*: any positional input that is neither a tensor nor None
+    (an int, a tuple, an object) is part of the key by value (``==`` and
+    ``hash``, so it must be hashable; an object without ``__eq__`` counts by
+    identity) and is passed unchanged to every call of ``forward`` (warm-up,
+    capture, eager); it never becomes a static input buffer. A graph bakes in
+    what ``forward`` did with it at capture, so each value is its own graph.
+    They carry what fixes the forward's control flow or shapes without being a
+    tensor shape (e.g. a KV-cache length), or a persistent buffer the forward
+    reads and writes in place (e.g. a K/V arena) instead of a static copy.
 
     A call runs ``forward`` eagerly, without touching any graph, when it is
     *ineligible*: autograd enabled, or the backend refuses the inputs (for
@@ -863,7 +892,7 @@ class EncoderCudaGraph:
         """Why this adapter turned eager for good (hooks found at capture), or None."""
         return self._eager_reason
 
-    def __call__(self, *inputs: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, *inputs: Any) -> torch.Tensor:
         if self._failure is not None:
             raise EncoderCudaGraphCaptureFailedError(
                 f"{self.name} encoder CUDA graph capture failed earlier "
@@ -880,9 +909,20 @@ class EncoderCudaGraph:
 
         key: GraphKey = (
             self.backend.replay_stream(device),
-            tuple(None if x is None else (tuple(x.shape), x.dtype, x.device) for x in inputs),
+            tuple(
+                (tuple(x.shape), x.dtype, x.device)
+                if isinstance(x, torch.Tensor)
+                else (None if x is None else (STATIC_ARG, x))
+                for x in inputs
+            ),
         )
-        manager = self.graphs.get(key)
+        try:
+            manager = self.graphs.get(key)
+        except TypeError as exc:  # an unhashable static argument
+            raise TypeError(
+                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
+                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
+            ) from exc
         if manager is not None:  # hit: the common case, kept to one lookup
             return self._replay(manager, inputs)
         return self._miss(key, inputs, device)
@@ -915,9 +955,7 @@ class EncoderCudaGraph:
         }
 
     # -- internals -------------------------------------------------------------------
-    def _miss(
-        self, key: GraphKey, inputs: Sequence[torch.Tensor | None], device: torch.device
-    ) -> torch.Tensor:
+    def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """An eligible call without a graph: admission, memory floor, maybe capture."""
         decision = self.admission.admit(key)
         if decision is Admission.CAPTURE:
@@ -973,11 +1011,11 @@ class EncoderCudaGraph:
         return True
 
     @staticmethod
-    def _replay(manager: ReplayableGraph, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def _replay(manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
         """Replay; the graph copies ``inputs`` into its static buffers and returns a clone of its output."""
-        return manager.execute({str(i): x for i, x in enumerate(inputs) if x is not None})[0]
+        return manager.execute({str(i): x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)})[0]
 
-    def _capture(self, key: GraphKey, inputs: Sequence[torch.Tensor | None], device: torch.device) -> bool:
+    def _capture(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
             return False
@@ -1081,8 +1119,11 @@ def _require_capture_error_mode() -> None:
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    """Readable input shapes of a key for logs: ``[(shape, dtype) | None, ...]``."""
-    return [None if t is None else (t[0], str(t[1]).replace("torch.", "")) for t in key[1]]
+    """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
+    return [
+        t if t is None else t[1] if t[0] == STATIC_ARG else (t[0], str(t[1]).replace("torch.", ""))
+        for t in key[1]
+    ]
 
 
 # ---------------------------------------------------------------------------
