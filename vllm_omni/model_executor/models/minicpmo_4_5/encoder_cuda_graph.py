@@ -248,6 +248,13 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=True,
         doc="one graph pool + capture stream per (encoder, device, replay stream); false = one per graph",
     ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_streaming_audio",
+        kind="bool",
+        default=True,
+        doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
+        "cap max_graphs x 30 KV past lengths",
+    ),
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.
@@ -353,6 +360,11 @@ class EncoderCudaGraphOptions:
         share_pools: ``encoder_cuda_graph_share_pools`` (bool, default True).
             One graph pool and capture stream per (encoder, device, replay
             stream); False gives each graph its own (for A/B comparison).
+        streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
+            True). Read by the model wiring, not by the adapter: also route the
+            stateful Whisper chunk calls of streaming (duplex) sessions,
+            ``get_audio_embedding_streaming``, through an adapter of their own;
+            its replays are bitwise equal to the eager path. Needs ``enabled``.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -366,6 +378,7 @@ class EncoderCudaGraphOptions:
     min_capture_calls: int = _hf_field("encoder_cuda_graph_min_capture_calls")
     min_free_bytes: int = _hf_field("encoder_cuda_graph_min_free_bytes")
     share_pools: bool = _hf_field("encoder_cuda_graph_share_pools")
+    streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
 
     def __post_init__(self) -> None:
         checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
