@@ -20,7 +20,8 @@ def _full_options(ctx: Ctx, options: dict[str, Any]) -> dict[str, Any]:
     """Every option explicit: wire_encoder_graphs leaves earlier sessions' keys on model.config."""
     defaults = ctx.adapter_mod.EncoderCudaGraphOptions()
     full = {
-        k: getattr(defaults, k) for k in ("max_graphs", "min_capture_calls", "min_free_bytes", "share_pools")
+        k: getattr(defaults, k)
+        for k in ("max_graphs", "min_capture_calls", "min_free_bytes", "share_pools", "streaming_audio")
     }
     full.update(options)
     return full
