@@ -56,6 +56,42 @@ class DuplexChunk:
         return {"audio_features": self.features, "audio_feature_lens": [frames]}
 
 
+@dataclass
+class DuplexInput:
+    """The demo's duplex row: one session's chunks (float32 features on the CPU).
+
+    Attributes:
+        name: table label.
+        source: where the audio comes from.
+        chunks: the session's chunks, in order.
+    """
+
+    name: str
+    source: str
+    chunks: list[DuplexChunk]
+
+    modality = "duplex"
+
+    def describe(self) -> str:
+        """Input shape for the table: ``chunks x mel frames of a later chunk``."""
+        return f"{len(self.chunks)} ch x {self.chunks[-1].features.shape[-1]} mel"
+
+    def on(self, device: Any, dtype: torch.dtype = torch.float32) -> list[DuplexChunk]:
+        """The chunks with their features on ``device`` in ``dtype``."""
+        return [
+            DuplexChunk(
+                c.features.to(device=device, dtype=dtype), c.prefix_extra_frames, c.suffix_extra_frames
+            )
+            for c in self.chunks
+        ]
+
+
+def duplex_input(seconds: int, name: str = "duplex_speech") -> DuplexInput:
+    """A :class:`DuplexInput` of ``seconds`` chunks of :func:`speech_mel`."""
+    source = f"shipped voices, {seconds} x 1 s chunks framed as the duplex stage frames them"
+    return DuplexInput(name, source, frame_chunks(speech_mel(seconds), seconds))
+
+
 def frame_chunks(
     mel: torch.Tensor, count: int, *, device: Any = "cpu", dtype: torch.dtype = torch.float32
 ) -> list[DuplexChunk]:
