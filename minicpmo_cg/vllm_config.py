@@ -4,7 +4,9 @@ vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and 
 compilation/parallel configs; a full ``ModelConfig`` would need a checkpoint, which
 cannot be downloaded here. ``ModelConfig.__new__`` gives an instance without running
 its checkpoint-resolving ``__init__``; only the attributes the manager and the
-adapter factory read are set.
+adapter factory read are set. ``cache_config.num_gpu_blocks`` is set to 0 (there is no
+KV cache): the adapter treats calls made while it is None as vLLM's start-up memory
+profiling, which an engine ends by sizing the KV cache.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     from vllm.config import DeviceConfig, ModelConfig, MultiModalConfig, VllmConfig
 
     # Without a GPU vLLM cannot infer a device type; the encoders then only run eagerly.
-    config = VllmConfig() if torch.cuda.is_available() else VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config = (
+        VllmConfig() if torch.cuda.is_available() else VllmConfig(device_config=DeviceConfig(device="cpu"))
+    )
     model_config = ModelConfig.__new__(ModelConfig)
     object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
     object.__setattr__(model_config, "enforce_eager", enforce_eager)
     object.__setattr__(config, "model_config", model_config)
+    config.cache_config.num_gpu_blocks = 0  # profiling is over (see the module docstring)
     return config
