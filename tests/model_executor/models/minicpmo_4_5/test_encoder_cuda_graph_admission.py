@@ -445,3 +445,12 @@ def test_hit_path_bookkeeping_is_small(ecg, vllm_config, cpu_backend):
     )
     print(f"adapter hit-path bookkeeping on CPU: {own:.2f} us")
     assert own < 15.0
+
+
+@torch.inference_mode()
+def test_more_positional_inputs_than_buffer_keys_stay_eager(ecg, vllm_config, cpu_backend):
+    graph = ecg.EncoderCudaGraph(lambda *xs: xs[0] * 2, vllm_config, backend=cpu_backend(), admission="count")
+    many = [torch.ones(2)] * 65
+    for _ in range(3):
+        assert torch.equal(graph(*many), torch.full((2,), 2.0))
+    assert not graph.graphs and graph.get_cumulative_stats()["ineligible_misses"] == 3

@@ -1388,6 +1388,9 @@ class EncoderCudaGraph:
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
+        if len(inputs) > len(_BUFFER_KEYS):  # never captured, so the hit path needs no check
+            self.admission.record_ineligible()
+            return self.forward(*inputs)
         decision = self.admission.admit(key)
         if decision is Admission.CAPACITY:
             self._log_cap_once()
@@ -1618,8 +1621,9 @@ class EncoderCudaGraph:
         if verdict is not None:
             self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
         logger.info(
-            "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms: %s (pool +%s, static %s); "
-            "%s graphs hold %s%s",
+            # the first literal is the prefix log readers match (tests/e2e/serve_smoke.CAPTURE_RE)
+            "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
+            ": %s (pool +%s, static %s); %s graphs hold %s%s",
             self.name,
             len(self.graphs),
             self.options.max_graphs,
