@@ -61,7 +61,10 @@ def test_unknown_lane_names_the_known_ones():
         ({"a.txt": "vllm==1.0\n"}, "a.txt: a lane file must pin vllm and vllm-omni; missing: vllm-omni"),
         ({"a.txt": "vllm>=1.0\nvllm-omni==1.0\n"}, "a.txt: line 1: 'vllm>=1.0' is not an exact pin"),
         ({"a.txt": "vllm==1.0\nvllm-omni==1.0\nvllm==2.0\n"}, "a.txt: line 3: vllm is pinned twice"),
-        ({"a.txt": "vllm==1.0\nvllm_omni==1.0\n", "b.txt": "vllm==1.0.0\nvllm-omni==1\n"}, "lanes a and b pin"),
+        (
+            {"a.txt": "vllm==1.0\nvllm_omni==1.0\n", "b.txt": "vllm==1.0.0\nvllm-omni==1\n"},
+            "lanes a and b pin",
+        ),
         ({}, "no lane files"),
     ],
 )

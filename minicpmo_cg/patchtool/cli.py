@@ -25,7 +25,7 @@ COMMANDS = {
     "check": "dry run of apply: exit 0 when it would succeed, 1 on conflict",
     "status": "show every patch's state, the owned files, versions and lane (--verbose: details)",
     "revert": "restore every file apply changed, byte-identical (all-or-nothing, crash-safe)",
-    "base": "write the starting file of a new or refreshed patch (the target with the earlier patches applied)",
+    "base": "write the starting file of a new or refreshed patch (the file with the earlier patches applied)",
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
 }
 
@@ -61,7 +61,7 @@ def _common(verbose: bool = True) -> argparse.ArgumentParser:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} {{apply,check,status,revert,base,index}} [--site-packages DIR] [--patches-dir DIR] [--json]",
+        usage=f"{PROG} {{apply,check,status,revert,base,index}} [--site-packages DIR] [--json] ...",
         description="Install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.",
         epilog=EXIT_CODES_HELP,
     )

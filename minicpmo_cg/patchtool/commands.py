@@ -10,7 +10,15 @@ from minicpmo_cg.patchtool.errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_OK, PRO
 from minicpmo_cg.patchtool.gnupatch import GnuPatch, PatchToolMissingError, ambiguous_hunks, summarize_failure
 from minicpmo_cg.patchtool.series import Patch
 from minicpmo_cg.patchtool.state import StateRecord
-from minicpmo_cg.patchtool.views import APPLIED, PENDING, Plan, link_problem, read_file
+from minicpmo_cg.patchtool.views import (
+    CONFLICT,
+    NOT_APPLICABLE,
+    PENDING,
+    UPSTREAM,
+    Plan,
+    link_problem,
+    read_file,
+)
 
 __all__ = ["Outcome", "cmd_apply", "cmd_base", "cmd_check", "cmd_revert"]
 
@@ -143,8 +151,12 @@ def _base_contents(
         if before is not None and report.patch.name == before.name:
             break
         patch = report.patch
-        if report.state not in (APPLIED, PENDING) or not set(patch.file_paths) & set(rels):
+        if not set(patch.file_paths) & set(rels) or report.state in (UPSTREAM, NOT_APPLICABLE):
             continue
+        if report.state == CONFLICT:
+            raise ToolError(
+                f"{PROG}: base: earlier patch {patch.name} is a conflict ({report.detail}); fix it first"
+            )
         if not set(patch.file_paths) <= set(rels):
             contents.update(
                 {rel: plan.files[rel].pristine for rel in patch.file_paths if rel not in contents}

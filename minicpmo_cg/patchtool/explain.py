@@ -100,27 +100,27 @@ def explain_failure(
         names = ", ".join(p.name for p in earlier)
         if pristine != before and gnu.run(patch.diff, pristine).ok:
             return (
-                f"does not apply after the earlier patch(es) {names} that change the same file, but applies to "
-                f"the pristine file: stale starting point (diffed from the pristine file); regenerate it from "
-                f"`{base_cmd}`: {summary}"
+                f"does not apply after the earlier patch(es) {names} that change the same file, but "
+                f"applies to the pristine file: stale starting point (diffed from the pristine file); "
+                f"regenerate it from `{base_cmd}`: {summary}"
             )
         changed = _changed_by_earlier(patch, earlier, before)
         if changed:
             return (
-                f"does not apply after {', '.join(changed)}: where this patch expects other text, the file has "
-                f"lines that patch adds, so an earlier patch changed since this one was made; regenerate it "
-                f"from `{base_cmd}`: {summary}"
+                f"does not apply after {', '.join(changed)}: where this patch expects other text, the "
+                f"file has lines that patch adds, so an earlier patch changed since this one was made; "
+                f"regenerate it from `{base_cmd}`: {summary}"
             )
+    version = f"{patch.package} {install.versions[patch.package]}"
     for rel, data in pristine.items():
         wheel = install.wheel_file(rel)
         if wheel is not None and sha256_or_none(data) != wheel.sha256:
             return (
-                f"does not apply to {patch.package} {install.versions[patch.package]}: the installed {rel} differs "
-                f"from the {wheel.dist} {wheel.version} wheel (RECORD): changed locally? reinstall it "
-                f"({wheel.reinstall_hint()}): {summary}"
+                f"does not apply to {version}: the installed {rel} differs from the {wheel.dist} "
+                f"{wheel.version} wheel (RECORD): changed locally? reinstall it ({wheel.reinstall_hint()}): "
+                f"{summary}"
             )
     return (
-        f"does not apply to {patch.package} {install.versions[patch.package]}: the file differs from what the "
-        f"diff expects (another version, or upstream changed this code); refresh the patch for this version: "
-        f"{summary}"
+        f"does not apply to {version}: the file differs from what the diff expects (another version, or "
+        f"upstream changed this code); refresh the patch for this version: {summary}"
     )

@@ -21,7 +21,7 @@ _SENTENCE_END = re.compile(r"(?<=[.;:])\s+(?=[A-Z(])")
 
 
 def first_sentence(text: str, limit: int = 240) -> str:
-    """The first sentence of ``text`` (up to ``. ``/``; ``/``: `` before a capital), at most ``limit`` chars."""
+    """The first sentence of ``text`` (to ``.``, ``;`` or ``:`` before a capital), at most ``limit`` chars."""
     sentence = _SENTENCE_END.split(text.strip(), maxsplit=1)[0]
     if len(sentence) > limit:
         sentence = sentence[: limit - 3].rsplit(" ", 1)[0] + "..."

@@ -121,18 +121,16 @@ def add_owned(plan: Plan, sources: dict[str, tuple[Path, bytes]], needed: bool) 
 
 
 def _orphan_dirs(plan: Plan) -> tuple[str, ...]:
-    """Directories of unrecorded owned copies (state lost) that pip did not install: ours to remove.
+    """Directories of owned copies that did not exist before apply and that pip did not install.
 
-    Wheels carry no empty directories, so a directory without any file RECORD lists was made
-    by this tool; without RECORD nothing is claimed.
+    They are the tool's even when no record names them (state lost, or a record of the first
+    format, which had no ``created_dirs``): wheels carry no empty directories, so a directory
+    without any file RECORD lists was made by this tool. Without RECORD nothing is claimed.
     """
     candidates = {
         parent.as_posix()
         for view in plan.files.values()
-        if view.role == "owned"
-        and view.at == "unrecorded"
-        and view.pristine is None
-        and view.current is not None
+        if view.role == "owned" and view.pristine is None and view.current is not None and not view.conflict
         for parent in Path(view.rel).parents
         if parent != Path(".")
     }

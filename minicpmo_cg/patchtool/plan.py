@@ -285,7 +285,8 @@ def _load_record(
     notes = []
     if loaded is not None and not loaded.complete:
         notes.append(
-            "an apply or revert was interrupted (the journal is not committed): run apply to finish it or revert to undo it"
+            "an apply or revert was interrupted (the journal is not committed): run apply to finish it "
+            "or revert to undo it"
         )
     return loaded, loaded, notes
 

@@ -27,7 +27,7 @@ def elide(text: str, width: int) -> str:
 
 
 def elide_path(path: str, width: int) -> str:
-    """A ``/`` path shortened to ``first/.../last parts`` (whole components) when it can, else :func:`elide`."""
+    """A path shortened to ``first/.../last parts`` (whole components) when it can, else :func:`elide`."""
     if len(path) <= width:
         return path
     parts = path.split("/")

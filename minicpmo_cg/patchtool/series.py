@@ -340,7 +340,8 @@ def _parse_diff(lines: list[str], first: int, where: str, import_dir: str) -> tu
             assert rel is not None
             if rel in seen:
                 raise PatchFormatError(
-                    f"{where}: line {lineno}: {rel} appears twice in one patch (merge its hunks into one diff)"
+                    f"{where}: line {lineno}: {rel} appears twice in one patch "
+                    "(merge its hunks into one diff)"
                 )
             seen.add(rel)
             index += 2

@@ -99,8 +99,8 @@ class Plan:
         record_present: a ``state.json`` exists (possibly stale).
         litter: temporary files a killed run left (apply/revert remove them).
         leftover: files in the state directory no record needs (apply/revert remove them).
-        orphan_dirs: directories of owned copies found without a record that pip did not
-            install (revert removes them when empty).
+        orphan_dirs: directories of owned copies that pip did not install, whether or not a
+            record names them (revert removes them when empty).
     """
 
     install: Installation
@@ -125,7 +125,8 @@ class Plan:
     def adapter(self) -> OwnedReport:
         """The adapter's entry among :attr:`owned`."""
         rel = resources.ADAPTER_RELPATH.as_posix()
-        return next(o for o in self.owned if o.rel == rel)
+        found = [o for o in self.owned if o.rel == rel]
+        return found[0] if found else OwnedReport(rel, None, NOT_APPLICABLE, "not in the owned tree")
 
     def file_conflicts(self) -> list[str]:
         return [f"{fv.rel}: {fv.conflict}" for fv in self.files.values() if fv.conflict]

@@ -153,7 +153,7 @@ def make_patch(
     extra_header: str = "",
     source: str | None = None,
 ) -> Path:
-    """Write a one-file patch replacing the line ``before`` of ``source`` (default: pristine ``rel``) with ``after``."""
+    """Write a one-file patch replacing the line ``before`` of ``source`` (default: pristine ``rel``)."""
     original = SITE_SOURCE[rel] if source is None else source
     lines = original.splitlines(keepends=True)
     index = next(i for i, line in enumerate(lines) if line.rstrip("\n") == before)
@@ -163,7 +163,7 @@ def make_patch(
 
 
 def make_site(tmp_path: Path, name: str = "site-packages") -> Path:
-    """A site-packages copy: every target file (pre-apply bytes), minicpmo_4_5/__init__.py, both dist-infos."""
+    """A site-packages copy: every target file (pre-apply), minicpmo_4_5/__init__.py, both dist-infos."""
     site = tmp_path / name
     site.mkdir()
     for pattern in ("vllm-*.dist-info", "vllm_omni-*.dist-info"):

@@ -18,6 +18,7 @@ and removal are among the steps.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -334,3 +335,21 @@ def test_a_read_only_target_directory_changes_nothing(world):
     finally:
         folder.chmod(0o755)
     assert full_tree(site) == before
+
+
+def test_a_record_of_the_first_format_is_read(world):
+    """A state directory written by the first release (format 1) is applied, re-applied and reverted."""
+    site = world.copy(world.applied1, "format-1")
+    path = site / STATE_DIR / "state.json"
+    record = json.loads(path.read_text())
+    assert record.pop("complete") is True and record.pop("created_dirs")
+    record["format"] = 1
+    for entry in record["files"].values():
+        entry["role"] = "adapter" if entry["role"] == "owned" else entry["role"]
+    path.write_text(json.dumps(record))
+    assert world.run("status", site, world.rev1) == 0
+    forward = world.copy(site, "format-1-forward")
+    assert world.run("apply", forward, world.rev2) == 0
+    assert full_tree(forward) == world.trees["rev2"]
+    assert world.run("revert", site, world.rev1) == 0
+    assert full_tree(site) == world.trees["pristine"]

@@ -40,7 +40,7 @@ STRACE = pytest.param(
 
 
 def faulty(mechanism: str, fault: str, nth: int, args: list[str], *, from_on: bool = False):
-    """Run the tool with ``fault`` (``kill`` or ``EIO``) at its ``nth`` rename (and later ones with ``from_on``)."""
+    """Run the tool with ``fault`` (``kill``, ``EIO``) at its ``nth`` rename (and later, with ``from_on``)."""
     if mechanism == "hook":
         argv = [
             sys.executable,

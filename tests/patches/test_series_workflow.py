@@ -247,7 +247,7 @@ def test_unique_context_is_accepted(tmp_site, tmp_path, versions):
 
 
 def test_a_patch_for_both_lanes_applies_after_legacy_only_patches_on_every_lane(tmp_site, tmp_path):
-    """Series: 0001 legacy-only (upstream since the current vLLM), 0002 both lanes, 0003 another version only."""
+    """Series: 0001 legacy-only (upstream since the current vLLM), 0002 both lanes, 0003 another version."""
     legacy, current = lanes.get_lane("legacy"), lanes.get_lane("current")
     upstream = change(PRISTINE, "line_05 = 5\n", "line_05 = 5  # capture axes\n")
     p1 = patch_text(

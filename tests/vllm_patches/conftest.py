@@ -28,8 +28,8 @@ def vllm_lane() -> str:
     omni = importlib.metadata.version("vllm-omni")
     lane = lanes.lane_for_versions(vllm.__version__, omni)
     if lane is None:
-        known = ", ".join(f"{ln.name} (vllm {ln.vllm} + vllm-omni {ln.vllm_omni})" for ln in lanes.all_lanes())
-        pytest.fail(f"vllm {vllm.__version__} + vllm-omni {omni} is not a lane; lanes: {known}", pytrace=False)
+        known = ", ".join(f"{ln.name} = {ln.vllm} + {ln.vllm_omni}" for ln in lanes.all_lanes())
+        pytest.fail(f"vllm {vllm.__version__} + vllm-omni {omni} is not a lane ({known})", pytrace=False)
     return lane.name
 
 
