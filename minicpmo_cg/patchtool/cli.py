@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from minicpmo_cg.patchtool import commands, index
 from minicpmo_cg.patchtool.errors import EXIT_CODES_HELP, EXIT_CONFLICT, EXIT_OK, PROG, ToolError
 from minicpmo_cg.patchtool.install import discover_installation
 from minicpmo_cg.patchtool.plan import build_plan
-from minicpmo_cg.patchtool.report import render_json, render_text
+from minicpmo_cg.patchtool.report import WIDTH, render_json, render_text
 from minicpmo_cg.patchtool.series import PatchFormatError, load_all_series
 from minicpmo_cg.patchtool.state import locked
 
@@ -140,7 +141,8 @@ def _report(args: argparse.Namespace, outcome: commands.Outcome, plan) -> tuple[
     if args.json:
         out = json.dumps(render_json(command, plan, outcome), indent=2) + "\n"
     elif command == "base":
-        out = "".join(f"wrote: {path}\n" for path in outcome.changed) + outcome.message + "\n"
+        wrapped = textwrap.fill(outcome.message, WIDTH, break_on_hyphens=False, break_long_words=False)
+        out = "".join(f"wrote: {path}\n" for path in outcome.changed) + wrapped + "\n"
     else:
         out = render_text(command, plan, outcome, args.verbose)
     err = ""

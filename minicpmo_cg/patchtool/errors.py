@@ -19,8 +19,8 @@ EXIT_INCOMPLETE = 3
 
 EXIT_CODES_HELP = (
     "exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format or I/O "
-    "error (nothing changed); 3 interrupted by an I/O error part-way (each file's state is listed; "
-    "run apply or revert again to finish)"
+    "error (nothing changed); 3 an I/O error left apply/revert unfinished (each file's state is "
+    "listed; run apply or revert again to finish)"
 )
 
 
