@@ -14,6 +14,7 @@ Steps (``patches/README.md`` states the rules for authors):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from minicpmo_cg import resources
@@ -43,6 +44,7 @@ from minicpmo_cg.patchtool.views import (
 )
 
 __all__ = [
+    "SeriesRun",
     "build_plan",
     "check_against_wheel",
     "classify_patches",
@@ -236,31 +238,39 @@ def _applied_report(
     return PatchReport(patch, PENDING)
 
 
+@dataclass
+class SeriesRun:
+    """What :func:`simulate_series` needs besides the files, and the reports it fills in."""
+
+    install: Installation
+    record: StateRecord | None
+    found: set[str]
+    reports: dict[str, PatchReport]
+
+
 def simulate_series(
-    files: dict[str, FileView], active: list[Patch], gnu: GnuPatch | None, ctx: dict
+    files: dict[str, FileView], active: list[Patch], gnu: GnuPatch | None, run: SeriesRun
 ) -> dict[str, bytes | None]:
-    """Apply ``active`` in order to the pre-apply contents; fill ``ctx['reports']``; return the result."""
-    reports: dict[str, PatchReport] = ctx["reports"]
+    """Apply ``active`` in order to the pre-apply contents; fill ``run.reports``; return the result."""
     work = {rel: v.pristine for rel, v in files.items() if not v.conflict}
     done: list[Patch] = []
     for patch in active:
         bad = [rel for rel in patch.file_paths if files[rel].conflict]
         if bad:
-            reports[patch.name] = PatchReport(
-                patch, CONFLICT, f"target {bad[0]}: {files[bad[0]].conflict}; nothing will be written"
-            )
+            detail = f"target {bad[0]}: {files[bad[0]].conflict}; nothing will be written"
+            run.reports[patch.name] = PatchReport(patch, CONFLICT, detail)
             continue
         before = {rel: work[rel] for rel in patch.file_paths}
         ambiguous = ambiguous_hunks(patch.files, before)
-        run = None if ambiguous else gnu.run(patch.diff, before)  # type: ignore[union-attr]
-        if run is None or not run.ok:
-            detail = explain_failure(patch, before, files, done, gnu, ctx["install"], ambiguous, run)
-            reports[patch.name] = PatchReport(patch, CONFLICT, detail)
+        result = None if ambiguous else gnu.run(patch.diff, before)  # type: ignore[union-attr]
+        if result is None or not result.ok:
+            detail = explain_failure(patch, before, files, done, gnu, run.install, ambiguous, result)
+            run.reports[patch.name] = PatchReport(patch, CONFLICT, detail)
             continue
-        assert run.contents is not None
-        work.update(run.contents)
+        assert result.contents is not None
+        work.update(result.contents)
         done.append(patch)
-        reports[patch.name] = _applied_report(patch, files, ctx["record"], ctx["found"])
+        run.reports[patch.name] = _applied_report(patch, files, run.record, run.found)
     return work
 
 
@@ -370,30 +380,28 @@ def build_plan(
         raise ToolError(f"{PROG}: {exc}") from None
     files, file_notes = scan_patch_files(install, store, active, record)
     found = unapply_unrecorded(files, active, gnu, install)
-    work = simulate_series(
-        files, active, gnu, {"reports": reports, "install": install, "record": record, "found": found}
-    )
+    work = simulate_series(files, active, gnu, SeriesRun(install, record, found, reports))
     file_notes += check_against_wheel(files, reports, install)
     active_rels = {rel for patch in active for rel in patch.file_paths}
     plan = Plan(
-        install,
-        patches_dir,
-        store,
-        gnu.version if gnu else None,
-        [reports[p.name] for p in series],
-        files,
-        [],
-        {
+        install=install,
+        patches_dir=patches_dir,
+        store=store,
+        patch_program=gnu.version if gnu else None,
+        reports=[reports[p.name] for p in series],
+        files=files,
+        owned=[],
+        apply_contents={
             rel: (work[rel] if rel in active_rels else v.pristine)
             for rel, v in files.items()
             if not v.conflict
         },
-        {rel: v.pristine for rel, v in files.items() if not v.conflict},
-        None,
-        record,
-        loaded is not None,
-        loaded,
-        notes + file_notes,
+        revert_contents={rel: v.pristine for rel, v in files.items() if not v.conflict},
+        new_record=None,
+        record=record,
+        record_present=loaded is not None,
+        loaded=loaded,
+        notes=notes + file_notes,
     )
     needed = any(p.package == "vllm-omni" for p in active)
     owned.add_owned(plan, sources, needed)
