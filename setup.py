@@ -1,28 +1,34 @@
 """MiniCPM-o 4.5 input encoder CUDA graphs: a fork-style patch set on vllm-omni.
 
-Installs the ``minicpmo_cg`` package (patch tool, demo, benchmark) and ships, as package
-data, the adapter (``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py``)
-and the patch series (``patches/``) that the tool installs into vllm-omni / vLLM.
+Installs the ``minicpmo_cg`` package (patch tool, demo, benchmark, offline GPU runner) and
+ships, as package data, the files this project owns in vllm-omni's tree (``vllm_omni/``: the adapter
+``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py`` and any module
+beside it), the patch series (``patches/``) that the tool installs into vllm-omni / vLLM,
+and the lane files (``lanes/``).
 
-Lanes are extras because the patch set supports two pinned vLLM/vllm-omni pairs;
-``lanes/<lane>.txt`` holds the exact pins CI uses (tests check they agree):
+Lanes are extras because the patch set supports pinned vLLM/vllm-omni pairs; the extras are
+read from ``lanes/<lane>.txt`` by ``minicpmo_cg.lanes`` (the one home of the pairs):
     pip install -e ".[current,test]"     # vllm 0.30.0 + vllm-omni 0.30.0
     pip install -e ".[legacy,test]"      # vllm 0.28.0 + vllm-omni 0.28.0 (+ vLLM patches)
 """
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ADAPTER = os.path.join("vllm_omni", "model_executor", "models", "minicpmo_4_5", "encoder_cuda_graph.py")
+sys.path.insert(0, HERE)
+from minicpmo_cg import lanes  # stdlib only: reads lanes/*.txt of this checkout
+
+PAYLOAD_DIRS = ("patches", "lanes", "vllm_omni")
 
 
 class BuildPyWithPayload(build_py):
-    """Copy the adapter and the patch series into ``minicpmo_cg/_payload`` of a built wheel.
+    """Copy the owned ``vllm_omni/`` tree, the patch series and the lanes into ``minicpmo_cg/_payload``.
 
     An editable install reads them from the source tree instead (see ``minicpmo_cg/resources.py``).
     """
@@ -31,9 +37,15 @@ class BuildPyWithPayload(build_py):
         super().run()
         payload = os.path.join(self.build_lib, "minicpmo_cg", "_payload")
         shutil.rmtree(payload, ignore_errors=True)
-        shutil.copytree(os.path.join(HERE, "patches"), os.path.join(payload, "patches"))
-        os.makedirs(os.path.join(payload, os.path.dirname(ADAPTER)), exist_ok=True)
-        shutil.copy2(os.path.join(HERE, ADAPTER), os.path.join(payload, ADAPTER))
+        skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".*")
+        for name in PAYLOAD_DIRS:
+            shutil.copytree(os.path.join(HERE, name), os.path.join(payload, name), ignore=skip)
+
+
+LANE_EXTRAS = {
+    lane.name: [lane.requirement("vllm"), lane.requirement("vllm-omni")]
+    for lane in lanes.all_lanes(os.path.join(HERE, "lanes"))
+}
 
 
 setup(
@@ -51,8 +63,7 @@ setup(
     cmdclass={"build_py": BuildPyWithPayload},
     install_requires=[],  # torch/vLLM/vllm-omni come from a lane extra
     extras_require={
-        "current": ["vllm==0.30.0", "vllm-omni==0.30.0"],
-        "legacy": ["vllm==0.28.0", "vllm-omni==0.28.0"],
+        **LANE_EXTRAS,
         "test": ["pytest>=9", "pytest-xdist>=3.8", "pyyaml"],
         "demo": ["scikit-image>=0.24"],
     },

@@ -162,17 +162,17 @@ def patch_problems(plan: Any) -> list[str]:
 
     Args:
         plan: :func:`minicpmo_cg.patchtool.build_plan`'s result (``reports`` with a ``state`` per
-            patch, ``adapter_state``).
+            patch, ``owned`` with a ``state`` per file this project copies into vllm-omni's tree).
     """
-    from minicpmo_cg import patchtool
+    from minicpmo_cg import resources
+    from minicpmo_cg.patchtool.views import CONFLICT, NOT_APPLICABLE, PENDING
 
-    problems = [
-        f"{r.patch.name}: {r.state}"
-        for r in plan.reports
-        if r.state in (patchtool.PENDING, patchtool.CONFLICT)
-    ]
-    if plan.adapter_state not in ("installed", patchtool.NOT_APPLICABLE):
-        problems.append(f"adapter copy: {plan.adapter_state}")
+    problems = [f"{r.patch.name}: {r.state}" for r in plan.reports if r.state in (PENDING, CONFLICT)]
+    adapter = resources.ADAPTER_RELPATH.as_posix()
+    for owned in plan.owned:
+        if owned.state not in ("installed", NOT_APPLICABLE):
+            what = "adapter copy" if owned.rel == adapter else f"owned file {owned.rel}"
+            problems.append(f"{what}: {owned.state}")
     return problems
 
 

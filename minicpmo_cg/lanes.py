@@ -1,89 +1,204 @@
-"""The supported vLLM / vllm-omni pairs ("lanes"), read from ``lanes/<name>.txt``.
+"""The supported vLLM / vllm-omni version pairs ("lanes"), read from ``lanes/*.txt``.
 
-Each lane file is a pip requirements file with exact pins, one ``name==version`` a line
-(``#`` comments allowed); it must pin ``vllm`` and ``vllm-omni``. The file name is the lane name.
-Standard library only: the offline GPU runner imports this on a host without vLLM.
+This module is the one home of the version pairs: the patch tool, ``setup.py``'s lane
+extras and the tests read them here, never from a copy. It imports nothing outside the
+standard library (``setup.py`` loads it before anything is installed).
+
+A lane file ``lanes/<name>.txt`` holds exact pins, one ``package==version`` per line;
+``#`` starts a comment (whole line or trailing), blank lines are ignored. It must pin
+``vllm`` and ``vllm-omni``; the other pins (test and main-job extras) are carried along in
+:attr:`Lane.pins`. The files ship in a built wheel as package data
+(``minicpmo_cg/_payload/lanes/``), next to the patch series.
+
+API (stable)::
+
+    Lane(name, pins, vllm, vllm_omni)       frozen dataclass
+        .requirement(package) -> "package==version" of one pin (KeyError if not pinned)
+        .pair -> (vllm, vllm_omni)
+    all_lanes(directory=None) -> tuple[Lane, ...]   newest vLLM first (ties: by name)
+    get_lane(name, directory=None) -> Lane          LaneError naming the known lanes
+    lane_for_versions(vllm, vllm_omni, directory=None) -> Lane | None
+    lanes_dir() -> Path                             the directory read by default
+    LaneError(ValueError)                           unknown lane or malformed lane file
+
+Versions compare as PEP 440 public versions: ``0.30.0+cu130`` and ``0.30`` both match a pin
+``0.30.0`` (``packaging`` when installed, else a plain release-tuple comparison).
+
+Example::
+
+    >>> from minicpmo_cg import lanes
+    >>> lanes.get_lane("legacy").vllm
+    '0.28.0'
+    >>> lanes.lane_for_versions("0.30.0+cu130", "0.30.0").name
+    'current'
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-#: ``lanes/`` of the source checkout.
-LANES_DIR = Path(__file__).resolve().parent.parent / "lanes"
+__all__ = ["Lane", "LaneError", "all_lanes", "get_lane", "lane_for_versions", "lanes_dir"]
 
-_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([A-Za-z0-9.+!_-]+)\s*(?:#.*)?$")
+_PIN_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([0-9][0-9A-Za-z.+!-]*)$")
 
 
-def _normalize(name: str) -> str:
-    """PEP 503 project name normalisation (``vllm_omni`` -> ``vllm-omni``)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+class LaneError(ValueError):
+    """An unknown lane name, or a lane file that is not a list of exact pins (names the file)."""
 
 
 @dataclass(frozen=True)
 class Lane:
-    """One supported pair and the rest of its pins.
+    """One supported pair and the pins that come with it.
 
     Attributes:
-        name: lane name, the file name without ``.txt`` (e.g. ``"current"``).
-        pins: every pin of the file, normalised project name -> version, in file order.
-        vllm: the pinned vLLM version.
+        name: the lane file's stem (``current``, ``legacy``).
+        pins: every ``package==version`` of the file, in file order, package names
+            canonical (lower case, ``-``).
+        vllm: the pinned vLLM version (``0.30.0``).
         vllm_omni: the pinned vllm-omni version.
     """
 
     name: str
-    pins: dict[str, str]
+    pins: tuple[str, ...]
     vllm: str
     vllm_omni: str
 
-    def requirement(self, project: str) -> str:
-        """``"project==version"`` for a pinned project (KeyError if not pinned)."""
-        return f"{project}=={self.pins[_normalize(project)]}"
+    @property
+    def pair(self) -> tuple[str, str]:
+        """``(vllm, vllm_omni)``."""
+        return (self.vllm, self.vllm_omni)
+
+    def requirement(self, package: str) -> str:
+        """The pin of ``package`` (any spelling, e.g. ``vllm_omni``) as ``package==version``.
+
+        Raises:
+            KeyError: the lane does not pin ``package``.
+        """
+        wanted = _canonical(package)
+        for pin in self.pins:
+            if pin.split("==", 1)[0] == wanted:
+                return pin
+        raise KeyError(f"lane {self.name} does not pin {package}")
 
 
-def read_lane(path: Path) -> Lane:
-    """Parse one lane file.
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _public(version: str):
+    """A comparable form of ``version`` without its local label; ValueError when unparsable."""
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - every lane venv has packaging
+        match = re.fullmatch(r"(\d+(?:\.\d+)*)(?:\+[A-Za-z0-9.]+)?", version.strip())
+        if not match:
+            raise ValueError(f"not a plain release version: {version!r}") from None
+        parts = [int(p) for p in match.group(1).split(".")]
+        while len(parts) > 1 and parts[-1] == 0:
+            parts.pop()
+        return tuple(parts)
+    try:
+        return Version(Version(version).public)
+    except InvalidVersion as exc:
+        raise ValueError(f"not a version: {version!r}") from exc
+
+
+def lanes_dir() -> Path:
+    """The ``lanes/`` directory of this checkout or of the installed wheel's payload.
 
     Raises:
-        ValueError: a line is neither a comment nor an exact pin, or vllm / vllm-omni is missing.
+        FileNotFoundError: neither exists (a broken install).
     """
+    from minicpmo_cg import resources
+
+    return resources.lanes_dir()
+
+
+def _parse_lane_file(path: Path) -> Lane:
     pins: dict[str, str] = {}
-    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
-        if not raw.split("#", 1)[0].strip():
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
             continue
-        match = _PIN.match(raw)
+        match = _PIN_RE.match(line)
         if not match:
-            raise ValueError(f"{path}:{lineno}: expected an exact pin 'name==version', got {raw.strip()!r}")
-        pins[_normalize(match.group(1))] = match.group(2)
+            raise LaneError(f"{path}: line {lineno}: {line!r} is not an exact pin 'package==version'")
+        package, version = _canonical(match.group(1)), match.group(2)
+        if package in pins:
+            raise LaneError(f"{path}: line {lineno}: {package} is pinned twice")
+        try:
+            _public(version)
+        except ValueError as exc:
+            raise LaneError(f"{path}: line {lineno}: {exc}") from None
+        pins[package] = version
     missing = [p for p in ("vllm", "vllm-omni") if p not in pins]
     if missing:
-        raise ValueError(f"{path}: lane file does not pin {', '.join(missing)}")
-    return Lane(name=path.stem, pins=pins, vllm=pins["vllm"], vllm_omni=pins["vllm-omni"])
+        raise LaneError(f"{path}: a lane file must pin vllm and vllm-omni; missing: {', '.join(missing)}")
+    return Lane(
+        name=path.stem,
+        pins=tuple(f"{p}=={v}" for p, v in pins.items()),
+        vllm=pins["vllm"],
+        vllm_omni=pins["vllm-omni"],
+    )
 
 
-def all_lanes(lanes_dir: Path = LANES_DIR) -> list[Lane]:
-    """Every lane of ``lanes_dir``, sorted by name."""
-    return [read_lane(p) for p in sorted(lanes_dir.glob("*.txt"))]
+@functools.lru_cache(maxsize=8)
+def _load(directory: Path) -> tuple[Lane, ...]:
+    files = sorted(directory.glob("*.txt"))
+    if not files:
+        raise LaneError(f"{directory}: no lane files (*.txt)")
+    lanes = [_parse_lane_file(path) for path in files]
+    seen: dict[tuple, str] = {}
+    for lane in lanes:
+        key = (_public(lane.vllm), _public(lane.vllm_omni))
+        if key in seen:
+            raise LaneError(
+                f"{directory}: lanes {seen[key]} and {lane.name} pin the same vllm/vllm-omni pair"
+            )
+        seen[key] = lane.name
+    newest_first = sorted(lanes, key=lambda lane: lane.name)
+    newest_first.sort(key=lambda lane: (_public(lane.vllm), _public(lane.vllm_omni)), reverse=True)
+    return tuple(newest_first)
 
 
-def get_lane(name: str, lanes_dir: Path = LANES_DIR) -> Lane:
+def all_lanes(directory: Path | None = None) -> tuple[Lane, ...]:
+    """Every lane, newest vLLM first (then newest vllm-omni, then by name).
+
+    Args:
+        directory: directory of lane files; default :func:`lanes_dir`.
+
+    Raises:
+        LaneError: a malformed lane file, no lane file, or two lanes with one pair.
+    """
+    return _load(Path(directory if directory is not None else lanes_dir()).resolve())
+
+
+def get_lane(name: str, directory: Path | None = None) -> Lane:
     """The lane called ``name``.
 
     Raises:
-        ValueError: no ``lanes_dir/<name>.txt``; the message lists the known lanes.
+        LaneError: no such lane (the message lists the known ones).
     """
-    path = lanes_dir / f"{name}.txt"
-    if not name or "/" in name or not path.is_file():
-        known = ", ".join(lane.name for lane in all_lanes(lanes_dir)) or "none"
-        raise ValueError(f"unknown lane {name!r} (known lanes: {known})")
-    return read_lane(path)
+    lanes = all_lanes(directory)
+    for lane in lanes:
+        if lane.name == name:
+            return lane
+    raise LaneError(f"unknown lane {name!r} (known: {', '.join(lane.name for lane in lanes)})")
 
 
-def lane_for_versions(vllm: str, vllm_omni: str, lanes_dir: Path = LANES_DIR) -> Lane | None:
-    """The lane pinning exactly this vLLM / vllm-omni pair, or None."""
-    for lane in all_lanes(lanes_dir):
-        if (lane.vllm, lane.vllm_omni) == (vllm, vllm_omni):
+def lane_for_versions(vllm: str, vllm_omni: str, directory: Path | None = None) -> Lane | None:
+    """The lane pinning exactly this installed pair, or None (also for an unparsable version).
+
+    Local labels and trailing zeros are ignored: ``0.30.0+cu130`` matches ``0.30.0``.
+    """
+    try:
+        wanted = (_public(vllm), _public(vllm_omni))
+    except ValueError:
+        return None
+    for lane in all_lanes(directory):
+        if (_public(lane.vllm), _public(lane.vllm_omni)) == wanted:
             return lane
     return None

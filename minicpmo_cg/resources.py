@@ -1,14 +1,41 @@
-"""Where the patch set's payload lives: the source tree (editable install) or ``_payload`` (wheel)."""
+"""Where the patch set's payload lives: the source tree (editable install) or ``_payload`` (wheel).
+
+The payload is what the patch tool installs and what the lanes module reads::
+
+    patches/             the patch series (patches/README.md)
+    lanes/*.txt          the supported version pairs (minicpmo_cg.lanes)
+    vllm_omni/...        files this project owns in vllm-omni's tree, copied there by the
+                         patch tool (the adapter, and any module beside it)
+
+A built wheel carries a copy under ``minicpmo_cg/_payload/`` (setup.py's ``build_py``);
+an editable install reads the checkout.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from pathlib import Path, PurePosixPath
+
+__all__ = [
+    "ADAPTER_RELPATH",
+    "OWNED_PACKAGE_DIR",
+    "adapter_source",
+    "lanes_dir",
+    "owned_files",
+    "owned_root",
+    "patches_dir",
+    "payload_root",
+]
 
 ADAPTER_RELPATH = Path("vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py")
+#: the top-level directory (relative to the payload root and to site-packages) of the owned files
+OWNED_PACKAGE_DIR = "vllm_omni"
+_SKIPPED_DIRS = frozenset({"__pycache__"})
+_SKIPPED_SUFFIXES = (".pyc", ".pyo", ".minicpmo-cg-tmp")
 
 
 def payload_root() -> Path:
-    """Directory holding ``patches/`` and the adapter's ``vllm_omni/...`` path.
+    """Directory holding ``patches/``, ``lanes/`` and the owned ``vllm_omni/`` tree.
 
     Raises:
         FileNotFoundError: neither a wheel payload nor a source checkout is found.
@@ -24,5 +51,32 @@ def patches_dir() -> Path:
     return payload_root() / "patches"
 
 
+def lanes_dir() -> Path:
+    return payload_root() / "lanes"
+
+
+def owned_root() -> Path:
+    """The directory whose ``vllm_omni/`` subtree is installed into site-packages."""
+    return payload_root()
+
+
 def adapter_source() -> Path:
     return payload_root() / ADAPTER_RELPATH
+
+
+def owned_files(root: Path | None = None) -> dict[str, Path]:
+    """Every file of ``root/vllm_omni/`` (default :func:`owned_root`), by site-relative POSIX path.
+
+    Bytecode caches (``__pycache__``, ``*.pyc``), hidden files and the patch tool's own
+    temporary files are skipped. Sorted by path.
+    """
+    root = root or owned_root()
+    found: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(root / OWNED_PACKAGE_DIR):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith("."))
+        for name in filenames:
+            if name.startswith(".") or name.endswith(_SKIPPED_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            found[PurePosixPath(path.relative_to(root).as_posix()).as_posix()] = path
+    return dict(sorted(found.items()))

@@ -4,7 +4,9 @@ vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and 
 compilation/parallel configs; a full ``ModelConfig`` would need the checkpoint, which
 the encoders at random weights do not. ``ModelConfig.__new__`` gives an instance without running
 its checkpoint-resolving ``__init__``; only the attributes the manager and the
-adapter factory read are set.
+adapter factory read are set. ``cache_config.num_gpu_blocks`` is set to 0 (there is no
+KV cache): the adapter treats calls made while it is None as vLLM's start-up memory
+profiling, which an engine ends by sizing the KV cache.
 """
 
 from __future__ import annotations
@@ -29,4 +31,5 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
     object.__setattr__(model_config, "enforce_eager", enforce_eager)
     object.__setattr__(config, "model_config", model_config)
+    config.cache_config.num_gpu_blocks = 0  # profiling is over (see the module docstring)
     return config

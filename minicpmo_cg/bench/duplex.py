@@ -120,11 +120,19 @@ def _graphed(ctx: Ctx, main: list[duplex.DuplexChunk], other: list[duplex.Duplex
         inter = _interleaved(ctx, [main[:half], other])
         stats = adapter.get_cumulative_stats()
         memory = _memory(ctx, adapter, len(main), after["reserved"] - before["reserved"])
-        cap = adapter.options.max_graphs
+        cap, admission = adapter.options.max_graphs, adapter.get_detailed_stats()["admission"]
     finally:
         standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)  # drop the graphs
         release_memory()
-    return {"cold": cold, "warm": warm, "interleaved": inter, "stats": stats, "memory": memory, "cap": cap}
+    return {
+        "cold": cold,
+        "warm": warm,
+        "interleaved": inter,
+        "stats": stats,
+        "memory": memory,
+        "cap": cap,
+        "admission": admission,
+    }
 
 
 def _eager(ctx: Ctx, main: list[duplex.DuplexChunk], other: list[duplex.DuplexChunk]) -> dict:
@@ -181,6 +189,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "median_speedup": e["median"] / w["median"] if w["median"] else None,
         "stats": graphed["stats"],
         "cap": graphed["cap"],
+        "admission": graphed["admission"],
         "memory": graphed["memory"],
         "session_cache_peak_bytes": {
             "eager": eager["cache_peak_bytes"],
@@ -214,7 +223,7 @@ def format_section(s: dict[str, Any]) -> list[str]:
         ),
         _row("graphed (2 interleaved)", s["graphed_interleaved"], "both sessions' chunks"),
         (
-            f"graphs {st['num_graphs']} (cap {s['cap']}), hits {st['graph_hits']}, misses: warmup "
+            f"graphs {st['num_graphs']} (cap {s['cap']}, admission {s['admission']}), hits {st['graph_hits']}, misses: warmup "
             f"{st['warmup_misses']} capacity {st['capacity_misses']} memory {st['memory_misses']} "
             f"ineligible {st['ineligible_misses']}"
         ),

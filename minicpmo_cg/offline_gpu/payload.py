@@ -17,10 +17,11 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minicpmo_cg.resources import owned_files
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 STUBS_DIR = PACKAGE_DIR / "stubs"
 DEPS_FILE = PACKAGE_DIR / "deps.txt"
-ADAPTER_RELPATH = Path("vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py")
 ARCHIVE = "site.tar.xz"
 MANIFEST = "MANIFEST.json"
 MIB = 1 << 20
@@ -59,17 +60,17 @@ def read_deps(lane: str, path: Path = DEPS_FILE) -> list[str]:
 def payload_files(repo: Path, package_dir: Path = PACKAGE_DIR) -> list[Path]:
     """Files that decide a bundle's content besides the pinned upstream wheels.
 
-    The patch series (``patches/**`` except prose), the adapter the patch tool copies, the stubs
-    and the dependency list. The patch tool's own code is left out: a change there that changes
-    its output also changes ``patches/`` or the adapter.
+    The patch series (``patches/**`` except prose), the files this project owns in vllm-omni's
+    tree that the patch tool copies (``vllm_omni/**``: the adapter and any module beside it), the
+    stubs and the dependency list. The patch tool's own code is left out: a change there that
+    changes its output also changes ``patches/`` or the owned files.
     """
     files = sorted(
         p
         for p in (repo / "patches").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".md"
     )
-    if (repo / ADAPTER_RELPATH).is_file():
-        files.append(repo / ADAPTER_RELPATH)
+    files += list(owned_files(repo).values())
     files += sorted((package_dir / "stubs").rglob("*.py"))
     if (package_dir / "deps.txt").is_file():
         files.append(package_dir / "deps.txt")
@@ -79,7 +80,7 @@ def payload_files(repo: Path, package_dir: Path = PACKAGE_DIR) -> list[Path]:
 def payload_fingerprint(repo: Path, package_dir: Path = PACKAGE_DIR) -> str:
     """sha256 over the names and contents of :func:`payload_files` (first 16 hex digits).
 
-    Names are taken relative to ``repo`` (patches, adapter) or ``package_dir`` (stubs, deps), so
+    Names are taken relative to ``repo`` (patches, owned files) or ``package_dir`` (stubs, deps), so
     the value does not depend on where the checkout lives.
     """
     digest = hashlib.sha256()

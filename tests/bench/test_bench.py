@@ -103,7 +103,9 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
     assert backend.eligible_device([3]) is None
     assert backend.eligible_device([torch.zeros(2), torch.zeros(2, device="meta")]) is None
     config = standalone_vllm_config()
-    adapter = mod.EncoderCudaGraph(lambda x: x * 2, config, min_free_bytes=1, backend=backend, name="bench-t")
+    adapter = mod.EncoderCudaGraph(
+        lambda x: x * 2, config, min_free_bytes=1, admission="count", backend=backend, name="bench-t"
+    )
     x = torch.arange(6.0).reshape(2, 3)
     with torch.no_grad():
         outs = [adapter(x) for _ in range(3)]
@@ -114,7 +116,9 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
     assert isinstance(mod.EncoderCudaGraph(lambda t: t, config).backend, mod.CudaGraphBackend)
     low = fixed_free_bytes(backend, 0)
     assert isinstance(low, CpuGraphBackend) and low.free_bytes(cpu) == 0 and backend.free_bytes(cpu) > 0
-    starved = mod.EncoderCudaGraph(lambda t: t, config, min_free_bytes=1, backend=low, name="bench-t0")
+    starved = mod.EncoderCudaGraph(
+        lambda t: t, config, min_free_bytes=1, admission="count", backend=low, name="bench-t0"
+    )
     with torch.no_grad():
         starved(x), starved(x)
     assert starved.get_cumulative_stats()["memory_misses"] == 1
@@ -159,6 +163,7 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     assert dx["bitwise"] == dict.fromkeys(("cold", "warm", "interleaved_a", "interleaved_b"), True)
     # 30 keys per session (first-chunk form + 29 past lengths), each warmed up once, then replayed
     assert (dx["stats"]["num_graphs"], dx["stats"]["warmup_misses"], dx["cap"]) == (30, 30, 120)
+    assert dx["admission"] == "count"  # the streaming adapter counts whatever the admission option says
     calls = seconds + 1 + seconds + 2 * half  # cold session, next session's first chunk, warm, interleaved
     assert dx["stats"]["graph_hits"] == calls - 30 and dx["stats"]["ineligible_misses"] == 0
     assert (

@@ -176,9 +176,14 @@ def test_wiring_sets_the_hf_override_keys():
 # ---------------------------------------------------------------------------------------------
 
 
-def _plan(states, adapter_state="installed"):
+ADAPTER_REL = "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+
+
+def _plan(states, adapter_state="installed", **owned_states):
     reports = [SimpleNamespace(patch=SimpleNamespace(name=name), state=st) for name, st in states.items()]
-    return SimpleNamespace(reports=reports, adapter_state=adapter_state)
+    owned = [SimpleNamespace(rel=ADAPTER_REL, state=adapter_state)]
+    owned += [SimpleNamespace(rel=f"vllm_omni/{name}.py", state=st) for name, st in owned_states.items()]
+    return SimpleNamespace(reports=reports, owned=owned)
 
 
 @pytest.mark.cpu
@@ -196,6 +201,9 @@ def test_patch_problems_names_what_is_not_applied():
         "x.patch: conflict",
         "adapter copy: outdated",
     ]
+    assert demo.patch_problems(_plan(applied, helper="missing", other="installed")) == [
+        "owned file vllm_omni/helper.py: missing"
+    ]
 
 
 _HEAVY = ("torch", "vllm", "vllm_omni", "transformers")
@@ -205,7 +213,8 @@ import sys
 from types import SimpleNamespace
 from minicpmo_cg import demo, patchtool
 pending = SimpleNamespace(patch=SimpleNamespace(name="vllm-omni/0001-x.patch"), state="pending")
-patchtool.build_plan = lambda install: SimpleNamespace(reports=[pending], adapter_state="missing")
+adapter = SimpleNamespace(rel="{ADAPTER_REL}", state="missing")
+patchtool.build_plan = lambda install: SimpleNamespace(reports=[pending], owned=[adapter])
 rc = demo.main(["--device", "cpu"])
 print("IMPORTED", sorted(m for m in {_HEAVY!r} if m in sys.modules))
 sys.exit(rc)

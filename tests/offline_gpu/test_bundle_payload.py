@@ -16,6 +16,7 @@ import pytest
 from minicpmo_cg.lanes import get_lane, lane_for_versions
 from minicpmo_cg.offline_gpu import payload, strip
 from minicpmo_cg.offline_gpu.cli import REPO
+from minicpmo_cg.resources import ADAPTER_RELPATH
 
 pytestmark = pytest.mark.core_model
 
@@ -55,7 +56,7 @@ def _fake_checkout(root: Path) -> tuple[Path, Path]:
         "repo/patches/vllm-omni/series": "0001.patch\n",
         "repo/patches/vllm-omni/0001.patch": "diff\n",
         "repo/patches/README.md": "prose\n",
-        f"repo/{payload.ADAPTER_RELPATH}": "ADAPTER = 1\n",
+        f"repo/{ADAPTER_RELPATH}": "ADAPTER = 1\n",
         "pkg/stubs/vllm/_C_stable_libtorch.py": "STUB = True\n",
         "pkg/deps.txt": "a==1\n",
     }
@@ -73,7 +74,7 @@ def test_fingerprint_follows_patches_adapter_stubs_deps_not_prose(tmp_path: Path
     assert payload.payload_fingerprint(repo, pkg) == base
     for path in (
         repo / "patches/vllm-omni/0001.patch",
-        repo / payload.ADAPTER_RELPATH,
+        repo / ADAPTER_RELPATH,
         pkg / "stubs/vllm/_C_stable_libtorch.py",
         pkg / "deps.txt",
     ):

@@ -9,158 +9,43 @@ directories, passed with ``--site-packages``.
 
 from __future__ import annotations
 
-import base64
-import csv
-import difflib
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from minicpmo_cg import patchstate, patchtool, resources
-from minicpmo_cg.patchseries import PatchFormatError, load_all_series, load_series, parse_patch
+# tests/patches is on sys.path: pytest imports this module rootdir-relative, without a package
+from patchkit import (
+    ADAPTER_REL,
+    GOOD_STATES,
+    INIT_REL,
+    MODEL_REL,
+    SITE,
+    SITE_SOURCE,
+    STATE_DIR,
+    WIRING,
+    cli,
+    cli_json,
+    custom_patches,
+    hashes,
+    make_patch,
+    record_hashes,
+    set_version,
+    sha,
+    target_rels,
+    tree,
+)
+
+from minicpmo_cg import lanes, patchtool, resources
+from minicpmo_cg.patchtool import fsops
+from minicpmo_cg.patchtool.series import PatchFormatError, load_all_series, load_series, parse_patch
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
-
-SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
-ADAPTER_REL = resources.ADAPTER_RELPATH.as_posix()
-MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
-INIT_REL = "vllm_omni/model_executor/models/minicpmo_4_5/__init__.py"
-WIRING = "vllm-omni/0001-minicpmo45-route-encoders-through-cuda-graphs.patch"
-STATE_DIR = patchstate.STATE_DIRNAME
-GOOD_STATES = {"applied", "upstream", "n/a"}
-
-
-# ---------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "minicpmo_cg.patchtool", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-
-
-def cli_json(*args: str) -> tuple[int, dict]:
-    proc = cli(*args, "--json")
-    return proc.returncode, json.loads(proc.stdout)
-
-
-def sha(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-
-
-def target_rels() -> list[str]:
-    rels = []
-    for patch in load_all_series(resources.patches_dir()):
-        rels += [rel for rel in patch.file_paths if rel not in rels]
-    return [*rels, ADAPTER_REL]
-
-
-def hashes(site: Path, rels) -> dict[str, str | None]:
-    return {rel: sha(site / rel) for rel in rels}
-
-
-def tree(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` (the whole temp site, state dir included)."""
-    return {p.relative_to(root).as_posix(): sha(p) for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def record_hashes(site: Path) -> dict[str, str]:
-    """Wheel RECORD sha256 (hex) of every vllm / vllm-omni file."""
-    out = {}
-    for info in list(site.glob("vllm-*.dist-info")) + list(site.glob("vllm_omni-*.dist-info")):
-        with open(info / "RECORD", newline="") as handle:
-            for row in csv.reader(handle):
-                if len(row) >= 2 and row[1].startswith("sha256="):
-                    digest = base64.urlsafe_b64decode(row[1][len("sha256=") :] + "==")
-                    out[row[0]] = digest.hex()
-    return out
-
-
-def set_version(site: Path, dist_glob: str, version: str) -> None:
-    (info,) = site.glob(dist_glob)
-    meta = info / "METADATA"
-    lines = meta.read_text().splitlines(keepends=True)
-    meta.write_text(
-        "".join(f"Version: {version}\n" if line.startswith("Version:") else line for line in lines)
-    )
-
-
-def make_patch(
-    path: Path, rel: str, before: str, after: str, *, targets: str, extra_header: str = ""
-) -> Path:
-    """Write a one-file patch replacing the line ``before`` of the pristine ``rel`` with ``after``."""
-    original = SITE_SOURCE[rel].splitlines(keepends=True)
-    index = next(i for i, line in enumerate(original) if line.rstrip("\n") == before)
-    changed = original[:index] + [after + "\n"] + original[index + 1 :]
-    diff = "".join(difflib.unified_diff(original, changed, f"a/{rel}", f"b/{rel}", n=3))
-    header = (
-        "Subject: test patch\n"
-        "Why: exercises the tool\n"
-        "Origin: tests\n"
-        "Upstream: none\n"
-        f"Targets: {targets}\n"
-        f"{extra_header}"
-        "Drop-When: never\n"
-        "---\n"
-    )
-    path.write_text(header + diff)
-    return path
-
-
-#: pre-apply text of MODEL_REL and INIT_REL, filled by the tmp_site fixture
-SITE_SOURCE: dict[str, str] = {}
-
-
-@pytest.fixture(scope="module")
-def versions() -> dict[str, str]:
-    return patchtool.discover_installation().versions
-
-
-@pytest.fixture
-def tmp_site(tmp_path) -> Path:
-    """A site-packages copy: every target file (pre-apply bytes), minicpmo_4_5/__init__.py, both dist-infos."""
-    site = tmp_path / "site-packages"
-    site.mkdir()
-    for pattern in ("vllm-*.dist-info", "vllm_omni-*.dist-info"):
-        for info in SITE.glob(pattern):
-            shutil.copytree(info, site / info.name)
-    for rel in [*target_rels(), INIT_REL]:
-        if rel != ADAPTER_REL and (SITE / rel).is_file():
-            (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(SITE / rel, site / rel)
-    # The real installation may be applied; without its state the copy is "applied without a
-    # record", which revert un-applies: the copy starts pristine either way.
-    proc = cli("revert", "--site-packages", str(site))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not (site / STATE_DIR).exists()
-    SITE_SOURCE.clear()
-    SITE_SOURCE.update({rel: (site / rel).read_text() for rel in (MODEL_REL, INIT_REL)})
-    return site
-
-
-def custom_patches(tmp_path: Path, *extra: tuple[str, Path]) -> Path:
-    """A copy of the shipped series with extra vllm-omni patches appended."""
-    root = tmp_path / "patches"
-    shutil.copytree(resources.patches_dir(), root)
-    series = root / "vllm-omni" / "series"
-    for name, source in extra:
-        shutil.copy(source, root / "vllm-omni" / name)
-        series.write_text(series.read_text() + f"{name}\n")
-    return root
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +68,7 @@ def test_round_trip_on_the_installed_lane(tmp_path, versions):
     wheel = record_hashes(SITE)
     try:
         assert Path(status["site_packages"]) == SITE
-        assert status["lane"] == patchtool.SUPPORTED_PAIRS[(versions["vllm"], versions["vllm-omni"])]
+        assert status["lane"] == lanes.lane_for_versions(versions["vllm"], versions["vllm-omni"]).name
 
         proc = cli("revert")
         assert proc.returncode == 0, proc.stderr
@@ -241,7 +126,7 @@ def test_round_trip_on_the_installed_lane(tmp_path, versions):
                 if data is None:
                     (SITE / rel).unlink(missing_ok=True)
                 else:
-                    patchstate.atomic_write(SITE / rel, data)
+                    fsops.write_file(SITE / rel, data)
             shutil.rmtree(SITE / STATE_DIR, ignore_errors=True)
             if had_state:
                 shutil.copytree(state_backup, SITE / STATE_DIR)
@@ -279,7 +164,7 @@ def test_status_json_on_pristine_copy(tmp_site, versions):
     code, report = cli_json("status", "--site-packages", str(tmp_site))
     assert code == 0
     assert report["versions"] == versions
-    assert report["lane"] == patchtool.SUPPORTED_PAIRS[(versions["vllm"], versions["vllm-omni"])]
+    assert report["lane"] == lanes.lane_for_versions(versions["vllm"], versions["vllm-omni"]).name
     assert Path(report["site_packages"]) == tmp_site.resolve()
     assert report["state_dir"] == str(tmp_site.resolve() / STATE_DIR)
     assert report["patch_program"].startswith("GNU patch")
@@ -457,21 +342,22 @@ def test_applied_without_a_record_is_reported_and_reverted(tmp_site):
     assert tree(tmp_site) == pristine
 
 
-def test_write_error_rolls_back_every_file(tmp_site, monkeypatch):
+def test_write_error_rolls_back_every_file(tmp_site):
     pristine = tree(tmp_site)
-    real = patchstate.atomic_write
     calls = []
 
-    def failing(path, data, *, mode=None):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real(path, data, mode=mode)
+    def failing(step, path):  # the second file write fails (as the second atomic write did)
+        if step == "tmp-create":
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(patchstate, "atomic_write", failing)
-    code = patchtool.run(["apply", "--site-packages", str(tmp_site)])
+    fsops.set_hook(failing)
+    try:
+        code = patchtool.run(["apply", "--site-packages", str(tmp_site)])
+    finally:
+        fsops.set_hook(None)
     assert code == 2 and len(calls) >= 2
-    monkeypatch.setattr(patchstate, "atomic_write", real)
     assert tree(tmp_site) == pristine
 
 

@@ -15,11 +15,22 @@ import torch
 
 
 def vllm_lane() -> str:
-    """``"legacy"`` for the vLLM that needs the patches (< 0.30), else ``"current"``."""
-    import vllm
-    from packaging.version import Version
+    """The lane (``lanes/*.txt``, via :mod:`minicpmo_cg.lanes`) of the installed vLLM/vllm-omni pair.
 
-    return "legacy" if Version(Version(vllm.__version__).public) < Version("0.30") else "current"
+    ``"legacy"`` is the lane whose vLLM needs the patches of ``patches/vllm/``.
+    """
+    import importlib.metadata
+
+    import vllm
+
+    from minicpmo_cg import lanes
+
+    omni = importlib.metadata.version("vllm-omni")
+    lane = lanes.lane_for_versions(vllm.__version__, omni)
+    if lane is None:
+        known = ", ".join(f"{ln.name} = {ln.vllm} + {ln.vllm_omni}" for ln in lanes.all_lanes())
+        pytest.fail(f"vllm {vllm.__version__} + vllm-omni {omni} is not a lane ({known})", pytrace=False)
+    return lane.name
 
 
 @pytest.fixture(scope="session")

@@ -92,26 +92,52 @@ class StaticBufferGraph:
         return [dest[0]]
 
 
+class CpuMeasurement:
+    """A scripted eager-call measurement; ``gpu_ms()`` is None while ``backend.ready`` is False."""
+
+    def __init__(self, backend, host_ms, gpu_ms, peak_bytes):
+        self.backend = backend
+        self.host_ms = host_ms
+        self._gpu_ms = gpu_ms
+        self.peak_bytes = peak_bytes
+
+    def gpu_ms(self):
+        return self._gpu_ms if self.backend.ready else None
+
+
 class CpuGraphBackend:
-    """The adapter's device seam on CPU: CPU tensors are eligible and captures are scripted.
+    """The adapter's device seam on CPU: CPU tensors are eligible, measurements and captures scripted.
 
     Records every capture as ``(output shape, [input shape or None])`` in ``captures``
-    (and the captured ``ExactShapeEncoder`` in ``encoders``) and every device asked
-    for free memory in ``devices_asked``.
+    (and the captured ``ExactShapeEncoder`` in ``encoders``), every device asked for free
+    memory in ``devices_asked`` and the output shape of every measured eager call in
+    ``measured``. Only tensor inputs count for eligibility (None and static arguments do not).
 
     Args:
         free: free bytes reported, or a callable returning them (default: plenty).
         fail_with: an exception every capture raises.
+        timing: ``(host_ms, gpu_ms)`` of every measured eager call, or a callable
+            ``timing(output) -> (host_ms, gpu_ms)``; default a launch-bound 10 ms call.
+        peak_bytes: peak allocation delta reported per measured call, or ``peak_bytes(output)``.
+        pool_bytes: pool growth reported per capture, or ``pool_bytes(encoder)``.
+        ready: whether GPU times can be read back (settable later: ``backend.ready = True``).
     """
 
     STREAM = 7
 
-    def __init__(self, free=None, fail_with=None):
+    def __init__(
+        self, free=None, fail_with=None, timing=(10.0, 10.0), peak_bytes=0, pool_bytes=0, ready=True
+    ):
         self.free = free
         self.fail_with = fail_with
+        self.timing = timing
+        self.peak_bytes = peak_bytes
+        self.pool_bytes = pool_bytes
+        self.ready = ready
         self.captures = []
         self.encoders = []
         self.devices_asked = []
+        self.measured = []
         self.pools = []
 
     def eligible_device(self, inputs):
@@ -130,6 +156,13 @@ class CpuGraphBackend:
             return self.free()
         return 1 << 62 if self.free is None else self.free
 
+    def measure_eager(self, device, call):
+        out = call()
+        self.measured.append(tuple(out.shape))
+        host_ms, gpu_ms = self.timing(out) if callable(self.timing) else self.timing
+        peak = self.peak_bytes(out) if callable(self.peak_bytes) else self.peak_bytes
+        return out, CpuMeasurement(self, host_ms, gpu_ms, peak)
+
     def capture(self, encoder, vllm_config, device, pool):
         shapes = [None if t is None else tuple(t[0]) for t in encoder.templates]
         self.captures.append((tuple(encoder.output_shape), shapes))
@@ -139,7 +172,9 @@ class CpuGraphBackend:
         if pool is None:
             pool = object()
             self.pools.append(pool)
-        return StaticBufferGraph(encoder, device), pool
+        grown = self.pool_bytes(encoder) if callable(self.pool_bytes) else self.pool_bytes
+        captured = importlib.import_module(MODULE).CapturedGraph
+        return captured(StaticBufferGraph(encoder, device), pool, grown, encoder.static_bytes)
 
 
 @pytest.fixture

@@ -19,6 +19,13 @@ pytestmark = [
 ]
 
 
+def counting(ecg, *args, **options):
+    """The adapter with ``admission="count"``: these tests pin capture mechanics on tiny forwards,
+    whose graphs the cost rule would (rightly) decline; the cost rule has its own tests."""
+    options.setdefault("admission", "count")
+    return ecg.EncoderCudaGraph(*args, **options)
+
+
 class TinyEncoder:
     """``forward(x, mask) -> gelu(x @ W + rowsum(mask))``: a capturable, shape-preserving body."""
 
@@ -69,7 +76,7 @@ def buffers_of(manager):
 @torch.inference_mode()
 def test_replay_reads_inputs_mutated_in_place_and_outputs_are_retained(ecg, vllm_config):
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     x = rand(4, 64)
     graph(x)  # warmup (eager)
     first = graph(x)  # capture, served by a replay
@@ -93,7 +100,7 @@ def test_mask_none_mask_tensor_and_dtype_are_different_graphs(ecg, vllm_config):
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
 
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     x, mask = rand(2, 64), rand(2, 8)
     calls = [(x, None), (x, mask), (x.half(), None), (x.half(), mask.half())]
     for _ in range(3):
@@ -102,7 +109,7 @@ def test_mask_none_mask_tensor_and_dtype_are_different_graphs(ecg, vllm_config):
     stats = graph.get_cumulative_stats()
     assert stats["num_graphs"] == 4 and stats["graph_hits"] == 8 and stats["warmup_misses"] == 4
     assert all(isinstance(m, EncoderCudaGraphManager) for m in managers(graph))
-    dtypes = sorted(str(key[1][0][1]) for key in graph.graphs)
+    dtypes = sorted(str(key[2][0][1]) for key in graph.graphs)
     assert dtypes == ["torch.float16", "torch.float16", "torch.float32", "torch.float32"]
     # the engine's config is copied per capture, never mutated
     assert vllm_config.compilation_config.encoder_cudagraph_token_budgets == []
@@ -112,7 +119,7 @@ def test_mask_none_mask_tensor_and_dtype_are_different_graphs(ecg, vllm_config):
 @torch.inference_mode()
 def test_two_replay_streams_never_share_buffers(ecg, vllm_config):
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     inputs = [rand(3, 64), rand(3, 64)]
     outs = {}
@@ -125,7 +132,7 @@ def test_two_replay_streams_never_share_buffers(ecg, vllm_config):
                 outs[(rep, i)] = (graph(inputs[i]), inputs[i].clone())
         torch.cuda.synchronize()
     assert len(graph.graphs) == 2
-    assert {key[0] for key in graph.graphs} == {s.cuda_stream for s in streams}
+    assert {key[0] for key in graph.graphs} == {s.stream_id for s in streams}
     a, b = managers(graph)
     assert buffers_of(a).isdisjoint(buffers_of(b))
     for (rep, i), (out, seen_input) in outs.items():
@@ -134,7 +141,7 @@ def test_two_replay_streams_never_share_buffers(ecg, vllm_config):
 
 @torch.inference_mode()
 def test_shared_pools_are_per_encoder_and_replay_stream(ecg, vllm_config):
-    encoders = [ecg.EncoderCudaGraph(TinyEncoder(seed=s), vllm_config, name=f"enc{s}") for s in range(2)]
+    encoders = [counting(ecg, TinyEncoder(seed=s), vllm_config, name=f"enc{s}") for s in range(2)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for stream in streams:
         stream.wait_stream(torch.cuda.current_stream())
@@ -154,7 +161,7 @@ def test_shared_pools_are_per_encoder_and_replay_stream(ecg, vllm_config):
     assert all(len(p) == 1 for p in pools.values()) and len(pools) == 4
     # ...and isolated across encoders and streams
     assert len({next(iter(p)) for p in pools.values()}) == 4
-    capture_streams = [s for enc in encoders for (_, s) in enc._capture_pools.values()]
+    capture_streams = [p.stream for enc in encoders for p in enc._capture_pools.values()]
     assert len({s.cuda_stream for s in capture_streams}) == 4
 
 
@@ -162,7 +169,7 @@ def test_shared_pools_are_per_encoder_and_replay_stream(ecg, vllm_config):
 @torch.inference_mode()
 def test_interleaved_late_captures_keep_every_retained_output(ecg, vllm_config, share_pools):
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config, share_pools=share_pools, max_graphs=4)
+    graph = counting(ecg, enc, vllm_config, share_pools=share_pools, max_graphs=4)
     retained = []  # (output, expected)
     sizes = [8, 16, 32, 64]
     for n, rows in enumerate(sizes):
@@ -191,9 +198,7 @@ def test_memory_floor_defers_capture_and_keeps_replaying_below_it(ecg, vllm_conf
         return reading["free"]
 
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(
-        enc, vllm_config, min_free_bytes=1024, backend=reading_backend(ecg, free_memory)
-    )
+    graph = counting(ecg, enc, vllm_config, min_free_bytes=1024, backend=reading_backend(ecg, free_memory))
     x = rand(2, 64)
     for _ in range(4):  # warmup + 3 deferred captures
         torch.testing.assert_close(graph(x), enc(x), rtol=0, atol=0)
@@ -219,7 +224,7 @@ def test_default_floor_reads_the_inputs_device(ecg, vllm_config, monkeypatch):
         return real(device)
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", spy)
-    graph = ecg.EncoderCudaGraph(TinyEncoder(), vllm_config, min_free_bytes=1)
+    graph = counting(ecg, TinyEncoder(), vllm_config, min_free_bytes=1)
     x = rand(2, 64)
     graph(x), graph(x)
     assert seen == [x.device] and len(graph.graphs) == 1
@@ -245,7 +250,7 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
             enc.fail_while_capturing = False
 
     monkeypatch.setattr(EncoderCudaGraphManager, "capture", capture)
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     x = rand(2, 64)
     graph(x)
     with pytest.raises(RuntimeError, match="injected failure") as info:
@@ -262,7 +267,7 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
     assert graph.get_cumulative_stats()["capture_failures"] == 1
     # the failure stayed inside that adapter: a fresh one still captures and replays
     monkeypatch.setattr(EncoderCudaGraphManager, "capture", real_capture)
-    fresh = ecg.EncoderCudaGraph(TinyEncoder(), vllm_config)
+    fresh = counting(ecg, TinyEncoder(), vllm_config)
     fresh(x), fresh(x)
     assert len(fresh.graphs) == 1
 
@@ -270,7 +275,7 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
 @torch.inference_mode()
 def test_zero_max_graphs_disables_capture(ecg, vllm_config):
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config, max_graphs=0)
+    graph = counting(ecg, enc, vllm_config, max_graphs=0)
     x = rand(2, 64)
     for _ in range(3):
         torch.testing.assert_close(graph(x), enc(x), rtol=0, atol=0)
@@ -280,7 +285,7 @@ def test_zero_max_graphs_disables_capture(ecg, vllm_config):
 
 @torch.inference_mode()
 def test_one_off_shapes_do_not_exhaust_admission(ecg, vllm_config):
-    graph = ecg.EncoderCudaGraph(TinyEncoder(), vllm_config, max_graphs=1)
+    graph = counting(ecg, TinyEncoder(), vllm_config, max_graphs=1)
     for rows in range(1, 20):
         graph(rand(rows, 64))
     assert len(graph.admission.history) == 4 and not graph.graphs
@@ -291,7 +296,7 @@ def test_one_off_shapes_do_not_exhaust_admission(ecg, vllm_config):
 
 @torch.inference_mode()
 def test_exact_stats_on_a_scripted_sequence(ecg, vllm_config):
-    graph = ecg.EncoderCudaGraph(TinyEncoder(), vllm_config, max_graphs=1, min_capture_calls=3)
+    graph = counting(ecg, TinyEncoder(), vllm_config, max_graphs=1, min_capture_calls=3)
     a, b = rand(2, 64), rand(3, 64)
     for _ in range(4):
         graph(a)
@@ -314,7 +319,7 @@ def test_exact_stats_on_a_scripted_sequence(ecg, vllm_config):
 
 def test_grad_autocast_and_foreign_capture_stay_eager(ecg, vllm_config):
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     x = rand(2, 64)
     with torch.enable_grad():
         w = x.clone().requires_grad_()
@@ -353,7 +358,7 @@ def test_graph_captured_in_one_autograd_mode_replays_in_the_other(ecg, vllm_conf
     InferenceMode"); both orders must replay and match eager, returning an inference tensor
     exactly when the eager call does."""
     enc = TinyEncoder()
-    graph = ecg.EncoderCudaGraph(enc, vllm_config)
+    graph = counting(ecg, enc, vllm_config)
     mask = None
     with MODES[capture_mode]():
         x, mask = rand(4, 64), rand(4, 8)
@@ -390,7 +395,7 @@ def test_forward_hooks_keep_the_encoder_eager_so_they_keep_running(ecg, vllm_con
     tower = HookedTower()
     fired = []
     tower.body[0].register_forward_hook(lambda module, args, out: fired.append(out.shape))
-    graph = ecg.EncoderCudaGraph(tower.encode, vllm_config, min_free_bytes=0, captured_modules=("body",))
+    graph = counting(ecg, tower.encode, vllm_config, min_free_bytes=0, captured_modules=("body",))
     for _ in range(4):
         x = rand(8, 64)
         torch.testing.assert_close(graph(x), tower.encode(x), rtol=0, atol=0)
@@ -398,3 +403,126 @@ def test_forward_hooks_keep_the_encoder_eager_so_they_keep_running(ecg, vllm_con
     assert graph.eager_reason is not None and "HookedTower.body.0 (forward hook)" in graph.eager_reason
     stats = graph.get_cumulative_stats()
     assert stats["num_graphs"] == 0 and stats["ineligible_misses"] == 3 and stats["warmup_misses"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Cost measurements (CUDA events, no host syncs) and byte accounting
+# ---------------------------------------------------------------------------
+
+
+class ManySmallKernels:
+    """Launch-bound: ``steps`` tiny element-wise kernels (the host launches slower than the GPU runs)."""
+
+    def __init__(self, steps: int = 400):
+        self.steps = steps
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for _ in range(self.steps):
+            x = x * 1.0001 + 0.0001
+        return x
+
+
+class FewLargeMatmuls:
+    """GPU-bound: four 4096^3 fp32 matmuls (milliseconds of GPU work, microseconds of launches)."""
+
+    def __init__(self):
+        self.weight = torch.randn(4096, 4096, device="cuda") / 64
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for _ in range(4):
+            x = x @ self.weight
+        return x
+
+
+@torch.inference_mode()
+def test_eager_measurement_needs_no_host_sync_and_reads_back_later(ecg):
+    backend = ecg.CudaGraphBackend()
+    enc = TinyEncoder(width=512)
+    x = rand(256, 512)
+    enc(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keep the stream busy for a while (~0.1 s)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        out, measurement = backend.measure_eager(x.device, lambda: enc(x))
+        pending = measurement.gpu_ms()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pending is None  # the device is still sleeping: not read back, and not waited for
+    assert 0 < measurement.host_ms < 50
+    # the eager call's peak: x @ W and its gelu are alive together (2 x 256 x 512 float32)
+    assert measurement.peak_bytes >= 2 * out.numel() * out.element_size()
+    torch.cuda.synchronize()
+    gpu_ms = measurement.gpu_ms()
+    assert gpu_ms is not None and 0 < gpu_ms < 100  # the call itself, not the sleep before it
+    torch.testing.assert_close(out, enc(x), rtol=0, atol=0)
+
+
+@torch.inference_mode()
+def test_cost_mode_captures_launch_bound_and_declines_gpu_bound_calls(ecg, vllm_config):
+    small = ecg.EncoderCudaGraph(ManySmallKernels(), vllm_config, name="launch-bound")
+    large = ecg.EncoderCudaGraph(FewLargeMatmuls(), vllm_config, name="gpu-bound")
+    xs, xl = rand(8, 64), rand(4096, 4096)
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # warmup calls are measured without host syncs
+        small(xs), large(xl)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # let the events complete: the decision reads them back
+    for _ in range(3):
+        torch.testing.assert_close(small(xs), ManySmallKernels()(xs), rtol=0, atol=0)
+        large(xl)
+        torch.cuda.synchronize()
+    assert small.get_cumulative_stats()["num_graphs"] == 1
+    assert small.get_cumulative_stats()["graph_hits"] == 3
+    assert large.get_cumulative_stats()["num_graphs"] == 0
+    assert large.get_detailed_stats()["declined_misses"] == 3
+    (record,) = large._records.values()
+    assert record.verdict is not None and not record.verdict.capture
+    assert record.verdict.launch_share < 0.2, record.verdict.describe()
+
+
+def allocator_pool_bytes(handle):
+    segments = torch.cuda.memory_snapshot()
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(handle))
+
+
+@torch.inference_mode()
+def test_graph_bytes_are_measured_at_capture(ecg, vllm_config):
+    enc = TinyEncoder(width=1024)
+    graph = counting(ecg, enc, vllm_config, max_bytes=1 << 40)
+    for rows in (2048, 512):
+        x, mask = rand(rows, 1024), rand(rows, 16)
+        graph(x, mask), graph(x, mask)
+    detail = graph.get_detailed_stats()
+    assert len(detail["graphs"]) == 2
+    handles = {m.graph_pool for m in managers(graph)}
+    assert len(handles) == 1  # shared pool
+    # the pool's segments, read independently from the allocator, are what the graphs grew it by
+    assert sum(g["pool_bytes"] for g in detail["graphs"]) == allocator_pool_bytes(next(iter(handles))) > 0
+    for g, manager in zip(detail["graphs"], managers(graph)):
+        held = sum(t.numel() * t.element_size() for t in static_buffers(manager))
+        assert g["static_bytes"] == held  # input buffers + output buffer the manager keeps
+        assert g["bytes"] == g["pool_bytes"] + g["static_bytes"] and g["capture_ms"] > 0
+    assert detail["graph_bytes"] == graph.graph_bytes == sum(g["bytes"] for g in detail["graphs"])
+    # the first graph's intermediates (2048 x 1024 float32, several alive at once) need pool memory
+    assert detail["graphs"][0]["pool_bytes"] >= 2 * 2048 * 1024 * 4
+
+
+@torch.inference_mode()
+def test_byte_budget_defers_with_real_estimates(ecg, vllm_config):
+    enc = TinyEncoder(width=1024)
+    graph = counting(ecg, enc, vllm_config, max_bytes=4 << 20)
+    x = rand(2048, 1024)  # 8 MiB input alone: the estimate passes 4 MiB
+    for _ in range(3):
+        torch.testing.assert_close(graph(x), enc(x), rtol=0, atol=0)
+    assert not graph.graphs and graph.get_detailed_stats()["budget_misses"] == 2
+    key, record = next(iter(graph._records.items()))
+    assert graph._estimate_bytes(key, record) >= 3 * x.numel() * x.element_size()
+
+
+def static_buffers(manager):
+    for graph_set in manager.budget_graphs.values():
+        for meta in graph_set.values():
+            yield from meta.input_buffers.values()
+            yield meta.output_buffer

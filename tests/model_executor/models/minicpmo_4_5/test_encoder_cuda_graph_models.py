@@ -37,7 +37,7 @@ def model():
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
     m = build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=False, seed=1)
-    wire_encoder_graphs(m, standalone_vllm_config(), enabled=True, max_graphs=8)
+    wire_encoder_graphs(m, standalone_vllm_config(), enabled=True, max_graphs=8, admission="count")
     assert len(m.vpm.encoder.layers) == 26 and len(m.apm.layers) == 24
     return m
 

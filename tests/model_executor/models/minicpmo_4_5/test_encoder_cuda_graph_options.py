@@ -97,7 +97,7 @@ def test_direct_construction_reports_every_bad_field(ecg):
 
 def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
-    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, True)
+    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0, True)
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
@@ -137,8 +137,42 @@ def test_describe_writes_the_options_as_json(ecg):
     assert text == (
         "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
-        "encoder_cuda_graph_streaming_audio=true"
+        'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
+        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true"
     )
+
+
+def test_admission_budget_and_log_interval_options(ecg, vllm_config):
+    defaults = ecg.EncoderCudaGraphOptions()
+    assert (defaults.admission, defaults.max_bytes, defaults.log_interval_s) == ("cost", 0, 60.0)
+    hf_config = types.SimpleNamespace(
+        encoder_cuda_graph_admission="count",
+        encoder_cuda_graph_max_bytes=1 << 30,
+        encoder_cuda_graph_log_interval_s=0,
+    )
+    options = ecg.EncoderCudaGraphOptions.from_hf_config(hf_config)
+    assert (options.admission, options.max_bytes, options.log_interval_s) == ("count", 1 << 30, 0)
+    adapter, state = ecg.make_encoder_cuda_graph(torch.neg, vllm_config, options, name="vision")
+    assert state == "on"
+    assert (adapter.options.admission, adapter.options.max_bytes, adapter.options.log_interval_s) == (
+        "count",
+        1 << 30,
+        0,
+    )
+    bad = types.SimpleNamespace(
+        encoder_cuda_graph_admission="lru",
+        encoder_cuda_graph_max_bytes=-1,
+        encoder_cuda_graph_log_interval_s="60",
+    )
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.EncoderCudaGraphOptions.from_hf_config(bad)
+    assert info.value.problems == [
+        'encoder_cuda_graph_admission="lru": got a string, expected one of "cost", "count"',
+        "encoder_cuda_graph_max_bytes=-1: got an integer, expected an integer >= 0",
+        'encoder_cuda_graph_log_interval_s="60": got a string, expected a number >= 0',
+    ]
+    with pytest.raises(ValueError, match="encoder_cuda_graph_admission"):
+        ecg.EncoderCudaGraph(torch.neg, vllm_config, admission="Cost")
 
 
 # ---------------------------------------------------------------------------
@@ -226,9 +260,6 @@ def _key(name, kind, default, **extra):
 
 FUTURE_KEYS = [
     _key("vision_attn_implementation", "choice", "sdpa", choices=("sdpa", "eager", "flash_attention_2")),
-    _key("encoder_cuda_graph_admission", "choice", "cost", choices=("cost", "count")),
-    _key("encoder_cuda_graph_max_bytes", "int", 0, minimum=0),
-    _key("encoder_cuda_graph_log_interval_s", "number", 60.0, minimum=0),
     _key("encoder_cuda_graph_streaming_audio", "bool", True),
 ]
 

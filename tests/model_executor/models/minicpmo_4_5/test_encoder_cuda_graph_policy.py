@@ -116,7 +116,12 @@ def test_one_off_keys_do_not_block_a_repeated_key(ecg):
 
 
 def cpu_graph(ecg, backend_cls, forward, config, *, free=None, fail_with=None, **options):
-    """The real adapter with CPU tensors eligible and captures scripted by the backend."""
+    """The real adapter with CPU tensors eligible and captures scripted by the backend.
+
+    Admission is ``"count"`` unless given: these tests pin the count rule and the machinery
+    around it; the cost rule has its own tests (``test_encoder_cuda_graph_admission.py``).
+    """
+    options.setdefault("admission", "count")
     return ecg.EncoderCudaGraph(
         forward, config, backend=backend_cls(free=free, fail_with=fail_with), **options
     )
@@ -214,19 +219,19 @@ def test_capture_failure_is_fatal(ecg, vllm_config, cpu_backend):
             graph(*args)
     assert fwd.calls == calls_before == 1  # no eager work after the failure
     assert len(graph.backend.captures) == 1  # no retry
-    assert graph.graphs == {} and not graph.admission.history and not graph._output_shapes
+    assert graph.graphs == {} and not graph.admission.history and not graph._records
     stats = graph.get_cumulative_stats()
     assert stats["capture_failures"] == 1 and stats["num_graphs"] == 0
     assert graph.capture_failed
 
 
 @torch.inference_mode()
-def test_output_shapes_only_kept_for_keys_in_history(ecg, vllm_config, cpu_backend):
+def test_key_records_only_kept_for_keys_in_history(ecg, vllm_config, cpu_backend):
     graph = cpu_graph(ecg, cpu_backend, CountingForward(), vllm_config, max_graphs=1, min_capture_calls=2)
     for n in range(1, 12):
         graph(torch.ones(n))
-    assert set(graph._output_shapes) == set(graph.admission.history)
-    assert len(graph._output_shapes) == 4
+    assert set(graph._records) == set(graph.admission.history)
+    assert len(graph._records) == 4
 
 
 # ---------------------------------------------------------------------------
@@ -279,7 +284,7 @@ def test_adapter_captures_a_shape_recurring_every_ninth_call(ecg, vllm_config, c
         rows = 3 if key == "recurring" else 100 + t
         x = torch.full((rows, 2), float(t))
         torch.testing.assert_close(graph(x), x * 2, rtol=0, atol=0)
-        assert len(graph.admission.history) <= 16 and len(graph._output_shapes) <= 16
+        assert len(graph.admission.history) <= 16 and len(graph._records) <= 16
     assert [shapes for _, shapes in graph.backend.captures] == [[(3, 2)]]
     stats = graph.get_cumulative_stats()
     # sightings at t = 0, 9, 18 (capture), then 27 ... 99 replay
@@ -404,7 +409,7 @@ def test_forward_hook_in_the_region_keeps_the_adapter_eager(ecg, vllm_config, cp
     assert "remove the hooks" in warning and '"encoder_cuda_graph": false' in warning
     stats = graph.get_cumulative_stats()
     assert (stats["warmup_misses"], stats["ineligible_misses"], stats["num_graphs"]) == (1, 4, 0)
-    assert not graph.admission.history and not graph._output_shapes
+    assert not graph.admission.history and not graph._records
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,8 @@ def test_init_builds_a_third_adapter_with_a_cap_per_past_length(log_records):
     assert model._streaming_audio_arenas == {}
     assert Model._streaming_audio_encoder_graph is None  # bare or unwired models stay eager
     line = "MiniCPM-o 4.5 streaming audio encoder CUDA graphs: on, up to 39 graphs"
-    assert f"{line} (3 chunk forms x 13 past lengths)" in records.messages()
+    admission = 'admission "count" (each past length recurs once per cache cycle)'
+    assert f"{line} (3 chunk forms x 13 past lengths), {admission}" in records.messages()
 
 
 def _set_option(model, key, value):
@@ -353,10 +354,10 @@ def test_graph_keys_are_chunk_form_and_past_length_and_sessions_share_them(cpu_b
     expected = set()
     for i, past in enumerate(past_lengths(40, POSITIONS, N)):
         prefix = 0 if i == 0 else 2
-        mel = ((1, 80, 2 * N + (2 if i == 0 else 4)), torch.float32, cpu)
-        mask = ((1, 1, N, past + N), torch.float32, cpu)
+        mel = ((1, 80, 2 * N + (2 if i == 0 else 4)), torch.float32)
+        mask = ((1, 1, N, past + N), torch.float32)
         statics = tuple((ecg.STATIC_ARG, v) for v in (arena, past, True, prefix, 2))
-        expected.add((backend.STREAM, (mel, mask, *statics, None)))
+        expected.add((backend.STREAM, cpu, (mel, mask, *statics, None)))
     assert set(graph.graphs) == expected and len(expected) == KEYS
     # every key is first seen (warmup, eager) once, by whichever session gets there first
     stats = graph.get_cumulative_stats()
@@ -365,6 +366,73 @@ def test_graph_keys_are_chunk_form_and_past_length_and_sessions_share_them(cpu_b
     for manager in graph.graphs.values():
         assert sorted(manager.input_buffers) == ["0", "1"]
     assert all(encoder.statics[2] is arena for encoder in backend.encoders)
+
+
+# ---------------------------------------------------------------------------
+# Admission: the streaming adapter captures by count (CPU)
+# ---------------------------------------------------------------------------
+
+#: eager time of one 1 s duplex chunk on an H200 (ms); host-bound, so the GPU span follows the host
+DUPLEX_CHUNK_MS = 9.7
+#: chunks per cache cycle at the checkpoint's sizes: past lengths 0, 50, ..., 1400
+CHECKPOINT_CYCLE = len(set(past_lengths(100)))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("admission", ["cost", "count"])
+def test_streaming_adapter_counts_whatever_the_admission_option_says(admission, cpu_backend):
+    backend = cpu_backend(timing=(DUPLEX_CHUNK_MS, DUPLEX_CHUNK_MS))
+    model = wired(tiny_model(), backend=backend, admission=admission)
+    graph = model._streaming_audio_encoder_graph
+    assert graph.options.admission == "count" and graph.get_detailed_stats()["admission"] == "count"
+    assert graph.static_args is True
+    # the option still governs the stateless audio adapter
+    assert model._audio_encoder_graph.options.admission == admission
+    assert model._audio_encoder_graph.static_args is False
+    # one session, two cache cycles and a chunk: every key seen before replays from its second sighting
+    chunks = duplex_chunks(2 * CYCLE + 1, seed=3)
+    want, _ = eager_run(model, chunks)
+    session = DuplexSession()
+    with torch.inference_mode():
+        got = [session.encode(model, chunk) for chunk in chunks]
+    assert_bitwise(got, want, "one session")
+    stats = graph.get_cumulative_stats()
+    # the first chunk's form is seen once; the CYCLE later-chunk forms twice
+    assert (stats["warmup_misses"], stats["num_graphs"], stats["graph_hits"]) == (KEYS, CYCLE, CYCLE)
+    assert graph.get_detailed_stats()["declined_misses"] == 0
+
+
+@pytest.mark.cpu
+@torch.inference_mode()
+def test_the_cost_rule_would_hold_the_checkpoint_schedule_back(cpu_backend):
+    """Why the streaming adapter counts. At the checkpoint's sizes a session's chunk keys (one per
+    past length) recur once per 29-chunk cache cycle. Fed a duplex chunk's eager time, the cost rule
+    estimates that recurrence from the calls seen so far and declines every key at its second
+    sighting (about 2 replays expected within its 32-call horizon do not repay a ~24 ms capture);
+    the count rule replays the whole second cycle."""
+    ecg = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
+    pasts = past_lengths(2 * CHECKPOINT_CYCLE + 1)
+
+    def session(admission):
+        graph = ecg.EncoderCudaGraph(
+            lambda x, past, first: x + past,
+            vllm_config(),
+            max_graphs=4 * (CHECKPOINT_CYCLE + 1),
+            admission=admission,
+            static_args=True,
+            backend=cpu_backend(timing=(DUPLEX_CHUNK_MS, DUPLEX_CHUNK_MS)),
+        )
+        x = torch.ones(2)
+        for i, past in enumerate(pasts):
+            assert torch.equal(graph(x, past, i == 0), x + past)
+        return graph.get_cumulative_stats(), graph.get_detailed_stats()
+
+    assert CHECKPOINT_CYCLE == 29
+    count, _ = session("count")
+    assert (count["num_graphs"], count["graph_hits"]) == (CHECKPOINT_CYCLE, CHECKPOINT_CYCLE)
+    cost, details = session("cost")
+    assert (cost["num_graphs"], cost["graph_hits"]) == (0, 0)
+    assert details["declined_misses"] == CHECKPOINT_CYCLE
 
 
 # ---------------------------------------------------------------------------

@@ -8,14 +8,18 @@ launch hundreds of small kernels per call, so on small inputs (one 448x448
 slice, a 1 s audio chunk) the host, not the GPU, sets their latency. This
 module replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
-eager call computes.
+eager call computes. The same adapter, built with static arguments (non-tensor
+inputs keyed by value), replays the streaming Whisper chunks of full-duplex
+sessions at each KV past length (vllm-omni patch 0004).
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
 token budget, fed through a one-item :class:`ExactShapeEncoder` that implements
 vLLM's ``SupportsEncoderCudaGraph`` protocol. This module only decides *when* to
-capture (admission), *whether* there is room (graph cap, free-memory floor) and
-*where* (graph pool and capture stream), and keeps the counters.
+capture (admission: recurrence, and whether the measured saving pays for the
+capture and the memory), *whether* there is room (graph cap, byte budget,
+free-memory floor) and *where* (graph pool and capture stream), and keeps the
+counters and byte accounts.
 
 A replay re-runs the GPU work recorded at capture and nothing else: Python side
 effects of the captured forward (attribute writes, counters, logging, module
@@ -31,11 +35,14 @@ Layout (policy kept apart from CUDA plumbing so it is testable on CPU):
 - :class:`EncoderCudaGraphOptions`: the adapter's keys, validated.
 - :class:`CaptureAdmission`: admission history, graph cap and miss accounting;
   pure Python.
+- :class:`CaptureCostModel`: the ``"cost"`` admission rule (does a graph pay?),
+  pure arithmetic on measured eager calls (:class:`EagerCallSample`).
 - :class:`EncoderGraphBackend`: the seam between policy and CUDA (eligible
-  device, replay stream handle, free bytes, capture);
-  :class:`CudaGraphBackend` is the real one.
-- :class:`EncoderCudaGraph`: the callable adapter; keys, memory floor, graph
-  pools, hooks check, stats and the fatal capture-failure contract.
+  device, replay stream id, free bytes, eager-call measurement, capture with
+  its bytes); :class:`CudaGraphBackend` is the real one.
+- :class:`EncoderCudaGraph`: the callable adapter; profiling guard, keys,
+  per-key measurements, byte budget, memory floor, graph pools, hooks check,
+  stats, the periodic stats line and the fatal capture-failure contract.
 - :func:`make_encoder_cuda_graph`: the factory the model file calls, with
   :func:`lora_may_reach` deciding when LoRA keeps an encoder eager.
 
@@ -51,8 +58,9 @@ import enum
 import inspect
 import json
 import math
+import statistics
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol
@@ -72,18 +80,27 @@ logger = init_logger(__name__)
 
 __all__ = [
     "HF_OVERRIDE_KEYS",
+    "MISS_KINDS",
+    "STATIC_ARG",
     "STATS_KEYS",
     "CaptureAdmission",
+    "CaptureCostModel",
+    "CapturedGraph",
+    "CostVerdict",
     "CudaGraphBackend",
+    "EagerCallSample",
+    "EagerMeasurement",
     "EncoderCudaGraph",
     "EncoderCudaGraphCaptureFailedError",
     "EncoderCudaGraphOptions",
     "EncoderCudaGraphSetup",
     "EncoderGraphBackend",
     "ExactShapeEncoder",
+    "GraphInfo",
     "HfOverrideKey",
     "HfOverridesError",
     "ReplayableGraph",
+    "in_memory_profiling",
     "lora_may_reach",
     "make_encoder_cuda_graph",
     "read_hf_overrides",
@@ -102,16 +119,29 @@ STATS_KEYS = (
     "capture_failures",
 )
 
-GraphKey = tuple[Hashable, ...]
-"""``(replay stream handle, per input: (shape, dtype, device), None, or (STATIC_ARG, value))``."""
+#: Miss kinds counted by :class:`CaptureAdmission`; all are part of ``graph_misses``.
+#: The first four have their own key in :data:`STATS_KEYS`; the others are in
+#: :meth:`EncoderCudaGraph.get_detailed_stats`.
+MISS_KINDS = ("ineligible", "capacity", "warmup", "memory", "declined", "budget", "profile")
 
-#: Tags a static argument's entry in a graph key, so it never equals a tensor's ``(shape, dtype, device)``.
+GraphKey = tuple[Hashable, ...]
+"""``(replay stream id, device, per input: (shape, dtype), None, or (STATIC_ARG, value))``."""
+
+#: Tags a static argument's entry in a graph key: ``(STATIC_ARG, value)`` never equals a tensor's
+#: ``(shape, dtype)`` entry, whose first item is a ``torch.Size``.
 STATIC_ARG = "static"
 
 
 def _is_static(x: Any) -> bool:
     """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
     return x is not None and not isinstance(x, torch.Tensor)
+
+
+def _key_entry(x: Any) -> Hashable:
+    """One input's entry in a graph key of an adapter with static arguments."""
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype)
+    return None if x is None else (STATIC_ARG, x)
 
 
 #: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
@@ -249,11 +279,35 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc="one graph pool + capture stream per (encoder, device, replay stream); false = one per graph",
     ),
     HfOverrideKey(
+        name="encoder_cuda_graph_admission",
+        kind="choice",
+        choices=("cost", "count"),
+        default="cost",
+        doc='vision and stateless audio encoders: "cost" captures a shape only when its measured saving '
+        'pays for capture and memory, "count" every shape seen min_capture_calls times '
+        '(streaming audio chunks always use "count")',
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_max_bytes",
+        kind="int",
+        minimum=0,
+        default=0,
+        doc="device memory the graphs of one encoder may hold (bytes); a capture that would pass it "
+        "is deferred; 0 = no limit",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_log_interval_s",
+        kind="number",
+        minimum=0,
+        default=60.0,
+        doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
+    ),
+    HfOverrideKey(
         name="encoder_cuda_graph_streaming_audio",
         kind="bool",
         default=True,
         doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
-        "cap max_graphs x 30 KV past lengths",
+        'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
 )
 
@@ -360,11 +414,30 @@ class EncoderCudaGraphOptions:
         share_pools: ``encoder_cuda_graph_share_pools`` (bool, default True).
             One graph pool and capture stream per (encoder, device, replay
             stream); False gives each graph its own (for A/B comparison).
+        admission: ``encoder_cuda_graph_admission`` (``"cost"`` or
+            ``"count"``, default ``"cost"``). ``"count"`` captures a shape at its
+            ``min_capture_calls``-th call; ``"cost"`` also requires the measured
+            saving to pay for the capture and the memory (:class:`CaptureCostModel`).
+            The model wiring applies it to the vision and stateless audio
+            adapters; the streaming audio adapter always counts (see
+            ``streaming_audio``).
+        max_bytes: ``encoder_cuda_graph_max_bytes`` (int >= 0, bytes, default 0).
+            Device memory the encoder's graphs may hold (pool growth + static
+            input and output buffers); a capture whose estimate would pass it is
+            deferred. 0 = no limit.
+        log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number >= 0,
+            seconds, default 60). Period of the INFO line with the hit rate,
+            graphs and bytes, logged from the call path; 0 = off.
         streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
             True). Read by the model wiring, not by the adapter: also route the
             stateful Whisper chunk calls of streaming (duplex) sessions,
             ``get_audio_embedding_streaming``, through an adapter of their own;
             its replays are bitwise equal to the eager path. Needs ``enabled``.
+            That adapter captures by ``"count"`` whatever ``admission`` says:
+            its keys are a fixed schedule (one per KV past length) that every
+            session walks once per cache cycle, a recurrence the cost rule,
+            which estimates it from calls seen so far, would see only after
+            minutes; the other options apply to it as to each encoder.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -378,6 +451,9 @@ class EncoderCudaGraphOptions:
     min_capture_calls: int = _hf_field("encoder_cuda_graph_min_capture_calls")
     min_free_bytes: int = _hf_field("encoder_cuda_graph_min_free_bytes")
     share_pools: bool = _hf_field("encoder_cuda_graph_share_pools")
+    admission: str = _hf_field("encoder_cuda_graph_admission")
+    max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
+    log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
 
     def __post_init__(self) -> None:
@@ -477,6 +553,23 @@ class CaptureAdmission:
         """The memory floor deferred a capture; the key stays saturated."""
         self.misses["memory"] += 1
 
+    def record_miss(self, kind: str) -> None:
+        """An eager call of kind ``kind`` (one of :data:`MISS_KINDS`) decided outside :meth:`admit`.
+
+        At the capture threshold a deferral leaves the key saturated, so its next
+        call is asked again: ``"warmup"`` (cost measurements not read back yet),
+        ``"declined"`` (the cost rule says the graph would not pay),
+        ``"budget"`` (``max_bytes`` would be passed), ``"memory"`` (free-memory
+        floor). ``"profile"`` counts vLLM's start-up profiling calls, which never
+        reach :meth:`admit`.
+
+        Raises:
+            ValueError: an unknown kind.
+        """
+        if kind not in MISS_KINDS:
+            raise ValueError(f"unknown miss kind {kind!r}; expected one of {MISS_KINDS}")
+        self.misses[kind] += 1
+
     def record_captured(self, key: Hashable) -> None:
         self.history.pop(key, None)
         self.captured.add(key)
@@ -487,6 +580,153 @@ class CaptureAdmission:
 
     def total_misses(self) -> int:
         return sum(self.misses.values())
+
+
+# ---------------------------------------------------------------------------
+# Cost-aware admission (pure Python)
+# ---------------------------------------------------------------------------
+
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class EagerCallSample:
+    """One measured eager call of a key: the input of :class:`CaptureCostModel`.
+
+    Attributes:
+        host_ms: host time the call took to enqueue its work (ms, ``perf_counter``).
+        gpu_ms: GPU time between events recorded on the replay stream right
+            before and right after the call (ms); when the host is slower than
+            the GPU this span follows the host, otherwise the GPU's own work.
+    """
+
+    host_ms: float
+    gpu_ms: float
+
+
+@dataclass(frozen=True)
+class CostVerdict:
+    """What :meth:`CaptureCostModel.decide` concluded for one key (all times in ms)."""
+
+    capture: bool
+    #: ``min(1, host / gpu)``: how much of the GPU span waited on the host
+    launch_share: float
+    #: expected latency saved per replay
+    saving_ms: float
+    #: replays expected over the horizon
+    expected_replays: float
+    #: estimated cost of the capture
+    capture_ms: float
+    #: charge for the bytes the graph will hold
+    memory_ms: float
+
+    def describe(self) -> str:
+        """``saving 7.70 ms x 32.0 replays = 246.4 ms vs capture 21.6 ms + memory 20.9 ms``."""
+        return (
+            f"launch-bound share {self.launch_share:.2f}, saving {self.saving_ms:.2f} ms x "
+            f"{self.expected_replays:.1f} replays = {self.saving_ms * self.expected_replays:.1f} ms vs "
+            f"capture {self.capture_ms:.1f} ms + memory {self.memory_ms:.1f} ms"
+        )
+
+
+class CaptureCostModel:
+    """The ``"cost"`` admission rule: capture a key only when its graph is expected to pay.
+
+    Pure arithmetic on measurements, testable on CPU; the adapter feeds it the
+    key's measured eager calls (:class:`EagerCallSample`), its sightings and
+    the bytes the graph would hold. With ``h`` and ``g`` the medians of the
+    samples' host and GPU times (ms)::
+
+        launch share   L = min(1, h / g)
+        saving         S = max(0, L * min(h, g) - REPLAY_HOST_MS)       per replay
+        replays        R = rate * max(MIN_HORIZON_CALLS, calls)
+        rate             = (sightings - 1) / (last_call - first_call)
+        capture        C = scale * (CAPTURE_SPANS * max(h, g) + CAPTURE_FIXED_MS)
+        memory         M = MEMORY_MS_PER_GIB * bytes / 2**30
+        capture iff    R * S >= C + M
+
+    A replay removes the host's launch work from the critical path; ``min(h,
+    g)`` bounds what that can save, and ``L`` discounts calls where the GPU,
+    not the host, sets the latency (large batches, which replay only 1.1-1.2x
+    faster). The rate is the key's recurrence per encoder call since its first
+    sighting; the horizon assumes traffic lasts about as long again as it has
+    so far (``calls``: this encoder's eligible calls), but at least
+    ``MIN_HORIZON_CALLS``. ``scale`` calibrates the capture estimate with this
+    encoder's measured captures (:meth:`record_capture`). The design doc gives
+    the constants' sources.
+    """
+
+    #: host time of a replay: input copy, graph launch, output clone, bookkeeping (ms)
+    REPLAY_HOST_MS = 0.05
+    #: a capture runs the forward eagerly once and records it once (vLLM's manager)
+    CAPTURE_SPANS = 2.0
+    #: manager construction, graph instantiation and synchronisation (ms)
+    CAPTURE_FIXED_MS = 5.0
+    #: encoder calls a new server is assumed to serve at least
+    MIN_HORIZON_CALLS = 32
+    #: latency a graph must save to justify holding one GiB for the model's lifetime (ms)
+    MEMORY_MS_PER_GIB = 100.0
+    #: captures kept for the calibration of the capture estimate
+    CALIBRATION_WINDOW = 8
+
+    def __init__(self) -> None:
+        self._ratios: deque[float] = deque(maxlen=self.CALIBRATION_WINDOW)
+
+    @property
+    def capture_scale(self) -> float:
+        """Mean of measured / estimated capture time over recent captures (1.0 before any)."""
+        return sum(self._ratios) / len(self._ratios) if self._ratios else 1.0
+
+    def capture_estimate_ms(self, host_ms: float, gpu_ms: float) -> float:
+        """Estimated capture time (ms) of a key whose eager call takes ``host_ms`` / ``gpu_ms``."""
+        return self.capture_scale * (self.CAPTURE_SPANS * max(host_ms, gpu_ms) + self.CAPTURE_FIXED_MS)
+
+    def record_capture(self, estimated_ms: float, measured_ms: float) -> None:
+        """Calibrate later estimates with a capture's measured time (both in ms, > 0)."""
+        if estimated_ms > 0 and measured_ms > 0:
+            self._ratios.append(measured_ms / (estimated_ms / self.capture_scale))
+
+    def decide(
+        self,
+        samples: Sequence[EagerCallSample],
+        *,
+        sightings: int,
+        first_call: int,
+        last_call: int,
+        calls: int,
+        graph_bytes: int,
+    ) -> CostVerdict:
+        """Whether capturing a key pays, from its measured eager calls.
+
+        Args:
+            samples: measured eager calls of the key (at least one).
+            sightings: calls with the key so far, >= 2.
+            first_call, last_call: this encoder's call index (1-based, eligible
+                calls) at the key's first and latest sighting.
+            calls: this encoder's eligible calls so far.
+            graph_bytes: estimated bytes the graph would hold.
+
+        Raises:
+            ValueError: no samples, or fewer than two sightings.
+        """
+        if not samples or sightings < 2 or last_call <= first_call:
+            raise ValueError("a cost decision needs at least one sample and two sightings")
+        h = statistics.median(s.host_ms for s in samples)
+        g = statistics.median(s.gpu_ms for s in samples)
+        share = min(1.0, h / g) if g > 0 else 1.0
+        saving = max(0.0, share * min(h, g) - self.REPLAY_HOST_MS)
+        rate = (sightings - 1) / (last_call - first_call)
+        replays = rate * max(self.MIN_HORIZON_CALLS, calls)
+        capture_ms = self.capture_estimate_ms(h, g)
+        memory_ms = self.MEMORY_MS_PER_GIB * graph_bytes / _GIB
+        return CostVerdict(
+            capture=replays * saving >= capture_ms + memory_ms,
+            launch_share=share,
+            saving_ms=saving,
+            expected_replays=replays,
+            capture_ms=capture_ms,
+            memory_ms=memory_ms,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -517,6 +757,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         statics: position -> value of each static argument.
         keys: buffer keys of the tensor inputs.
         output_shape: the eager output's shape, recorded at the key's first sighting.
+        output_dtype: the eager output's dtype (default: ``dtype``).
         tokens: ``prod(output_shape[:-1])`` (at least 1), the manager's token budget.
         dtype: dtype of the first tensor input (the manager's dtype).
     """
@@ -528,6 +769,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         forward: Callable[..., torch.Tensor],
         inputs: Sequence[Any],
         output_shape: torch.Size,
+        output_dtype: torch.dtype | None = None,
     ) -> None:
         self._forward = forward
         self.arity = len(inputs)
@@ -538,6 +780,16 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         self.output_shape = torch.Size(output_shape)
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
         self.dtype = next(x.dtype for x, t in zip(inputs, tensors) if t)
+        self.output_dtype = self.dtype if output_dtype is None else output_dtype
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool).
+
+        Only tensor inputs have a buffer: None and static arguments hold no bytes of the graph's.
+        """
+        inputs = sum(math.prod(t[0]) * t[1].itemsize for t in self.templates if t is not None)
+        return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
     def _call(self, values: dict[str, Any]) -> torch.Tensor:
         statics = self.statics
@@ -644,14 +896,45 @@ class ReplayableGraph(Protocol):
     def execute(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]: ...
 
 
+class EagerMeasurement(Protocol):
+    """One measured eager call, returned by :meth:`EncoderGraphBackend.measure_eager`.
+
+    ``host_ms`` and ``peak_bytes`` are known when the call returns;
+    ``gpu_ms()`` is read back later without blocking (None until the device
+    has finished the call).
+    """
+
+    host_ms: float
+    #: peak allocation during the call minus the allocation before it (bytes)
+    peak_bytes: int
+
+    def gpu_ms(self) -> float | None: ...
+
+
+class CapturedGraph(NamedTuple):
+    """What :meth:`EncoderGraphBackend.capture` returns."""
+
+    graph: ReplayableGraph
+    #: the pool the graph lives in (passed back to share it)
+    pool: Any
+    #: growth of the graph pool's reserved memory during this capture (bytes)
+    pool_bytes: int
+    #: static input buffers + output buffer, allocated outside the pool (bytes)
+    static_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.static_bytes
+
+
 class EncoderGraphBackend(Protocol):
     """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else.
 
     :class:`CudaGraphBackend` is the real one. A dry run on a machine without
-    CUDA implements these four methods (e.g. CPU tensors eligible, a constant
-    stream handle, a large free-bytes reading, a capture whose ``execute`` runs
-    ``encoder.encoder_eager_forward``) to exercise the adapter's real policy,
-    keys, stats and logs.
+    CUDA implements these methods (e.g. CPU tensors eligible, a constant
+    stream handle, a large free-bytes reading, measurements with fixed times, a
+    capture whose ``execute`` runs ``encoder.encoder_eager_forward``) to
+    exercise the adapter's real policy, keys, stats and logs.
     """
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
@@ -671,17 +954,28 @@ class EncoderGraphBackend(Protocol):
         """Free memory of ``device`` in bytes, for the memory floor."""
         ...
 
+    def measure_eager(
+        self, device: torch.device, call: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, EagerMeasurement]:
+        """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
+
+        ``call`` takes no arguments: it closes over the call's inputs, static
+        arguments included, so a backend measures a call with static arguments
+        like any other.
+
+        Returns:
+            ``(output, measurement)``.
+        """
+        ...
+
     def capture(
         self, encoder: ExactShapeEncoder, vllm_config: Any, device: torch.device, pool: Any | None
-    ) -> tuple[ReplayableGraph, Any]:
-        """Capture ``encoder`` for its one shape on ``device``.
+    ) -> CapturedGraph:
+        """Capture ``encoder`` for its one shape on ``device`` and measure the bytes it holds.
 
         Args:
             pool: an opaque pool this backend returned from an earlier capture
                 (the adapter passes it back to share it), or None for a new one.
-
-        Returns:
-            ``(graph, pool)``: the replayable graph and the pool it lives in.
 
         Raises:
             whatever the capture raised; the adapter then applies its fatal contract.
@@ -703,51 +997,127 @@ def _manager_config(vllm_config: Any, tokens: int) -> Any:
     return config
 
 
+class _CudaEagerMeasurement:
+    """Events recorded around one eager call on its stream; read back with a non-blocking query."""
+
+    __slots__ = ("_end", "_gpu_ms", "_start", "host_ms", "peak_bytes")
+
+    def __init__(self, start: Any, end: Any, host_ms: float, peak_bytes: int) -> None:
+        self._start, self._end = start, end
+        self.host_ms = host_ms
+        self.peak_bytes = peak_bytes
+        self._gpu_ms: float | None = None
+
+    def gpu_ms(self) -> float | None:
+        if self._gpu_ms is None and self._end.query():  # cudaEventQuery: never blocks
+            self._gpu_ms = self._start.elapsed_time(self._end)
+            self._start = self._end = None
+        return self._gpu_ms
+
+
+@dataclass
+class _CudaPool:
+    """A graph pool, its capture stream, and the bytes its segments reserve."""
+
+    handle: Any
+    stream: torch.cuda.Stream
+    reserved_bytes: int = 0
+
+
+def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
+    """Bytes reserved by the caching allocator's segments of graph pool ``handle`` (None: unknown).
+
+    ``torch.cuda.memory_snapshot`` walks the allocator's segments on the host
+    (no device sync); segments carry ``segment_pool_id``.
+    """
+    try:
+        segments = torch.cuda.memory_snapshot(mempool_id=handle, include_traces=False)
+    except TypeError:  # a torch without per-pool snapshots
+        segments = torch.cuda.memory_snapshot()
+    if segments and not all("segment_pool_id" in seg for seg in segments):
+        return None
+    return sum(
+        int(seg["total_size"])
+        for seg in segments
+        if tuple(seg["segment_pool_id"]) == tuple(handle) and seg.get("device", device.index) == device.index
+    )
+
+
 class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
     - eligible: at least one tensor input, every tensor input on one CUDA
       device (None and static arguments are skipped), CUDA autocast off, and
       the current stream not being captured by someone else;
-    - replay stream: ``torch.cuda.current_stream(device).cuda_stream``;
+    - replay stream: the id of ``torch.cuda.current_stream(device)``, read
+      without building a ``Stream`` object (``torch.cuda.current_stream``'s own
+      building block), which saves about 3 us per call;
     - free bytes: ``torch.cuda.mem_get_info(device)[0]`` (``cudaMemGetInfo``);
+    - measure: CUDA timing events recorded on the call's stream right before
+      and after the eager call (read back later by ``cudaEventQuery``, never
+      synchronising), the host's ``perf_counter`` around it, and the caching
+      allocator's peak (``torch.cuda.reset_peak_memory_stats(device)`` before
+      the call, ``max_memory_allocated`` after it, both host-side counters;
+      this resets the device's peak statistics, as vLLM's own
+      ``get_current_memory_usage`` does);
     - capture: one manager per shape, built from a shallow copy of the engine
       config (one token budget, one item, TP 1; the engine's config is never
       mutated), captured with ``manager.capture(graph_pool=...)`` on a capture
       stream that first waits for the replay stream (so a late capture into a
       shared pool starts after earlier replays and their output clones) and
-      that the replay stream then waits for. A pool is
-      ``(torch.cuda.graph_pool_handle(), torch.cuda.Stream)``.
+      that the replay stream then waits for. A pool is a graph pool handle
+      (``torch.cuda.graph_pool_handle()``) with its capture stream. Bytes: the
+      pool's reserved segments after the capture minus before it (allocator
+      snapshot of that pool; ``memory_reserved`` growth if the snapshot does
+      not name pools), plus the static input and output buffers.
     """
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
-        devices = set()
+        device = None
         for x in inputs:
             if not isinstance(x, torch.Tensor):
                 continue  # None or a static argument
             if not x.is_cuda:
                 return None
-            devices.add(x.device)
-        if len(devices) != 1 or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
+            if device is None:
+                device = x.device
+            elif x.device != device:
+                return None
+        if device is None or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
             return None
-        return devices.pop()
+        return device
 
     def replay_stream(self, device: torch.device) -> int:
-        return torch.cuda.current_stream(device).cuda_stream
+        return _current_stream_id(device.index)
 
     def free_bytes(self, device: torch.device) -> int:
         return torch.cuda.mem_get_info(device)[0]
 
+    def measure_eager(
+        self, device: torch.device, call: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, EagerMeasurement]:
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated = torch.cuda.memory_allocated(device)
+        start.record(stream)
+        t0 = time.perf_counter()
+        out = call()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record(stream)
+        peak = torch.cuda.max_memory_allocated(device) - allocated
+        return out, _CudaEagerMeasurement(start, end, host_ms, peak)
+
     def capture(
         self, encoder: ExactShapeEncoder, vllm_config: Any, device: torch.device, pool: Any | None
-    ) -> tuple[ReplayableGraph, Any]:
+    ) -> CapturedGraph:
         from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
 
         replay_stream = torch.cuda.current_stream(device)
         if pool is None:
             with torch.cuda.device(device):
-                pool = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
-        handle, capture_stream = pool
+                pool = _CudaPool(torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
+        reserved = torch.cuda.memory_reserved(device)
         manager = EncoderCudaGraphManager(
             _manager_config(vllm_config, encoder.tokens),
             device,
@@ -755,11 +1125,21 @@ class CudaGraphBackend:
             encoder,
             capture_error_mode=CAPTURE_ERROR_MODE,
         )
-        capture_stream.wait_stream(replay_stream)
-        with torch.cuda.device(device), torch.cuda.stream(capture_stream):
-            manager.capture(graph_pool=handle)
-        replay_stream.wait_stream(capture_stream)
-        return manager, pool
+        pool.stream.wait_stream(replay_stream)
+        with torch.cuda.device(device), torch.cuda.stream(pool.stream):
+            manager.capture(graph_pool=pool.handle)
+        replay_stream.wait_stream(pool.stream)
+        pool_now = _pool_reserved_bytes(device, pool.handle)
+        if pool_now is None:  # segments do not name their pool: everything reserved meanwhile
+            growth = torch.cuda.memory_reserved(device) - reserved
+        else:
+            growth, pool.reserved_bytes = pool_now - pool.reserved_bytes, pool_now
+        return CapturedGraph(manager, pool, max(0, growth), encoder.static_bytes)
+
+
+def _current_stream_id(device_index: int) -> int:
+    """``torch.cuda.current_stream(device_index).stream_id`` without constructing a ``Stream``."""
+    return torch._C._cuda_getCurrentStream(device_index)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -769,6 +1149,57 @@ class CudaGraphBackend:
 
 class EncoderCudaGraphCaptureFailedError(RuntimeError):
     """Raised by every call after a capture failed (the fatal contract)."""
+
+
+def in_memory_profiling(vllm_config: Any) -> bool:
+    """True while vLLM's start-up memory profiling may be running: the KV cache is not sized yet.
+
+    vLLM's worker profiles memory in ``determine_available_memory``, whose
+    ``profile_run`` calls ``model.embed_multimodal`` on dummy inputs of the
+    largest size; only afterwards does ``Worker.initialize_from_config`` set
+    ``cache_config.num_gpu_blocks`` (None until then). Both lanes (vLLM 0.28.0
+    and 0.30.0) do this, and vllm-omni's AR and generation workers inherit it
+    (``OmniWorkerMixin.initialize_from_config`` calls vLLM's). The model's
+    ``vllm_config`` shares ``cache_config`` with the worker's, also through
+    ``VllmConfig.with_hf_config``. A config without ``cache_config`` is never
+    profiling. Outside an engine, set ``cache_config.num_gpu_blocks`` (e.g. to
+    0), or every call counts as a profiling call and nothing is captured.
+    """
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return cache_config is not None and getattr(cache_config, "num_gpu_blocks", 0) is None
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """Bytes and capture time of one graph (measured at capture, through the backend)."""
+
+    pool_bytes: int
+    static_bytes: int
+    capture_ms: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.static_bytes
+
+
+@dataclass
+class _KeyRecord:
+    """What an uncaptured key's eager calls showed: the cost rule's and the byte budget's input."""
+
+    first_call: int
+    last_call: int = 0
+    sightings: int = 0
+    #: (shape, dtype) of the eager output
+    output: tuple[torch.Size, torch.dtype] | None = None
+    measurements: list[EagerMeasurement] = dataclasses.field(default_factory=list)
+    verdict: CostVerdict | None = None
+
+
+#: Granularity of the CUDA caching allocator's segments (its small-segment size and large-size rounding).
+_SEGMENT_BYTES = 2 << 20
+
+#: Buffer keys of positional inputs (``ExactShapeEncoder.keys``), prebuilt for the hit path.
+_BUFFER_KEYS = tuple(str(i) for i in range(64))
 
 
 _GLOBAL_HOOKS = (
@@ -788,29 +1219,45 @@ class EncoderCudaGraph:
     replays), an inference tensor exactly when the eager call's would be (the
     call runs under ``torch.inference_mode()``). Graphs captured under
     ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors, None, or static arguments; the graph key is
-    the replay stream plus, per input, a tensor's ``(shape, dtype, device)``,
-    None (so "mask given" and "no mask" are different graphs), or a static
-    argument's value. Strides and tensor values are not part of the key;
-    replays read the live input values.
+    Inputs are positional tensors or None, and with ``static_args`` also static
+    arguments; the graph key is the replay stream, the device of the tensor
+    inputs and, per input, a tensor's ``(shape, dtype)``, None (so "mask given"
+    and "no mask" are different graphs) or a static argument's
+    ``(STATIC_ARG, value)``. Strides and tensor values are not part of the
+    key; replays read the live input values.
 
-    *Static arguments*: any positional input that is neither a tensor nor None
-    (an int, a tuple, an object) is part of the key by value (``==`` and
-    ``hash``, so it must be hashable; an object without ``__eq__`` counts by
-    identity) and is passed unchanged to every call of ``forward`` (warm-up,
-    capture, eager); it never becomes a static input buffer. A graph bakes in
-    what ``forward`` did with it at capture, so each value is its own graph.
-    They carry what fixes the forward's control flow or shapes without being a
-    tensor shape (e.g. a KV-cache length), or a persistent buffer the forward
-    reads and writes in place (e.g. a K/V arena) instead of a static copy.
+    *Static arguments* (``static_args=True``): any positional input that is
+    neither a tensor nor None (an int, a tuple, an object) is part of the key
+    by value (``==`` and ``hash``, so it must be hashable; an object without
+    ``__eq__`` counts by identity) and is passed unchanged to every call of
+    ``forward`` (warm-up, capture, eager); it never becomes a static input
+    buffer. A graph bakes in what ``forward`` did with it at capture, so each
+    value is its own graph. They carry what fixes the forward's control flow or
+    shapes without being a tensor shape (e.g. a KV-cache length), or a
+    persistent buffer the forward reads and writes in place (e.g. a K/V arena)
+    instead of a static copy. The choice is made once per adapter, so an
+    adapter whose inputs are all tensors keeps the tensor-only key and replay
+    path; there, a call with any other input is ineligible.
 
     A call runs ``forward`` eagerly, without touching any graph, when it is
-    *ineligible*: autograd enabled, or the backend refuses the inputs (for
+    *ineligible*: autograd enabled, an input that is neither a tensor nor None
+    without ``static_args``, or the backend refuses the tensor inputs (for
     :class:`CudaGraphBackend`: no tensor inputs, a non-CUDA tensor, tensors on
     more than one device, CUDA autocast enabled, or the current stream being
-    captured by someone else). Eligible calls follow :class:`CaptureAdmission`,
-    then the free-memory floor (a deferral logs a WARNING the first time and
-    every :attr:`MEMORY_WARNING_EVERY` deferrals).
+    captured by someone else). Calls made during vLLM's start-up memory
+    profiling (:func:`in_memory_profiling`) run eagerly and count as profile
+    misses, without touching admission. Other eligible calls follow
+    :class:`CaptureAdmission`; at a key's capture threshold, ``admission="cost"``
+    asks :class:`CaptureCostModel` whether the graph pays (from the key's eager
+    calls, measured by the backend), then the byte budget ``max_bytes`` and the
+    free-memory floor may defer the capture (each deferral logs a WARNING the
+    first time and every :attr:`MEMORY_WARNING_EVERY` deferrals).
+
+    Stats: :meth:`get_cumulative_stats` (nine keys, vLLM's contract) and
+    :meth:`get_detailed_stats` (miss kinds beyond those, bytes and hits per
+    graph). With ``log_interval_s`` the call path logs one INFO line with the
+    hit rate, graphs and bytes when that many seconds have passed since the
+    last one (no timer thread).
 
     Python side effects: a replay runs the recorded GPU work only. Attribute
     writes, counters or hooks inside ``forward`` happen on the warmup calls and
@@ -836,9 +1283,12 @@ class EncoderCudaGraph:
             Python side effects.
         vllm_config: the engine's ``VllmConfig``; copied per capture, never
             mutated (the manager needs ``model_config.multimodal_config``).
-        max_graphs, min_capture_calls, min_free_bytes, share_pools: see
-            :class:`EncoderCudaGraphOptions` (validated the same way).
+        max_graphs, min_capture_calls, min_free_bytes, share_pools, admission,
+            max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
+            (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
+        static_args: whether inputs other than tensors and None are static
+            arguments (see above); False makes such calls ineligible.
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``
@@ -853,10 +1303,12 @@ class EncoderCudaGraph:
             :data:`CAPTURE_ERROR_MODE` (``patches/vllm/0007`` not applied).
     """
 
-    #: A memory-floor deferral warns the first time and then every this many deferrals.
+    #: A memory-floor or byte-budget deferral warns the first time and then every this many.
     MEMORY_WARNING_EVERY = 100
     #: Hooks named in the hooks warning (the rest are counted).
     HOOKS_NAMED = 5
+    #: Eager calls measured per key (the cost rule uses their medians).
+    MAX_SAMPLES = 3
 
     def __init__(
         self,
@@ -867,7 +1319,11 @@ class EncoderCudaGraph:
         min_capture_calls: int = 2,
         min_free_bytes: int = 1 << 30,
         share_pools: bool = True,
+        admission: str = "cost",
+        max_bytes: int = 0,
+        log_interval_s: float = 60.0,
         name: str = "encoder",
+        static_args: bool = False,
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -877,23 +1333,35 @@ class EncoderCudaGraph:
             min_capture_calls=min_capture_calls,
             min_free_bytes=min_free_bytes,
             share_pools=share_pools,
+            admission=admission,
+            max_bytes=max_bytes,
+            log_interval_s=log_interval_s,
         )
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
+        self.static_args = bool(static_args)
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
+        self.cost_model = CaptureCostModel()
         # key -> replayable graph (a vLLM manager) holding the key's single graph
         self.graphs: dict[GraphKey, ReplayableGraph] = {}
-        # key -> output shape recorded by the eager call of its first sighting
-        self._output_shapes: dict[GraphKey, torch.Size] = {}
-        # (device, replay stream handle) -> the backend's pool, with share_pools
+        # key -> bytes and capture time of its graph
+        self.graph_info: dict[GraphKey, GraphInfo] = {}
+        # key -> what the key's eager calls showed, for keys in the admission history
+        self._records: dict[GraphKey, _KeyRecord] = {}
+        # (device, replay stream id) -> the backend's pool, with share_pools
         self._capture_pools: dict[tuple[torch.device, Hashable], Any] = {}
         self._failure: BaseException | None = None
         self._eager_reason: str | None = None
-        self._memory_deferrals = 0
+        self._deferrals: Counter[str] = Counter()
         self._cap_logged = False
+        self._profiling_over = False
+        self._calls = 0  # eligible calls: the clock of the cost rule's rates
+        self._measure = admission == "cost" or max_bytes > 0
+        self._log_interval = float(log_interval_s)
+        self._next_log = time.monotonic() + self._log_interval
 
     # -- public --------------------------------------------------------------------
     @property
@@ -905,6 +1373,11 @@ class EncoderCudaGraph:
         """Why this adapter turned eager for good (hooks found at capture), or None."""
         return self._eager_reason
 
+    @property
+    def graph_bytes(self) -> int:
+        """Bytes held by this adapter's graphs (pool growth + static buffers, measured at capture)."""
+        return sum(info.total_bytes for info in self.graph_info.values())
+
     def __call__(self, *inputs: Any) -> torch.Tensor:
         if self._failure is not None:
             raise EncoderCudaGraphCaptureFailedError(
@@ -913,31 +1386,26 @@ class EncoderCudaGraph:
                 "Restart the worker, optionally with --hf-overrides "
                 "'{\"encoder_cuda_graph\": false}' to run the encoders eagerly."
             )
+        if self._log_interval and time.monotonic() >= self._next_log:
+            self._log_progress()
         device = None
         if self._eager_reason is None and not torch.is_grad_enabled():
             device = self.backend.eligible_device(inputs)
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
-
-        key: GraphKey = (
-            self.backend.replay_stream(device),
-            tuple(
-                (tuple(x.shape), x.dtype, x.device)
-                if isinstance(x, torch.Tensor)
-                else (None if x is None else (STATIC_ARG, x))
-                for x in inputs
-            ),
-        )
+        if self.static_args:
+            return self._call_with_statics(inputs, device)
         try:
-            manager = self.graphs.get(key)
-        except TypeError as exc:  # an unhashable static argument
-            raise TypeError(
-                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
-                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
-            ) from exc
+            entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
+        except AttributeError:  # an input that is neither a tensor nor None, without static_args
+            self.admission.record_ineligible()
+            return self.forward(*inputs)
+        self._calls += 1
+        key: GraphKey = (self.backend.replay_stream(device), device, entries)
+        manager = self.graphs.get(key)
         if manager is not None:  # hit: the common case, kept to one lookup
-            return self._replay(manager, inputs)
+            return manager.execute({_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if x is not None})[0]
         return self._miss(key, inputs, device)
 
     def get_cumulative_stats(self) -> dict[str, Any]:
@@ -946,10 +1414,12 @@ class EncoderCudaGraph:
         Returns:
             dict with exactly :data:`STATS_KEYS`: ``graph_hits`` (calls served by
             a replay, the capturing call included), ``graph_misses`` (all eager
-            calls: the four miss kinds plus any counted by vLLM's managers),
-            ``hit_rate`` (hits / (hits + misses), 0.0 before any call),
-            ``num_graphs``, ``ineligible_misses``, ``capacity_misses``,
-            ``warmup_misses``, ``memory_misses`` and ``capture_failures`` (0 or 1).
+            calls: every miss kind of :data:`MISS_KINDS` plus any counted by
+            vLLM's managers), ``hit_rate`` (hits / (hits + misses), 0.0 before
+            any call), ``num_graphs``, ``ineligible_misses``,
+            ``capacity_misses``, ``warmup_misses``, ``memory_misses`` and
+            ``capture_failures`` (0 or 1). The other miss kinds are in
+            :meth:`get_detailed_stats`.
         """
         hits = sum(m.graph_hits for m in self.graphs.values())
         misses = self.admission.total_misses() + sum(m.graph_misses for m in self.graphs.values())
@@ -967,39 +1437,190 @@ class EncoderCudaGraph:
             "capture_failures": int(self._failure is not None),
         }
 
-    # -- internals -------------------------------------------------------------------
-    def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """An eligible call without a graph: admission, memory floor, maybe capture."""
-        decision = self.admission.admit(key)
-        if decision is Admission.CAPTURE:
-            if self._below_memory_floor(device):
-                self.admission.record_memory_miss()
-                return self.forward(*inputs)
-            if self._capture(key, inputs, device):
-                # the capturing call is served by the new graph's first replay
-                return self._replay(self.graphs[key], inputs)
-            self.admission.record_ineligible()  # refused (hooks): eager from now on
-            return self.forward(*inputs)
+    def get_detailed_stats(self) -> dict[str, Any]:
+        """What :meth:`get_cumulative_stats` leaves out, since construction.
 
-        out = self.forward(*inputs)
-        if decision is Admission.WARMUP:
-            self._output_shapes[key] = out.shape
-            # keep shapes only for keys still in the admission history
-            if len(self._output_shapes) > len(self.admission.history):
-                for stale in [k for k in self._output_shapes if k not in self.admission.history]:
-                    del self._output_shapes[stale]
-        elif decision is Admission.CAPACITY and not self._cap_logged:
-            self._cap_logged = True
-            if self.options.max_graphs == 0:
-                logger.info("%s encoder CUDA graphs disabled (encoder_cuda_graph_max_graphs=0)", self.name)
-            else:
-                logger.warning(
-                    "%s encoder CUDA graph cap reached (%d graphs); new shapes run eagerly for the "
-                    "lifetime of the model (raise encoder_cuda_graph_max_graphs to capture more)",
+        Returns:
+            dict with ``admission`` (``"cost"`` or ``"count"``),
+            ``declined_misses`` (eager calls of keys the cost rule declined),
+            ``budget_misses`` (captures deferred by ``max_bytes``),
+            ``profile_misses`` (calls during vLLM's start-up profiling),
+            ``graph_bytes`` (int, bytes held by all graphs), ``max_bytes`` (the
+            budget, 0 = none), and ``graphs``: one dict per graph in capture
+            order with ``inputs`` (``[(shape, dtype) | None, ...]``), ``hits``,
+            ``bytes`` (= ``pool_bytes`` + ``static_bytes``), ``pool_bytes``
+            (graph pool growth at its capture), ``static_bytes`` (input and
+            output buffers) and ``capture_ms`` (wall time of the capture).
+        """
+        m = self.admission.misses
+        graphs = [
+            {
+                "inputs": _describe(key),
+                "hits": self.graphs[key].graph_hits,
+                "bytes": info.total_bytes,
+                "pool_bytes": info.pool_bytes,
+                "static_bytes": info.static_bytes,
+                "capture_ms": info.capture_ms,
+            }
+            for key, info in self.graph_info.items()
+            if key in self.graphs
+        ]
+        return {
+            "admission": self.options.admission,
+            "declined_misses": m["declined"],
+            "budget_misses": m["budget"],
+            "profile_misses": m["profile"],
+            "graph_bytes": self.graph_bytes,
+            "max_bytes": self.options.max_bytes,
+            "graphs": graphs,
+        }
+
+    # -- internals -------------------------------------------------------------------
+    def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
+        self._calls += 1
+        key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
+        try:
+            manager = self.graphs.get(key)
+        except TypeError as exc:  # an unhashable static argument
+            raise TypeError(
+                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
+                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
+            ) from exc
+        if manager is not None:
+            return self._replay(manager, inputs)
+        return self._miss(key, inputs, device)
+
+    def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
+        if not self._profiling_over and self._in_profile_run():
+            self.admission.record_miss("profile")
+            return self.forward(*inputs)
+        # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
+        # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
+        if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
+            self.admission.record_ineligible()
+            return self.forward(*inputs)
+        decision = self.admission.admit(key)
+        if decision is Admission.CAPACITY:
+            self._log_cap_once()
+            return self.forward(*inputs)
+        record = self._sighting(key)
+        if decision is Admission.CAPTURE:
+            deferral = self._deferral(key, record, device)
+            if deferral is None:
+                if self._capture(key, record, inputs, device):
+                    # the capturing call is served by the new graph's first replay
+                    return self._replay(self.graphs[key], inputs)
+                self.admission.record_ineligible()  # refused (hooks): eager from now on
+                return self.forward(*inputs)
+            self.admission.record_miss(deferral)
+        return self._run_eager(record, inputs, device)
+
+    def _in_profile_run(self) -> bool:
+        if in_memory_profiling(self.vllm_config):
+            if not self.admission.misses["profile"]:
+                logger.info(
+                    "%s encoder call during vLLM's start-up memory profiling (KV cache not sized yet): "
+                    "runs eagerly and does not count toward CUDA graph admission",
                     self.name,
-                    self.options.max_graphs,
                 )
+            return True
+        self._profiling_over = True
+        return False
+
+    def _sighting(self, key: GraphKey) -> _KeyRecord:
+        """Update (or start, when admission restarted the key's count) the key's record."""
+        record = self._records.get(key)
+        if record is None or self.admission.history.get(key) == 1:
+            record = self._records[key] = _KeyRecord(first_call=self._calls)
+            # keep records only for keys still in the admission history
+            if len(self._records) > len(self.admission.history):
+                for stale in [k for k in self._records if k not in self.admission.history]:
+                    del self._records[stale]
+        record.sightings += 1
+        record.last_call = self._calls
+        return record
+
+    def _run_eager(self, record: _KeyRecord, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """The eager forward, measured while the key has fewer than :attr:`MAX_SAMPLES` samples."""
+        if self._measure and len(record.measurements) < self.MAX_SAMPLES:
+            out, measurement = self.backend.measure_eager(device, lambda: self.forward(*inputs))
+            record.measurements.append(measurement)
+        else:
+            out = self.forward(*inputs)
+        if record.output is None:
+            record.output = (out.shape, out.dtype)
         return out
+
+    def _deferral(self, key: GraphKey, record: _KeyRecord, device: torch.device) -> str | None:
+        """Why a key at its capture threshold is not captured on this call (a miss kind), or None."""
+        if self.options.admission == "cost":
+            record.verdict = self._cost_verdict(key, record)
+            if record.verdict is None:
+                return "warmup"  # no measurement read back yet
+            if not record.verdict.capture:
+                logger.debug(
+                    "%s encoder CUDA graph for inputs %s declined: %s",
+                    self.name,
+                    _describe(key),
+                    record.verdict.describe(),
+                )
+                return "declined"
+        if self.options.max_bytes and self._over_budget(key, record):
+            return "budget"
+        if self._below_memory_floor(device):
+            return "memory"
+        return None
+
+    def _cost_verdict(self, key: GraphKey, record: _KeyRecord) -> CostVerdict | None:
+        samples = [
+            EagerCallSample(m.host_ms, g) for m in record.measurements if (g := m.gpu_ms()) is not None
+        ]
+        if not samples:
+            return None
+        return self.cost_model.decide(
+            samples,
+            sightings=record.sightings,
+            first_call=record.first_call,
+            last_call=record.last_call,
+            calls=self._calls,
+            graph_bytes=self._estimate_bytes(key, record),
+        )
+
+    def _estimate_bytes(self, key: GraphKey, record: _KeyRecord) -> int:
+        """Bytes a capture of ``key`` would hold: eager peak (~ pool growth) + inputs + output buffer.
+
+        A capture allocates the forward's intermediates and output in the graph
+        pool, which therefore grows by about the eager call's peak allocation
+        delta, rounded up to the caching allocator's 2 MiB segment granularity
+        (less when a shared pool already holds reusable blocks), plus static
+        copies of the tensor inputs and one output buffer outside the pool
+        (static arguments have no buffer).
+        """
+        shape, dtype = record.output
+        static = math.prod(shape) * dtype.itemsize
+        static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))
+        peak = max((m.peak_bytes for m in record.measurements), default=0)
+        return -(-peak // _SEGMENT_BYTES) * _SEGMENT_BYTES + static
+
+    def _over_budget(self, key: GraphKey, record: _KeyRecord) -> bool:
+        """True (and a rate-limited WARNING) when the capture would pass ``max_bytes``."""
+        estimate, held = self._estimate_bytes(key, record), self.graph_bytes
+        if held + estimate <= self.options.max_bytes:
+            return False
+        self._warn_deferral(
+            "budget",
+            "%s encoder CUDA graph capture for inputs %s deferred (%d time(s) so far): its graph would "
+            "hold about %s on top of %s, passing encoder_cuda_graph_max_bytes=%d; the call runs eagerly.",
+            self.name,
+            _describe(key),
+            self._deferrals["budget"] + 1,
+            _mib(estimate),
+            _mib(held),
+            self.options.max_bytes,
+        )
+        return True
 
     def _below_memory_floor(self, device: torch.device) -> bool:
         """True (and a rate-limited WARNING) when free memory is below the floor."""
@@ -1009,26 +1630,70 @@ class EncoderCudaGraph:
         free = self.backend.free_bytes(device)
         if free >= floor:
             return False
-        self._memory_deferrals += 1
-        if self._memory_deferrals == 1 or self._memory_deferrals % self.MEMORY_WARNING_EVERY == 0:
-            logger.warning(
-                "%s encoder CUDA graph capture deferred (%d time(s) so far): %d bytes free on %s, "
-                "below encoder_cuda_graph_min_free_bytes=%d; the call runs eagerly. Free device memory, "
-                "lower encoder_cuda_graph_min_free_bytes, or set it to 0 to disable the floor.",
-                self.name,
-                self._memory_deferrals,
-                free,
-                device,
-                floor,
-            )
+        self._warn_deferral(
+            "memory",
+            "%s encoder CUDA graph capture deferred (%d time(s) so far): %d bytes free on %s, "
+            "below encoder_cuda_graph_min_free_bytes=%d; the call runs eagerly. Free device memory, "
+            "lower encoder_cuda_graph_min_free_bytes, or set it to 0 to disable the floor.",
+            self.name,
+            self._deferrals["memory"] + 1,
+            free,
+            device,
+            floor,
+        )
         return True
+
+    def _warn_deferral(self, kind: str, msg: str, *args: Any) -> None:
+        self._deferrals[kind] += 1
+        count = self._deferrals[kind]
+        if count == 1 or count % self.MEMORY_WARNING_EVERY == 0:
+            logger.warning(msg, *args)
+
+    def _log_cap_once(self) -> None:
+        if self._cap_logged:
+            return
+        self._cap_logged = True
+        if self.options.max_graphs == 0:
+            logger.info("%s encoder CUDA graphs disabled (encoder_cuda_graph_max_graphs=0)", self.name)
+        else:
+            logger.warning(
+                "%s encoder CUDA graph cap reached (%d graphs); new shapes run eagerly for the "
+                "lifetime of the model (raise encoder_cuda_graph_max_graphs to capture more)",
+                self.name,
+                self.options.max_graphs,
+            )
+
+    def _log_progress(self) -> None:
+        """The periodic INFO line: hit rate, graphs, bytes and misses by kind (cumulative)."""
+        self._next_log = time.monotonic() + self._log_interval
+        stats = self.get_cumulative_stats()
+        total = stats["graph_hits"] + stats["graph_misses"]
+        if not total:
+            return
+        misses = ", ".join(f"{kind} {n}" for kind in MISS_KINDS if (n := self.admission.misses[kind]))
+        logger.info(
+            "%s encoder CUDA graphs: hit rate %.1f%% (%d of %d calls), %d graph(s) holding %s; "
+            "misses: %s (admission=%s)",
+            self.name,
+            100.0 * stats["hit_rate"],
+            stats["graph_hits"],
+            total,
+            stats["num_graphs"],
+            _mib(self.graph_bytes),
+            misses or "none",
+            self.options.admission,
+        )
 
     @staticmethod
     def _replay(manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
         """Replay; the graph copies ``inputs`` into its static buffers and returns a clone of its output."""
-        return manager.execute({str(i): x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)})[0]
+        return manager.execute(
+            {_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+        )[0]
 
-    def _capture(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> bool:
+    def _capture(
+        self, key: GraphKey, record: _KeyRecord, inputs: Sequence[Any], device: torch.device
+    ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
             return False
@@ -1036,12 +1701,12 @@ class EncoderCudaGraph:
         pool_key = (device, key[0])
         pool = self._capture_pools.get(pool_key) if self.options.share_pools else None
         try:
-            encoder = ExactShapeEncoder(self.forward, inputs, self._output_shapes.pop(key))
-            manager, pool = self.backend.capture(encoder, self.vllm_config, device, pool)
+            encoder = ExactShapeEncoder(self.forward, inputs, *record.output)
+            captured = self.backend.capture(encoder, self.vllm_config, device, pool)
         except BaseException as exc:
             self._failure = exc
             self.admission.record_failure()
-            self._output_shapes.clear()
+            self._records.clear()
             logger.error(
                 "%s encoder CUDA graph capture failed for input shapes %s; the adapter is now "
                 "unusable and later calls raise. Restart the worker, optionally with "
@@ -1050,22 +1715,38 @@ class EncoderCudaGraph:
                 _describe(key),
             )
             raise
+        capture_ms = (time.perf_counter() - start) * 1e3
         if self.options.share_pools:
-            self._capture_pools[pool_key] = pool
+            self._capture_pools[pool_key] = captured.pool
         if self._refuse_if_hooked("during"):  # the captured forward registered hooks itself
             return False
         # Registered only after a complete capture: a failure leaves no half-registered graph.
-        self.graphs[key] = manager
+        self.graphs[key] = captured.graph
+        self.graph_info[key] = GraphInfo(captured.pool_bytes, captured.static_bytes, capture_ms)
         self.admission.record_captured(key)
+        self._records.pop(key, None)
+        self._log_capture(key, record.verdict, self.graph_info[key])
+        return True
+
+    def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo) -> None:
+        if verdict is not None:
+            self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
         logger.info(
-            "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms",
+            # the first literal is the prefix log readers match (tests/e2e/serve_smoke.CAPTURE_RE)
+            "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
+            ": %s (pool +%s, static %s); %s graphs hold %s%s",
             self.name,
             len(self.graphs),
             self.options.max_graphs,
             _describe(key),
-            (time.perf_counter() - start) * 1e3,
+            info.capture_ms,
+            _mib(info.total_bytes),
+            _mib(info.pool_bytes),
+            _mib(info.static_bytes),
+            self.name,
+            _mib(self.graph_bytes),
+            "" if verdict is None else f" ({verdict.describe()})",
         )
-        return True
 
     def _refuse_if_hooked(self, when: str) -> bool:
         """Turn eager for good (one WARNING) if hooks would be skipped by replays."""
@@ -1077,7 +1758,7 @@ class EncoderCudaGraph:
         )
         self._eager_reason = f"module hooks in the captured region: {shown}"
         self.admission.record_failure()
-        self._output_shapes.clear()
+        self._records.clear()
         logger.warning(
             "%s encoder CUDA graphs turned off: hooks found %s capture on %s. A CUDA graph replay "
             "skips Python hooks, so this encoder now runs eagerly (hooks run as registered). To use "
@@ -1134,9 +1815,18 @@ def _require_capture_error_mode() -> None:
 def _describe(key: GraphKey) -> list[Any]:
     """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
     return [
-        t if t is None else t[1] if t[0] == STATIC_ARG else (t[0], str(t[1]).replace("torch.", ""))
-        for t in key[1]
+        t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
+        for t in key[2]
     ]
+
+
+def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
+    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None, not static arguments)."""
+    return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 # ---------------------------------------------------------------------------
@@ -1191,6 +1881,7 @@ def make_encoder_cuda_graph(
     options: EncoderCudaGraphOptions,
     *,
     name: str,
+    static_args: bool = False,
     captured_modules: Sequence[str] | None = None,
     lora_reason: str | None = None,
 ) -> EncoderCudaGraphSetup:
@@ -1203,7 +1894,8 @@ def make_encoder_cuda_graph(
     as capacity misses) but the state is off.
 
     Args:
-        forward, vllm_config, name, captured_modules: see :class:`EncoderCudaGraph`.
+        forward, vllm_config, name, static_args, captured_modules: see
+            :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 
@@ -1226,7 +1918,11 @@ def make_encoder_cuda_graph(
         min_capture_calls=options.min_capture_calls,
         min_free_bytes=options.min_free_bytes,
         share_pools=options.share_pools,
+        admission=options.admission,
+        max_bytes=options.max_bytes,
+        log_interval_s=options.log_interval_s,
         name=name,
+        static_args=static_args,
         captured_modules=captured_modules,
     )
     state = "off (encoder_cuda_graph_max_graphs=0)" if options.max_graphs == 0 else "on"

@@ -12,18 +12,28 @@ here. Options: ``-p1`` (strip ``a/``/``b/``), ``--force`` (never guess that a
 patch is reversed: an already-applied patch must *fail* the forward direction),
 ``--fuzz=0`` (every context line must match), ``--no-backup-if-mismatch``,
 ``--reject-file=-`` (no ``.rej`` files), ``--batch``-free so nothing prompts.
+
+GNU patch applies a hunk at an offset wherever its old side matches, nearest to the
+line number in its ``@@`` header first. When that old side (context and removed lines)
+also occurs elsewhere in the file, "nearest" may be the wrong place, so
+:func:`ambiguous_hunks` is checked first: a hunk must match at exactly one place.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GnuPatch", "PatchRun", "PatchToolMissingError", "summarize_failure"]
+from minicpmo_cg.patchtool.series import FileChange
+
+__all__ = ["GnuPatch", "PatchRun", "PatchToolMissingError", "ambiguous_hunks", "summarize_failure"]
 
 Contents = dict[str, "bytes | None"]
 """site-packages-relative POSIX path -> file bytes, or None for an absent file."""
@@ -48,6 +58,44 @@ class PatchRun:
     output: str
 
 
+@functools.lru_cache(maxsize=8)
+def _probe(found: str | None) -> tuple[str, str]:
+    """(path, first line of ``--version``) of a GNU patch executable; cached per path.
+
+    Raises:
+        PatchToolMissingError: ``found`` is None or not GNU patch.
+    """
+    if found is None:
+        raise PatchToolMissingError(
+            "GNU patch is required but 'patch' was not found on PATH; install it "
+            "(e.g. 'apt-get install patch' or 'dnf install patch') and retry"
+        )
+    try:
+        probe = subprocess.run([found, "--version"], capture_output=True, text=True, check=False, timeout=30)
+    except OSError as exc:
+        raise PatchToolMissingError(f"cannot run {found}: {exc}") from None
+    first = (probe.stdout or "").splitlines()[:1]
+    if probe.returncode != 0 or not first or "GNU patch" not in first[0]:
+        raise PatchToolMissingError(
+            f"{found} is not GNU patch ('{first[0] if first else probe.stderr.strip()}'); "
+            "install GNU patch and put it first on PATH"
+        )
+    return found, first[0].strip()
+
+
+_RUNS: dict[tuple, PatchRun] = {}
+_RUNS_KEPT = 128
+
+
+def _run_key(executable: str, diff: str, files: Contents, reverse: bool) -> tuple:
+    digests = tuple(
+        sorted(
+            (rel, None if data is None else hashlib.sha256(data).hexdigest()) for rel, data in files.items()
+        )
+    )
+    return (executable, hashlib.sha256(diff.encode()).hexdigest(), reverse, digests)
+
+
 class GnuPatch:
     """Thin wrapper around the GNU ``patch`` executable.
 
@@ -60,25 +108,7 @@ class GnuPatch:
 
     def __init__(self, executable: str | None = None) -> None:
         found = shutil.which(executable or "patch")
-        if found is None:
-            raise PatchToolMissingError(
-                "GNU patch is required but 'patch' was not found on PATH; install it "
-                "(e.g. 'apt-get install patch' or 'dnf install patch') and retry"
-            )
-        try:
-            probe = subprocess.run(
-                [found, "--version"], capture_output=True, text=True, check=False, timeout=30
-            )
-        except OSError as exc:
-            raise PatchToolMissingError(f"cannot run {found}: {exc}") from None
-        first = (probe.stdout or "").splitlines()[:1]
-        if probe.returncode != 0 or not first or "GNU patch" not in first[0]:
-            raise PatchToolMissingError(
-                f"{found} is not GNU patch ('{first[0] if first else probe.stderr.strip()}'); "
-                "install GNU patch and put it first on PATH"
-            )
-        self.executable = found
-        self.version = first[0].strip()
+        self.executable, self.version = _probe(found)
 
     def run(self, diff: str, files: Contents, *, reverse: bool = False) -> PatchRun:
         """Apply ``diff`` (forward or reversed) to ``files``.
@@ -90,8 +120,22 @@ class GnuPatch:
 
         Returns:
             A :class:`PatchRun`; a failing diff leaves ``files`` untouched
-            (they are copies on disk in a temporary directory).
+            (they are copies on disk in a temporary directory). Results are memoised
+            per process by the sha256 of the diff and of every input file (``patch`` is a
+            pure function of them), so a second plan in one run does not re-run it.
         """
+        key = _run_key(self.executable, diff, files, reverse)
+        cached = _RUNS.get(key)
+        if cached is None:
+            cached = self._run(diff, files, reverse)
+            if len(_RUNS) >= _RUNS_KEPT:
+                _RUNS.pop(next(iter(_RUNS)))
+            _RUNS[key] = cached
+        return PatchRun(
+            cached.ok, dict(cached.contents) if cached.contents is not None else None, cached.output
+        )
+
+    def _run(self, diff: str, files: Contents, reverse: bool) -> PatchRun:
         with tempfile.TemporaryDirectory(prefix="minicpmo-cg-patch-") as tmp:
             root = Path(tmp) / "tree"
             root.mkdir()
@@ -152,3 +196,55 @@ def summarize_failure(output: str, limit: int = 3) -> str:
     if len(lines) > limit:
         text += f"; ... ({len(lines) - limit} more)"
     return text or "patch failed without output"
+
+
+def _text_lines(data: bytes) -> list[str]:
+    text = data.decode("utf-8", "surrogateescape")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def _occurrences(haystack: list[str], needle: tuple[str, ...]) -> list[int]:
+    """1-based line numbers where ``needle`` starts in ``haystack``."""
+    if not needle:
+        return []
+    first, size = needle[0], len(needle)
+    return [
+        i + 1
+        for i in range(len(haystack) - size + 1)
+        if haystack[i] == first and tuple(haystack[i : i + size]) == needle
+    ]
+
+
+def ambiguous_hunks(
+    changes: Iterable[FileChange], files: dict[str, bytes | None], *, reverse: bool = False
+) -> list[str]:
+    """Hunks whose old side (new side when ``reverse``) occurs more than once in the file.
+
+    Args:
+        changes: the diff's files (:attr:`Patch.files`).
+        files: the content each file has before this diff (None = absent).
+        reverse: check for un-applying: the new side must be unique.
+
+    Returns:
+        One message per ambiguous hunk naming the file, the hunk and the matching lines;
+        empty when every hunk can land at one place only.
+    """
+    problems = []
+    for change in changes:
+        data = files.get(change.path)
+        if data is None:
+            continue
+        lines = _text_lines(data)
+        for number, hunk in enumerate(change.hunks, start=1):
+            side = hunk.new_lines if reverse else hunk.old_lines
+            found = _occurrences(lines, side)
+            if len(found) > 1:
+                shown = ", ".join(map(str, found[:5])) + (", ..." if len(found) > 5 else "")
+                problems.append(
+                    f"{change.path}: hunk #{number} ({hunk.header.split(' @@')[0]} @@) matches at "
+                    f"{len(found)} places (lines {shown}); GNU patch could apply it at the wrong one"
+                )
+    return problems

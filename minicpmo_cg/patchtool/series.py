@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 __all__ = [
     "KNOWN_PACKAGES",
     "FileChange",
+    "Hunk",
     "Patch",
     "PatchFormatError",
     "VersionSpec",
@@ -163,6 +164,23 @@ def _parse_spec(text: str, where: str, field: str) -> VersionSpec:
 
 
 @dataclass(frozen=True)
+class Hunk:
+    """One ``@@`` hunk of a file's diff.
+
+    Attributes:
+        header: the ``@@ -a,b +c,d @@`` line as written.
+        old_start: ``a``, the 1-based line the hunk expects its old side at.
+        old_lines: context and removed lines (without the leading tag), in order.
+        new_lines: context and added lines, in order.
+    """
+
+    header: str
+    old_start: int
+    old_lines: tuple[str, ...]
+    new_lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FileChange:
     """One file of a diff.
 
@@ -170,11 +188,13 @@ class FileChange:
         path: POSIX path relative to site-packages (``vllm_omni/...``), no prefix.
         creates: the diff's old side is ``/dev/null`` (the file is new).
         deletes: the diff's new side is ``/dev/null`` (the file is removed).
+        hunks: the file's hunks, in diff order.
     """
 
     path: str
     creates: bool = False
     deletes: bool = False
+    hunks: tuple[Hunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -320,15 +340,18 @@ def _parse_diff(lines: list[str], first: int, where: str, import_dir: str) -> tu
             assert rel is not None
             if rel in seen:
                 raise PatchFormatError(
-                    f"{where}: line {lineno}: {rel} appears twice in one patch (merge its hunks into one diff)"
+                    f"{where}: line {lineno}: {rel} appears twice in one patch "
+                    "(merge its hunks into one diff)"
                 )
             seen.add(rel)
-            changes.append(FileChange(rel, creates=old_null, deletes=new_null))
             index += 2
             if index >= n or not _HUNK_RE.match(lines[index]):
                 raise PatchFormatError(f"{where}: line {index + 1}: file {rel} has no hunk")
+            hunks: list[Hunk] = []
             while index < n and _HUNK_RE.match(lines[index]):
-                index = _consume_hunk(lines, index, where)
+                hunk, index = _consume_hunk(lines, index, where)
+                hunks.append(hunk)
+            changes.append(FileChange(rel, creates=old_null, deletes=new_null, hunks=tuple(hunks)))
             continue
         if not line.strip():
             index += 1
@@ -339,61 +362,46 @@ def _parse_diff(lines: list[str], first: int, where: str, import_dir: str) -> tu
     return tuple(changes)
 
 
-def _consume_hunk(lines: list[str], index: int, where: str) -> int:
+def _consume_hunk(lines: list[str], index: int, where: str) -> tuple[Hunk, int]:
+    """Read the hunk whose ``@@`` line is ``lines[index]``; return it and the index after it."""
     match = _HUNK_RE.match(lines[index])
     assert match
     old = 1 if match.group(2) is None else int(match.group(2))
     new = 1 if match.group(4) is None else int(match.group(4))
+    old_lines: list[str] = []
+    new_lines: list[str] = []
     start = index + 1
     index += 1
     while old > 0 or new > 0:
         if index >= len(lines):
             raise PatchFormatError(f"{where}: line {start}: hunk ends early (file truncated?)")
         line = lines[index]
-        tag = line[:1]
+        tag, text = line[:1], line[1:]
         if tag in (" ", ""):  # an empty line is a context line whose blank was stripped
             old, new = old - 1, new - 1
+            old_lines.append(text)
+            new_lines.append(text)
         elif tag == "-":
             old -= 1
+            old_lines.append(text)
         elif tag == "+":
             new -= 1
-        elif tag == "\\":
-            pass
-        else:
+            new_lines.append(text)
+        elif tag != "\\":
             raise PatchFormatError(f"{where}: line {index + 1}: bad line inside a hunk: {line[:60]!r}")
         if old < 0 or new < 0:
             raise PatchFormatError(f"{where}: line {start - 1}: hunk line counts do not match its @@ header")
         index += 1
     while index < len(lines) and lines[index].startswith("\\"):
         index += 1
-    return index
+    hunk = Hunk(lines[start - 1], int(match.group(1)), tuple(old_lines), tuple(new_lines))
+    return hunk, index
 
 
-def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
-    """Parse and validate one patch file of the ``package`` folder.
-
-    Args:
-        path: the patch file (UTF-8).
-        package: canonical distribution name of the folder (``vllm-omni``).
-        name: id used in reports; default ``<package>/<file name>``.
-
-    Raises:
-        PatchFormatError: a missing/duplicate/unknown/empty header field, a bad
-            ``Targets``/``Upstream-Since`` spec, an uncompilable
-            ``Upstream-Probe``, or a malformed diff; the message names the file.
-    """
-    where = str(path)
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PatchFormatError(f"{where}: not UTF-8 ({exc})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    lines = [line.removesuffix("\r") for line in lines]
-    fields, diff_start = _parse_header(lines, where)
-
+def _check_fields(
+    fields: dict[str, str], where: str, package: str
+) -> tuple[tuple[VersionSpec, ...], VersionSpec | None, re.Pattern[str] | None]:
+    """Validate the header fields; return ``Targets``, ``Upstream-Since`` and the compiled probe."""
     missing = [f for f in REQUIRED_FIELDS if f not in fields]
     if missing:
         raise PatchFormatError(f"{where}: missing required header field(s): {', '.join(missing)}")
@@ -424,8 +432,37 @@ def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
         except re.error as exc:
             raise PatchFormatError(f"{where}: Upstream-Probe is not a valid regex: {exc}") from None
 
+    return targets, since, probe
+
+
+def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
+    """Parse and validate one patch file of the ``package`` folder.
+
+    Args:
+        path: the patch file (UTF-8).
+        package: canonical distribution name of the folder (``vllm-omni``).
+        name: id used in reports; default ``<package>/<file name>``.
+
+    Raises:
+        PatchFormatError: a missing/duplicate/unknown/empty header field, a bad
+            ``Targets``/``Upstream-Since`` spec, an uncompilable
+            ``Upstream-Probe``, or a malformed diff; the message names the file.
+    """
+    where = str(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchFormatError(f"{where}: not UTF-8 ({exc})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    lines = [line.removesuffix("\r") for line in lines]
+    fields, diff_start = _parse_header(lines, where)
+
+    targets, since, probe = _check_fields(fields, where, package)
     diff_text = "\n".join(lines[diff_start:]) + "\n"
-    files = _parse_diff(lines, diff_start, where, import_dir)
+    files = _parse_diff(lines, diff_start, where, KNOWN_PACKAGES[package])
     return Patch(
         name=name or f"{package}/{path.name}",
         path=path,

@@ -1,0 +1,161 @@
+"""Every write the patch tool makes, in one place, one observable step at a time.
+
+The tool never writes into an existing file: a new content goes to a temporary file in
+the same directory (``.<name>.<random>.minicpmo-cg-tmp``), is flushed to disk and renamed
+over the target, so each target holds either its old or its new bytes at every instant,
+and files that are hard links shared with other installations are never modified (the
+rename replaces this directory's entry only). Deletions are single ``unlink``/``rmdir``
+calls. A temporary file left by a killed run is removed by the next ``apply``/``revert``
+(:func:`remove_litter`).
+
+Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
+``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
+runs before each step with ``(step, path)``; it may raise (an ``OSError`` models an I/O or
+permission failure, :class:`SimulatedKill` a killed process) or end the process. After a
+:class:`SimulatedKill` every later step raises it again, as nothing runs in a dead
+process; the fault-injection tests use this to stop the tool at every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+__all__ = [
+    "TMP_SUFFIX",
+    "SimulatedKill",
+    "find_litter",
+    "make_dirs",
+    "remove_dir",
+    "remove_file",
+    "remove_litter",
+    "set_hook",
+    "write_file",
+]
+
+TMP_SUFFIX = ".minicpmo-cg-tmp"
+
+Hook = Callable[[str, Path], None]
+_hook: Hook | None = None
+_killed = False
+
+
+class SimulatedKill(BaseException):
+    """Raised by a test hook to stop the tool as a ``kill -9`` would (no cleanup runs)."""
+
+
+def set_hook(hook: Hook | None) -> None:
+    """Install (or with None remove) the step hook; also clears a previous simulated kill."""
+    global _hook, _killed
+    _hook, _killed = hook, False
+
+
+def _step(step: str, path: Path) -> None:
+    global _killed
+    if _killed:
+        raise SimulatedKill(f"{step} {path}: the process was killed earlier")
+    if _hook is not None:
+        try:
+            _hook(step, path)
+        except SimulatedKill:
+            _killed = True
+            raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink durable; best effort, as the step itself has happened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def make_dirs(directory: Path, stop: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents below ``stop``; return those created, top first."""
+    missing = []
+    current = directory
+    while current != stop and not current.exists():
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        _step("mkdir", path)
+        path.mkdir()
+    return list(reversed(missing))
+
+
+def write_file(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` by rename; the parent directory must exist.
+
+    Args:
+        mode: permission bits of the new file; default: the old file's, or 0o644.
+
+    Raises:
+        OSError: from any step; the temporary file is removed unless the process is gone.
+    """
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o644
+    _step("tmp-create", path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            _step("tmp-write", path)
+            handle.write(data)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        _step("rename", path)
+        os.replace(tmp, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def remove_file(path: Path) -> None:
+    """Unlink ``path`` if it exists (a file or a symbolic link, never a directory)."""
+    if not os.path.lexists(path):
+        return
+    _step("unlink", path)
+    os.unlink(path)
+    _fsync_dir(path.parent)
+
+
+def remove_dir(path: Path) -> bool:
+    """``rmdir`` ``path`` when it exists and is empty; return whether it is gone."""
+    if not path.is_dir() or path.is_symlink():
+        return not os.path.lexists(path)
+    if any(path.iterdir()):
+        return False
+    _step("rmdir", path)
+    path.rmdir()
+    return True
+
+
+def find_litter(directories: Iterable[Path]) -> list[Path]:
+    """Temporary files of this tool (``.*.minicpmo-cg-tmp``) directly in ``directories``."""
+    found = []
+    for directory in sorted(set(directories)):
+        with contextlib.suppress(OSError):
+            found += [
+                p
+                for p in sorted(directory.iterdir())
+                if p.name.startswith(".") and p.name.endswith(TMP_SUFFIX) and not p.is_dir()
+            ]
+    return found
+
+
+def remove_litter(directories: Iterable[Path]) -> list[Path]:
+    """Remove the temporary files a killed run left in ``directories``; return them."""
+    found = find_litter(directories)
+    for path in found:
+        remove_file(path)
+    return found

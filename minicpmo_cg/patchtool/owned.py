@@ -1,0 +1,137 @@
+"""Owned files: this project's modules installed into vllm-omni's tree.
+
+Every file of the payload's ``vllm_omni/`` tree (:func:`minicpmo_cg.resources.owned_files`:
+the adapter ``encoder_cuda_graph.py`` and any module beside it) is copied to the same path
+in site-packages while a vllm-omni patch is active, with the same journal, originals and
+revert guarantees as patched files. A file already at that path that is not ours (not a
+byte-identical copy) is stored and restored by revert. Owned files that left the project
+stay in the record until apply or revert restores what was there before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from minicpmo_cg import resources
+from minicpmo_cg.patchtool.errors import PROG, ToolError
+from minicpmo_cg.patchtool.series import Patch
+from minicpmo_cg.patchtool.state import sha256_or_none
+from minicpmo_cg.patchtool.views import (
+    CONFLICT,
+    NOT_APPLICABLE,
+    FileView,
+    OwnedReport,
+    Plan,
+    classify_recorded,
+    link_problem,
+    read_file,
+)
+
+__all__ = ["add_owned", "load_sources"]
+
+
+def load_sources(owned_root: Path | None, series: list[Patch]) -> dict[str, tuple[Path, bytes]]:
+    """rel -> (source path, bytes) of every owned file.
+
+    Raises:
+        ToolError: an owned file is unreadable or is also a target of a patch (exit 2).
+    """
+    patched = {rel: patch.name for patch in series for rel in patch.file_paths}
+    sources = {}
+    for rel, path in resources.owned_files(owned_root).items():
+        if rel in patched:
+            raise ToolError(
+                f"{PROG}: {rel} is both an owned file ({path}) and a target of {patched[rel]}; "
+                "a file is either copied or patched, not both"
+            )
+        try:
+            sources[rel] = (path, path.read_bytes())
+        except OSError as exc:
+            raise ToolError(f"{PROG}: cannot read the owned file {path}: {exc}") from None
+    return sources
+
+
+def _unrecorded_pristine(plan: Plan, view: FileView, source: bytes | None) -> None:
+    """Without a record: a byte-identical copy is ours (state lost); anything else belongs to someone else."""
+    wheel = plan.install.wheel_file(view.rel)
+    digest = sha256_or_none(view.current)
+    if wheel is not None and digest == wheel.sha256:
+        view.pristine = view.current  # the installed package ships a file at this path
+    elif view.current is None or (source is not None and digest == sha256_or_none(source)):
+        view.pristine = None
+    else:
+        view.pristine = view.current
+
+
+def _classify(plan: Plan, view: FileView, source: bytes | None) -> None:
+    rec = plan.record.files.get(view.rel) if plan.record else None
+    if rec is None:
+        _unrecorded_pristine(plan, view, source)
+        return
+    source_digest = sha256_or_none(source)
+    if source is not None and not rec.allows(source_digest):
+        rec = replace(rec, interim_sha256=(*rec.interim_sha256, source_digest))  # a copy of ours is ours
+    assert plan.record is not None
+    plan.notes.extend(classify_recorded(view, rec, plan.store, plan.record.complete))
+
+
+def _state(view: FileView, source: bytes | None, needed: bool) -> tuple[str, str]:
+    if view.conflict:
+        return CONFLICT, view.conflict
+    if source is None:
+        return "outdated", "no longer part of this project's tree; apply/revert restore what was at this path"
+    if not needed:
+        detail = "no vllm-omni patch is active here"
+        if view.current is not None and view.record is not None:
+            detail += "; apply/revert remove the copy"
+        return NOT_APPLICABLE, detail
+    if view.current == source:
+        return "installed", ""
+    if view.current is None:
+        return "missing", "apply copies it"
+    if view.record is not None:
+        return "outdated", "the source changed since apply; apply re-copies it"
+    return "outdated", "a different file is at this path; apply replaces it, revert restores it"
+
+
+def add_owned(plan: Plan, sources: dict[str, tuple[Path, bytes]], needed: bool) -> None:
+    """Add a view, a report and the apply/revert contents of every owned file to ``plan``.
+
+    Args:
+        needed: a vllm-omni patch is active (the owned files are installed only then).
+    """
+    recorded = plan.record.files if plan.record else {}
+    rels = list(sources) + sorted(
+        rel for rel, r in recorded.items() if r.role == "owned" and rel not in sources
+    )
+    for rel in rels:
+        path, source = sources.get(rel, (None, None))
+        view = FileView(rel, "owned", read_file(plan.install.site / rel))
+        view.conflict = link_problem(plan.install.site, rel)
+        if not view.conflict:
+            _classify(plan, view, source)
+        state, detail = _state(view, source, needed)
+        plan.owned.append(OwnedReport(rel, path, state, detail))
+        plan.files[rel] = view
+        if not view.conflict:
+            plan.apply_contents[rel] = source if needed and source is not None else view.pristine
+            plan.revert_contents[rel] = view.pristine
+    plan.orphan_dirs = _orphan_dirs(plan)
+
+
+def _orphan_dirs(plan: Plan) -> tuple[str, ...]:
+    """Directories of owned copies that did not exist before apply and that pip did not install.
+
+    They are the tool's even when no record names them (state lost, or a record of the first
+    format, which had no ``created_dirs``): wheels carry no empty directories, so a directory
+    without any file RECORD lists was made by this tool. Without RECORD nothing is claimed.
+    """
+    candidates = {
+        parent.as_posix()
+        for view in plan.files.values()
+        if view.role == "owned" and view.pristine is None and view.current is not None and not view.conflict
+        for parent in Path(view.rel).parents
+        if parent != Path(".")
+    }
+    return tuple(sorted(d for d in candidates if plan.install.wheel_has_dir(d) is False))

@@ -1,0 +1,272 @@
+"""What ``minicpmo-cg-patch`` remembers inside an installation: the journal and the originals.
+
+State lives in ``<site-packages>/minicpmo_cg_patch_state/``::
+
+    state.json                 the record (format below)
+    originals/<relpath>        byte-exact pre-apply copy of every recorded file that existed
+
+``state.json``::
+
+    {"format": 2,
+     "complete": true,
+     "versions": {"vllm": "0.30.0", "vllm-omni": "0.30.0"},
+     "patches": {"vllm-omni/0001-....patch": "<sha256 of the patch file>", ...},
+     "files": {"vllm_omni/.../minicpmo_4_5_omni_llm.py":
+                  {"original_sha256": "<hex>" | null, "written_sha256": "<hex>" | null,
+                   "role": "patch" | "owned", "interim_sha256": ["<hex>", ...]}, ...},
+     "created_dirs": ["vllm_omni/...", ...]}
+
+``original_sha256`` null means "did not exist before apply", ``written_sha256`` null "apply
+removes it". The record is a write-ahead journal: it is written (with ``complete: false``)
+before the first file changes and lists, per file, every content the file may hold until
+the command finishes (original, written and, in ``interim_sha256``, what it held before,
+e.g. an older revision of a patch); ``complete: true`` is written after the last file.
+``created_dirs`` are directories apply creates (revert removes them when empty). Format 1
+(the first release: no ``complete``, ``interim_sha256`` or ``created_dirs``, role
+``adapter``) is read as a complete record. A record made for other package versions is
+stale (pip replaced the files) and is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from minicpmo_cg.patchtool import fsops
+
+__all__ = [
+    "STATE_DIRNAME",
+    "FileRecord",
+    "StateError",
+    "StateRecord",
+    "StateStore",
+    "locked",
+    "sha256_or_none",
+]
+
+STATE_DIRNAME = "minicpmo_cg_patch_state"
+FORMAT = 2
+_READABLE_FORMATS = (1, 2)
+
+
+class StateError(RuntimeError):
+    """The state directory is unreadable or inconsistent; the message names the path."""
+
+
+def sha256_or_none(data: bytes | None) -> str | None:
+    """Hex sha256 of ``data``; None for an absent file."""
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file a command changes.
+
+    Attributes:
+        original_sha256: before any apply (None = absent).
+        written_sha256: what apply leaves (None = removed).
+        role: ``patch`` (edited by diffs) or ``owned`` (copied from this project).
+        interim_sha256: other contents the file may hold while the record is incomplete.
+    """
+
+    original_sha256: str | None
+    written_sha256: str | None
+    role: str = "patch"
+    interim_sha256: tuple[str | None, ...] = ()
+
+    def allows(self, digest: str | None) -> bool:
+        """Whether a file with this sha256 is in a state the record explains."""
+        return digest in (self.original_sha256, self.written_sha256) or digest in self.interim_sha256
+
+
+@dataclass
+class StateRecord:
+    """In-memory form of ``state.json``."""
+
+    versions: dict[str, str]
+    patches: dict[str, str] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    complete: bool = True
+    created_dirs: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        files = {}
+        for rel, r in sorted(self.files.items()):
+            entry = {"original_sha256": r.original_sha256, "written_sha256": r.written_sha256, "role": r.role}
+            if r.interim_sha256:
+                entry["interim_sha256"] = list(r.interim_sha256)
+            files[rel] = entry
+        return {
+            "format": FORMAT,
+            "complete": self.complete,
+            "versions": dict(sorted(self.versions.items())),
+            "patches": dict(self.patches),
+            "files": files,
+            "created_dirs": sorted(self.created_dirs),
+        }
+
+    def committed(self) -> StateRecord:
+        """The same record marked complete, without interim contents."""
+        files = {rel: replace(r, interim_sha256=()) for rel, r in self.files.items()}
+        return replace(self, files=files, complete=True)
+
+
+def _record_from_json(raw: dict) -> StateRecord:
+    if raw.get("format") not in _READABLE_FORMATS:
+        raise ValueError(f"unknown format {raw.get('format')!r}")
+    files = {}
+    for rel, v in raw["files"].items():
+        role = v.get("role", "patch")
+        files[rel] = FileRecord(
+            v["original_sha256"],
+            v["written_sha256"],
+            "owned" if role == "adapter" else role,
+            tuple(v.get("interim_sha256", ())),
+        )
+    return StateRecord(
+        dict(raw["versions"]),
+        dict(raw["patches"]),
+        files,
+        bool(raw.get("complete", True)),
+        tuple(raw.get("created_dirs", ())),
+    )
+
+
+def _holds(path: Path, digest: str | None) -> bool:
+    try:
+        return not path.is_symlink() and path.is_file() and sha256_or_none(path.read_bytes()) == digest
+    except OSError:
+        return False
+
+
+class StateStore:
+    """Reads and writes the state directory of one site-packages directory.
+
+    Every write goes through :mod:`minicpmo_cg.patchtool.fsops` (rename, never in place).
+
+    Args:
+        site: the site-packages directory.
+    """
+
+    def __init__(self, site: Path) -> None:
+        self.site = site
+        self.root = site / STATE_DIRNAME
+        self.json_path = self.root / "state.json"
+        self.originals = self.root / "originals"
+
+    def load(self) -> StateRecord | None:
+        """The record, or None when there is none.
+
+        Raises:
+            StateError: ``state.json`` is not valid JSON of a known format.
+        """
+        if not os.path.lexists(self.json_path):
+            return None
+        try:
+            if self.json_path.is_symlink():
+                raise ValueError("it is a symbolic link")
+            return _record_from_json(json.loads(self.json_path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StateError(
+                f"cannot read {self.json_path} ({exc}): the state is damaged. Move {self.root} aside and "
+                "run revert: without a record it un-applies the series and checks the result against "
+                "the installed wheels' RECORD hashes"
+            ) from None
+
+    def load_original(self, rel: str, record: FileRecord) -> bytes | None:
+        """The stored pre-apply bytes of ``rel``, verified against the record.
+
+        Raises:
+            StateError: the stored copy is missing, a link, or its hash differs.
+        """
+        if record.original_sha256 is None:
+            return None
+        path = self.originals / rel
+        try:
+            if path.is_symlink():
+                raise OSError("it is a symbolic link")
+            data = path.read_bytes()
+        except OSError as exc:
+            raise StateError(f"stored original {path} is unreadable ({exc}); the state is damaged") from None
+        if sha256_or_none(data) != record.original_sha256:
+            raise StateError(
+                f"stored original {path} does not match its recorded sha256; the state is damaged"
+            )
+        return data
+
+    def store_originals(self, record: StateRecord, originals: Mapping[str, bytes | None]) -> None:
+        """Write the pre-apply bytes of every file of ``record`` not stored correctly yet."""
+        for rel, entry in sorted(record.files.items()):
+            data = originals[rel]
+            if data is None:
+                continue
+            path = self.originals / rel
+            if _holds(path, entry.original_sha256):
+                continue
+            fsops.make_dirs(path.parent, self.site)
+            if path.is_symlink():
+                fsops.remove_file(path)
+            fsops.write_file(path, data, mode=0o644)
+
+    def save(self, record: StateRecord) -> None:
+        """Replace ``state.json`` with ``record`` (by rename)."""
+        fsops.make_dirs(self.root, self.site)
+        fsops.write_file(self.json_path, (json.dumps(record.to_json(), indent=2) + "\n").encode(), mode=0o644)
+
+    def remove_record(self) -> None:
+        """Delete ``state.json`` (the commit point of a revert)."""
+        fsops.remove_file(self.json_path)
+
+    def garbage(self, record: StateRecord | None) -> list[Path]:
+        """Files in the state directory that ``record`` does not need (all of them without one)."""
+        if not self.root.is_dir():
+            return []
+        keep = {self.json_path} if record is not None else set()
+        if record is not None:
+            keep |= {self.originals / rel for rel, r in record.files.items() if r.original_sha256 is not None}
+        return [
+            p for p in sorted(self.root.rglob("*")) if (p.is_symlink() or not p.is_dir()) and p not in keep
+        ]
+
+    def collect_garbage(self, record: StateRecord | None) -> None:
+        """Delete what ``record`` does not need, then empty directories (the root too without a record).
+
+        Raises:
+            OSError: a file or directory could not be removed; nothing the record needs was touched.
+        """
+        for path in self.garbage(record):
+            fsops.remove_file(path)
+        if not self.root.is_dir():
+            return
+        dirs = sorted((p for p in self.root.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True)
+        for directory in dirs:
+            fsops.remove_dir(directory)
+        if record is None:
+            fsops.remove_dir(self.root)
+
+    def directories(self) -> list[Path]:
+        """The state directory and every directory below it (where temporary files can be left)."""
+        if not self.root.is_dir():
+            return []
+        return [self.root, *(p for p in sorted(self.root.rglob("*")) if p.is_dir() and not p.is_symlink())]
+
+
+@contextlib.contextmanager
+def locked(site: Path, *, exclusive: bool) -> Iterator[None]:
+    """Hold an advisory ``flock`` on the site-packages directory itself.
+
+    Serialises concurrent ``minicpmo-cg-patch`` runs on one installation without
+    creating a lock file there.
+    """
+    fd = os.open(site, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
