@@ -79,6 +79,10 @@ DUPLEX_CHUNKS = {"cuda": 32, "cpu": 4}
 ADAPTER_OF = {"image": "vision", "audio": "audio", "duplex": "streaming audio"}
 #: Timed calls per input and mode by (device type, size).
 DEFAULT_REPEATS = {("cuda", "full"): 20, ("cuda", "reduced"): 5, ("cpu", "full"): 1, ("cpu", "reduced"): 1}
+#: Adapter options of the graphed pass. It times replays of every input's shapes, so admission is
+#: ``"count"``: each shape is captured at its MIN_CAPTURE_CALLS-th call. The default ``"cost"`` rule
+#: would decline GPU-bound batches (e.g. ``retina``'s 10 slices), whose timed calls would run eagerly.
+GRAPHED_OPTIONS = {"max_graphs": MAX_GRAPHS, "min_capture_calls": MIN_CAPTURE_CALLS, "admission": "count"}
 
 NEEDS_CUDA_LINE = (
     "NOTE: encoder CUDA graphs need a CUDA device; ran eagerly on {device} only (graphed columns n/a)."
@@ -514,7 +518,10 @@ def wire_graphs(demo: Demo) -> dict[str, Any]:
     from minicpmo_cg import standalone
 
     standalone.wire_encoder_graphs(
-        demo.model, demo.vllm_config, enabled=True, max_graphs=MAX_GRAPHS, min_capture_calls=MIN_CAPTURE_CALLS
+        demo.model,
+        demo.vllm_config,
+        enabled=True,
+        **GRAPHED_OPTIONS,
     )
     graphs = {
         "vision": standalone.vision_graph(demo.model),

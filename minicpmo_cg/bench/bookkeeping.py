@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -11,14 +12,17 @@ from typing import Any
 import torch
 
 from minicpmo_cg.bench.context import TARGETS, Ctx, Profile
-from minicpmo_cg.bench.cpu_backend import fixed_free_bytes
+from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, fixed_free_bytes
 from minicpmo_cg.bench.memory import graph_metas
 
 METHOD = (
     "host perf_counter per call, median over batches; misses: adapter(x) - forward(x) with a no-op forward; "
     "hit: adapter(x) - (copy into the captured input buffer + graph.replay() + output clone) "
-    "on the same graph"
+    "on the same graph, split into vLLM's manager (manager.execute - bare) and the adapter's own part"
 )
+#: Scripted host and GPU time of a no-op forward for the CPU dry run's cost rule (ms): microseconds,
+#: as the CUDA backend measures one, so the rule declines it (a replay could not save anything).
+NOOP_MS = 0.001
 
 
 def host_us_per_call(fn: Callable[[], Any], prof: Profile, sync: Callable[[], None]) -> float:
@@ -72,13 +76,49 @@ def _hit_path(ctx: Ctx, x: torch.Tensor) -> dict[str, float]:
     }
 
 
+def _counter(adapter: Any, name: str) -> int:
+    """A counter of either stats method (``warmup_misses``, ``declined_misses``, ...)."""
+    stats = adapter.get_cumulative_stats()
+    return stats[name] if name in stats else adapter.get_detailed_stats()[name]
+
+
 def _miss(ctx: Ctx, adapter: Any, call: Callable[[], Any], expect: str, t_forward: float) -> dict[str, Any]:
     """Host cost of calls that must all be counted as ``expect`` misses."""
     call()  # first sighting / priming
-    before = adapter.get_cumulative_stats()[expect]
+    before = _counter(adapter, expect)
     t = host_us_per_call(call, ctx.profile, ctx.timer.sync)
-    grew = adapter.get_cumulative_stats()[expect] - before
+    grew = _counter(adapter, expect) - before
     return {"call_us": t, "bookkeeping_us": t - t_forward, "counted_as": expect, "count_grew": grew > 0}
+
+
+def profiling_config(vllm_config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` that looks like vLLM's start-up memory profiling to the
+    adapter: its own ``cache_config`` with ``num_gpu_blocks`` None (the KV cache not sized yet)."""
+    config = copy.copy(vllm_config)
+    cache_config = copy.copy(vllm_config.cache_config)
+    cache_config.num_gpu_blocks = None
+    object.__setattr__(config, "cache_config", cache_config)
+    return config
+
+
+def _admission_cases(ctx: Ctx, noop: Callable[..., torch.Tensor]) -> list[tuple[str, Any, str]]:
+    """``(kind, adapter, expected counter)`` of the miss kinds added by cost admission, the byte
+    budget and the profiling guard."""
+    new = ctx.new_adapter
+    # a no-op forward saves nothing when replayed: the cost rule declines it
+    noop_backend = (
+        CpuGraphBackend(host_ms=NOOP_MS, gpu_ms_per_item=NOOP_MS) if ctx.cpu else ctx.real_backend()
+    )
+    declined = new(noop, "bench-bk-declined", admission="cost", min_free_bytes=0, backend=noop_backend)
+    budget = new(noop, "bench-bk-budget", min_free_bytes=0, max_bytes=1)
+    profile = ctx.adapter_mod.EncoderCudaGraph(
+        noop, profiling_config(ctx.vllm_config), name="bench-bk-profile", backend=ctx.backend
+    )
+    return [
+        ("declined (cost rule)", declined, "declined_misses"),
+        ("budget (max_bytes)", budget, "budget_misses"),
+        ("profile (start-up profiling)", profile, "profile_misses"),
+    ]
 
 
 def _miss_paths(ctx: Ctx, x: torch.Tensor, noop: Callable[..., torch.Tensor], t_forward: float) -> dict:
@@ -105,6 +145,7 @@ def _miss_paths(ctx: Ctx, x: torch.Tensor, noop: Callable[..., torch.Tensor], t_
         backend=fixed_free_bytes(ctx.real_backend(), 0),
     )
     cases.append(("memory (injected reading)", injected, x, False, "memory_misses"))
+    cases += [(kind, adapter, x, False, expect) for kind, adapter, expect in _admission_cases(ctx, noop)]
     misses: dict[str, Any] = {}
     for kind, adapter, arg, grad, expect in cases:
         with torch.enable_grad() if grad else contextlib.nullcontext():
@@ -130,20 +171,22 @@ def run(ctx: Ctx) -> dict[str, Any]:
 
 def format_section(bk: dict[str, Any]) -> list[str]:
     h = bk["hit"]
-    goal = TARGETS["bookkeeping_us"]
+    hit_goal, miss_goal = TARGETS["hit_bookkeeping_us"], TARGETS["bookkeeping_us"]
+    goals = f"targets: hit <= {hit_goal:.0f} us, misses < {miss_goal:.0f} us"
+    title = f"adapter bookkeeping per call (us, host; {goals})"
     lines = [
-        f"\n-- adapter bookkeeping per call (us, host; target < {goal:.0f} us)",
+        f"\n-- {title}",
         (
             f"hit: adapter call {h['adapter_call_us']:.1f} = "
-            f"bare copy+replay+clone {h['bare_replay_us']:.1f} "
-            f"+ vLLM manager {h['vllm_manager_us']:.1f} + adapter own {h['adapter_own_us']:.1f} "
-            f"-> bookkeeping {h['bookkeeping_us']:.1f} {'ok' if h['bookkeeping_us'] < goal else 'MISS'} "
-            f"(adapter own {'ok' if h['adapter_own_us'] < goal else 'MISS'})"
+            f"bare copy+replay+clone {h['bare_replay_us']:.1f} + bookkeeping {h['bookkeeping_us']:.1f} "
+            f"(vLLM manager {h['vllm_manager_us']:.1f} + adapter {h['adapter_own_us']:.1f}) "
+            f"{'ok' if h['bookkeeping_us'] <= hit_goal else 'MISS'}"
         ),
     ]
     for kind, m in bk["misses"].items():
+        ok = "ok" if m["bookkeeping_us"] < miss_goal else "MISS"
         lines.append(
-            f"miss {kind:28s} {m['bookkeeping_us']:7.2f} {'ok' if m['bookkeeping_us'] < goal else 'MISS'}"
+            f"miss {kind:28s} {m['bookkeeping_us']:7.2f} {ok}"
             f"   (call {m['call_us']:.2f}, forward alone {bk['forward_direct_us']:.2f})"
         )
     return lines

@@ -1,11 +1,12 @@
 """The CPU stand-in for graph capture used by ``--allow-cpu`` (and only there).
 
 A device backend for the adapter's seam (``EncoderGraphBackend`` in the adapter module: eligible
-device, replay stream, free bytes, capture) that treats tensors on any device as eligible and
-"captures" an eager stand-in, so the benchmark's own logic (recording, admission through the
-adapter's real ``CaptureAdmission``, stats, memory and table code) runs end to end on a machine
-without CUDA. Everything CUDA-specific about the CPU dry run lives in this module; the adapter is
-used unmodified, with this object passed as its ``backend``.
+device, replay stream, free bytes, eager-call measurement, capture) that treats tensors on any
+device as eligible, scripts the measurements the cost rule reads, and "captures" an eager stand-in,
+so the benchmark's own logic (recording, admission through the adapter's real ``CaptureAdmission``
+and ``CaptureCostModel``, stats, memory and table code) runs end to end on a machine without CUDA.
+Everything CUDA-specific about the CPU dry run lives in this module; the adapter is used
+unmodified, with this object passed as its ``backend``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from typing import Any
 import torch
 
 from minicpmo_cg.standalone import ADAPTER_MODULE
+
+#: Scripted host time of an eager encoder call (ms): on an H200 each encoder enqueues any of its
+#: shapes in about 8 ms, as the kernel count does not depend on the batch.
+HOST_MS = 8.0
+#: Scripted fixed part of a capture (ms): manager construction, graph instantiation, synchronisation.
+CAPTURE_FIXED_MS = 5.0
 
 
 class _EagerGraph:
@@ -32,31 +39,53 @@ class _EagerGraph:
         return [self.encoder.encoder_eager_forward(mm_kwargs)]
 
 
-class _CpuMeasurement:
-    """An eager call's measurement on CPU: the host time, and a GPU time scripted from it."""
+class _ScriptedMeasurement:
+    """An eager call's measurement with scripted times (ms); the GPU time is ready at once."""
 
-    def __init__(self, host_ms: float, gpu_share: float) -> None:
+    __slots__ = ("_gpu_ms", "host_ms", "peak_bytes")
+
+    def __init__(self, host_ms: float, gpu_ms: float) -> None:
         self.host_ms = host_ms
         self.peak_bytes = 0
-        self._gpu_ms = host_ms * gpu_share
+        self._gpu_ms = gpu_ms
 
     def gpu_ms(self) -> float:
         return self._gpu_ms
 
 
 class CpuGraphBackend:
-    """The adapter's device seam with any device accepted and eager "replays".
+    """The adapter's device seam with any device accepted, scripted timings and eager "replays".
+
+    A CPU has no GPU time to measure, and its host times (hundreds of ms for the dry run's tiny
+    encoders) say nothing about a GPU, so every measured eager call reports scripted times
+    instead: the host enqueues it in ``host_ms``, and the GPU is busy ``gpu_ms_per_item`` per
+    batch item (the output's first dimension: image slices, audio clips). With the defaults a
+    single item is launch-bound (GPU time = host time, launch-bound share 1) and is captured
+    once it recurs, while a batch of ``B`` items has a share of ``1/B``, as the H200's
+    multi-slice batches do, and is declined unless it recurs often. A capture takes (sleeps) what
+    one takes on a GPU, an eager run and a recorded run of the scripted GPU time plus
+    :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate with the measured
+    capture times. Peak bytes and pool growth are 0; graph bytes are the static buffers.
 
     Args:
         free_bytes: the free-memory reading the memory floor sees (default: plenty).
-        gpu_share: the "GPU time" of an eager call as a share of its host time; the default makes
-            every call look launch-bound, so cost-aware admission captures as it would for the small
-            calls graphs are for (a CPU has no GPU time to measure).
+        host_ms: scripted host time of every measured eager call (ms, > 0).
+        gpu_ms_per_item: scripted GPU time per batch item (ms, > 0).
+
+    Raises:
+        ValueError: a time that is not > 0.
     """
 
-    def __init__(self, free_bytes: int = 1 << 62, gpu_share: float = 0.1) -> None:
+    def __init__(
+        self, free_bytes: int = 1 << 62, host_ms: float = HOST_MS, gpu_ms_per_item: float = HOST_MS
+    ) -> None:
+        if not (host_ms > 0 and gpu_ms_per_item > 0):
+            raise ValueError(
+                f"scripted times must be > 0 ms, got host_ms={host_ms}, gpu_ms_per_item={gpu_ms_per_item}"
+            )
         self._free_bytes = free_bytes
-        self._gpu_share = gpu_share
+        self.host_ms = host_ms
+        self.gpu_ms_per_item = gpu_ms_per_item
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         tensors = [x for x in inputs if torch.is_tensor(x)]  # None and static arguments do not count
@@ -71,15 +100,24 @@ class CpuGraphBackend:
     def free_bytes(self, device: torch.device) -> int:
         return self._free_bytes
 
+    def scripted_ms(self, output_shape: Sequence[int]) -> tuple[float, float]:
+        """``(host_ms, gpu_ms)`` of an eager call whose output has ``output_shape``."""
+        items = output_shape[0] if len(output_shape) else 1
+        return self.host_ms, self.gpu_ms_per_item * items
+
+    def capture_ms(self, output_shape: Sequence[int]) -> float:
+        """Scripted duration of a capture whose output has ``output_shape`` (ms)."""
+        return 2 * max(self.scripted_ms(output_shape)) + CAPTURE_FIXED_MS
+
     def measure_eager(
         self, device: torch.device, call: Callable[[], torch.Tensor]
     ) -> tuple[torch.Tensor, Any]:
-        start = time.perf_counter()
         out = call()
-        return out, _CpuMeasurement((time.perf_counter() - start) * 1e3, self._gpu_share)
+        return out, _ScriptedMeasurement(*self.scripted_ms(out.shape))
 
     def capture(self, encoder: Any, vllm_config: Any, device: torch.device, pool: Any | None) -> Any:
         captured = importlib.import_module(ADAPTER_MODULE).CapturedGraph
+        time.sleep(self.capture_ms(encoder.output_shape) / 1e3)
         pool = pool if pool is not None else object()
         return captured(_EagerGraph(encoder), pool, 0, encoder.static_bytes)
 

@@ -6,6 +6,7 @@ model call sites."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -18,8 +19,8 @@ import pytest
 import torch
 from helpers.runs import patched_model_available
 
-from minicpmo_cg.bench import cli, context, per_shape
-from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, fixed_free_bytes
+from minicpmo_cg.bench import bookkeeping, cli, context, offline, per_shape, session, streaming
+from minicpmo_cg.bench.cpu_backend import CAPTURE_FIXED_MS, CpuGraphBackend, fixed_free_bytes
 from minicpmo_cg.measure import GRAPH_REL_TOL, graph_rel_tol, summary, within_graph_tolerance
 
 pytestmark = [pytest.mark.core_model]
@@ -133,7 +134,7 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     only = "vision,bookkeeping,streaming,duplex"
     r = subprocess.run(
         [sys.executable, "-m", "minicpmo_cg.bench", "--device", "cpu", "--allow-cpu", "--quick"]
-        + ["--only", only, "--json", str(out)],
+        + ["--only", f"{only},offline", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -151,13 +152,55 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     assert all(row["max_rel_diff"] == 0.0 and row["stats"]["num_graphs"] == 1 for row in res["vision"])
     kinds = set(res["bookkeeping"]["misses"])
     assert {"warmup", "capacity", "memory (injected reading)", "ineligible (autograd on)"} <= kinds
-    st = res["streaming"]["graphed"]["stats"]
-    # one frame shape and one chunk shape: each warms up once, captures on its 2nd call, then hits
-    assert st["vision"]["num_graphs"] == 1 and st["audio"]["num_graphs"] == 1
+    # every miss kind of cost admission, the budget and the profiling guard ran and was counted
+    new_kinds = {"declined (cost rule)": "declined", "budget (max_bytes)": "budget"}
+    new_kinds["profile (start-up profiling)"] = "profile"
+    for kind, counter in new_kinds.items():
+        assert res["bookkeeping"]["misses"][kind]["counted_as"] == f"{counter}_misses"
+        assert res["bookkeeping"]["misses"][kind]["count_grew"]
+    _check_streaming(res["streaming"])
+    _check_offline(res["offline"])
+    _check_duplex(res["duplex"])
     assert (
-        st["vision"]["warmup_misses"] == 1 and st["vision"]["graph_hits"] == res["streaming"]["seconds"] - 1
+        "-- duplex audio: get_audio_embedding_streaming" in r.stdout
+        and "bitwise vs eager: cold yes" in r.stdout
     )
-    dx = res["duplex"]
+    for title in ("streaming session", "offline photo mix"):
+        section = r.stdout.split(f"-- {title}")[1]
+        assert "admission=count " in section and "admission=cost " in section and "  target " in section
+
+
+def _check_streaming(s: dict) -> None:
+    """One frame shape and one chunk shape: under both rules each warms up once, is captured on its
+    2nd call (the scripted timings make both launch-bound), then hits."""
+    assert list(s["runs"]) == ["eager", "count", "cost"]
+    for key in ("count", "cost"):
+        run = s["runs"][key]
+        assert run["options"]["admission"] == key and run["label"] == f"admission={key}"
+        st, detail = run["stats"], run["detail"]
+        assert st["vision"]["num_graphs"] == 1 and st["audio"]["num_graphs"] == 1
+        assert st["vision"]["warmup_misses"] == 1 and st["vision"]["graph_hits"] == s["seconds"] - 1
+        assert detail["vision"]["graphs"][0]["hits"] == s["seconds"] - 1
+        assert run["hit_rate_after_warmup"] == 1.0 and run["misses"]["declined"] == 0
+    hit_rate_target = s["targets"][0]  # the speed target depends on CPU timings
+    assert hit_rate_target["target"].endswith("hit rate after warm-up >= 99%") and hit_rate_target["ok"]
+
+
+def _check_offline(s: dict) -> None:
+    """The scripted timings make "cost" decline the rare 3-slice batch that "count" captures."""
+    count, cost = s["runs"]["count"], s["runs"]["cost"]
+    assert count["graphs"] == 4 and count["misses"]["declined"] == 0
+    assert 1 <= cost["graphs"] < count["graphs"] and cost["misses"]["declined"] >= 1
+    assert cost["graph_bytes"] < count["graph_bytes"]
+    assert cost["graph_bytes"] == sum(g["bytes"] for g in cost["detail"]["vision"]["graphs"])
+    assert (
+        cost["detail"]["vision"]["admission"] == "cost" and count["detail"]["vision"]["admission"] == "count"
+    )
+    assert {t["target"]: t["ok"] for t in s["targets"]}["admission=cost graph bytes < admission=count"]
+
+
+def _check_duplex(dx: dict) -> None:
+    """One session with a cache reset, the next one's first chunk, a warm one and two interleaved."""
     seconds, half = dx["seconds"], dx["seconds"] // 2
     assert dx["resets_before_chunks"] == [29] and seconds >= 30  # one cache reset in the session
     assert dx["bitwise"] == dict.fromkeys(("cold", "warm", "interleaved_a", "interleaved_b"), True)
@@ -172,7 +215,174 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     mem, kv = dx["memory"], 2 * 2 * 1024 * 4  # 2 layers, K and V, d_model 1024, float32
     assert mem["kv_bytes_per_position"] == kv and mem["arena_bytes"] == 1500 * kv
     assert dx["session_cache_peak_bytes"] == {"eager": 1450 * kv, "graphed": 1450 * kv}
-    assert (
-        "-- duplex audio: get_audio_embedding_streaming" in r.stdout
-        and "bitwise vs eager: cold yes" in r.stdout
+
+
+@pytest.mark.cpu
+def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -> None:
+    backend = CpuGraphBackend(host_ms=8.0, gpu_ms_per_item=8.0)
+    assert backend.scripted_ms((1, 1024, 1152)) == (8.0, 8.0)
+    assert backend.scripted_ms((3, 1024, 1152)) == (8.0, 24.0)
+    assert backend.capture_ms((3, 16, 4)) == 2 * 24.0 + CAPTURE_FIXED_MS
+    out, measurement = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(2, 5))
+    assert out.shape == (2, 5) and (measurement.host_ms, measurement.gpu_ms()) == (8.0, 16.0)
+    assert measurement.peak_bytes == 0
+    with pytest.raises(ValueError, match="gpu_ms_per_item=0"):
+        CpuGraphBackend(gpu_ms_per_item=0)
+
+
+@pytest.mark.cpu
+@pytest.mark.skipif(
+    not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
+)
+def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
+    """Through the unmodified adapter: a recurring single item is captured at its 2nd call, a
+    3-item batch seen every third call is declined (its launch-bound share is 1/3)."""
+    mod = importlib.import_module(ADAPTER_MODULE)
+    from minicpmo_cg.vllm_config import standalone_vllm_config
+
+    adapter = mod.EncoderCudaGraph(
+        lambda x: x * 2, standalone_vllm_config(), min_free_bytes=0, backend=CpuGraphBackend(), name="bench-t"
     )
+    one, three = torch.ones(1, 4), torch.ones(3, 4)
+    with torch.no_grad():
+        for x in (three, one, one, three):
+            adapter(x)
+    detail = adapter.get_detailed_stats()
+    assert detail["admission"] == "cost" and detail["declined_misses"] == 1
+    assert [g["inputs"][0][0] for g in detail["graphs"]] == [(1, 4)]
+    # the scripted capture time is what the capture took, so the calibration stays near 1
+    assert detail["graphs"][0]["capture_ms"] >= CpuGraphBackend().capture_ms((1, 4))
+    assert 1.0 <= adapter.cost_model.capture_scale < 2.0
+
+
+def _run(label: str, ms: float, vs: float | None, **graphed) -> dict:
+    run = {"label": label, "graphed": bool(graphed), "encoder_ms_total": ms, "vs_eager": vs}
+    run["per_modality"] = {"vision": {"median": 1.0, "p90": 2.0}}
+    if graphed:
+        run.update(
+            hit_rate=graphed.get("hit_rate", 0.5),
+            hit_rate_after_warmup=graphed.get("late"),
+            graphs=graphed.get("graphs", 1),
+            graph_bytes=graphed.get("graph_bytes", 0),
+            misses={k: graphed.get(k, 0) for k in session.MISS_KINDS},
+            memory={"pool_bytes": None, "static_bytes": 0},
+            detail={},
+        )
+    return run
+
+
+@pytest.mark.cpu
+def test_offline_targets_need_cost_at_least_eager_and_fewer_bytes_than_count() -> None:
+    def verdicts(cost_vs: float, cost_bytes: int, count_bytes: int) -> list[bool]:
+        runs = {
+            "count": _run("admission=count", 10.0, 0.9, graph_bytes=count_bytes),
+            "cost": _run("admission=cost", 9.0, cost_vs, graph_bytes=cost_bytes),
+        }
+        return [t["ok"] for t in offline.targets(runs)]
+
+    assert context.TARGETS["offline_cost_vs_eager"] == 1.0
+    assert verdicts(1.0, 1, 2) == [True, True]
+    assert verdicts(0.999, 1, 2) == [False, True]  # never slower: 1.0 is the floor, no noise allowance
+    assert verdicts(1.2, 2, 2) == [True, False]  # equal bytes are not fewer
+    assert verdicts(1.2, 0, 0) == [True, False]
+
+
+@pytest.mark.cpu
+def test_streaming_targets_need_99_percent_after_warmup_and_count_speed() -> None:
+    def verdicts(late: float | None, cost_vs: float, count_vs: float) -> list[bool]:
+        runs = {
+            "count": _run("admission=count", 10.0, count_vs, late=1.0),
+            "cost": _run("admission=cost", 10.0, cost_vs, late=late),
+        }
+        return [t["ok"] for t in streaming.targets(runs)]
+
+    assert verdicts(0.99, 1.8, 1.8) == [True, True]
+    assert verdicts(0.989, 1.8, 1.8)[0] is False
+    assert verdicts(None, 1.8, 1.8)[0] is False  # no calls after the warm-up: not met
+    assert verdicts(1.0, 0.98 * 1.8, 1.8)[1] is True  # within the 2% noise allowance
+    assert verdicts(1.0, 0.97 * 1.8, 1.8)[1] is False
+
+
+@pytest.mark.cpu
+def test_session_section_puts_the_runs_side_by_side_with_their_targets() -> None:
+    runs = {
+        "eager": _run("eager", 100.0, 1.0),
+        "count": _run("admission=count", 110.0, 100 / 110, graphs=4, graph_bytes=3 << 20, warmup=4),
+        "cost": _run("admission=cost", 95.0, 100 / 95, graphs=1, graph_bytes=1 << 20, declined=7, warmup=4),
+    }
+    s = {"runs": runs, "targets": offline.targets(runs)}
+    lines = session.format_sessions("offline photo mix", "16 requests", s)
+    text = "\n".join(lines)
+    cost_row = next(line for line in lines if line.startswith("admission=cost "))
+    assert cost_row.split()[1:8] == ["95.0", "x1.05", "50.0%", "-", "1", "1.0", "n/a"]
+    assert cost_row.split()[8] == "7" and cost_row.endswith("warmup 4")
+    assert next(line for line in lines if line.startswith("eager ")).split()[1:] == ["100.0", "x1.00"]
+    assert "target ok   admission=cost >= x1.00 eager (capture included): x1.053" in text
+    assert "target ok   admission=cost graph bytes < admission=count: 1.0 vs 3.0 MiB" in text
+
+
+@pytest.mark.cpu
+def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
+    class Adapter:
+        def __init__(self, hits: int, misses: int, declined: int) -> None:
+            self.hits, self.misses, self.declined = hits, misses, declined
+            self.graphs: dict = {}
+
+        def get_cumulative_stats(self) -> dict:
+            stats = dict.fromkeys(
+                ("warmup_misses", "capacity_misses", "memory_misses", "ineligible_misses"), 0
+            )
+            return {**stats, "graph_hits": self.hits, "graph_misses": self.misses, "num_graphs": 1}
+
+        def get_detailed_stats(self) -> dict:
+            return {
+                "declined_misses": self.declined,
+                "budget_misses": 0,
+                "profile_misses": 0,
+                "graph_bytes": 5,
+            }
+
+    at_warmup = {
+        "vision": {"graph_hits": 8, "graph_misses": 2},
+        "audio": {"graph_hits": 9, "graph_misses": 1},
+    }
+    res = session.graph_results({"vision": Adapter(98, 2, 1), "audio": Adapter(108, 2, 0)}, at_warmup)
+    assert res["hit_rate"] == 206 / 210
+    assert res["hit_rate_after_warmup"] == (206 - 17) / (210 - 20)  # one miss after the warm-up
+    assert (res["graphs"], res["graph_bytes"], res["misses"]["declined"]) == (2, 10, 1)
+    assert session.graph_results({"vision": Adapter(1, 1, 0)}, None)["hit_rate_after_warmup"] is None
+
+
+@pytest.mark.cpu
+@pytest.mark.skipif(
+    not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
+)
+def test_sessions_set_every_adapter_option_and_label_their_runs() -> None:
+    """wire_encoder_graphs leaves keys on model.config, so a session must set them all: a ``count``
+    run after a ``cost`` one would otherwise inherit its admission."""
+    mod = importlib.import_module(ADAPTER_MODULE)
+
+    class FakeCtx:
+        adapter_mod = mod
+
+    full = session._full_options(FakeCtx(), {"admission": "count"})
+    names = {f.name for f in dataclasses.fields(mod.EncoderCudaGraphOptions)} - {"enabled"}
+    assert set(full) == names and full["admission"] == "count"
+    assert full["max_bytes"] == 0 and full["log_interval_s"] == 60.0
+    assert session.run_label(None) == "eager"
+    assert session.run_label({"admission": "cost", "max_graphs": 16}) == "admission=cost max_graphs=16"
+
+
+@pytest.mark.cpu
+@pytest.mark.skipif(
+    not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
+)
+def test_profiling_config_looks_like_start_up_profiling_without_touching_the_original() -> None:
+    mod = importlib.import_module(ADAPTER_MODULE)
+    from minicpmo_cg.vllm_config import standalone_vllm_config
+
+    config = standalone_vllm_config()
+    profiling = bookkeeping.profiling_config(config)
+    assert mod.in_memory_profiling(profiling) and not mod.in_memory_profiling(config)
+    assert config.cache_config.num_gpu_blocks == 0
+    assert profiling.model_config is config.model_config

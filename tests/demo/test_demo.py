@@ -171,6 +171,28 @@ def test_wiring_sets_the_hf_override_keys():
         standalone.wire_encoder_graphs(model, None, enabled=True, max_graph=8)
 
 
+@pytest.mark.cpu
+def test_graphed_pass_captures_every_input_by_the_count_rule():
+    """The graphed pass expects every timed call to be a replay; under the default cost rule a
+    GPU-bound batch (the full set's 10-slice ``retina``) would be declined and run eagerly."""
+    model = _PatchedModel()
+
+    def install_adapters(vllm_config):
+        model.vpm = SimpleNamespace(_encoder_graph=object())
+        model._audio_encoder_graph = object()
+        model._streaming_audio_encoder_graph = object()
+
+    model._init_encoder_cuda_graphs = install_adapters
+    graphs = demo.wire_graphs(SimpleNamespace(model=model, vllm_config=None))
+    assert graphs == {
+        "vision": model.vpm._encoder_graph,
+        "audio": model._audio_encoder_graph,
+        "streaming audio": model._streaming_audio_encoder_graph,
+    }
+    assert model.config.encoder_cuda_graph_admission == "count"
+    assert model.config.encoder_cuda_graph_min_capture_calls == demo.MIN_CAPTURE_CALLS
+
+
 # ---------------------------------------------------------------------------------------------
 # The patch check, before any heavy import
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The benchmark on CUDA at the reduced size (2+2 layers): the new miss paths are reached and counted
+with the real CUDA backend, and the streaming session's runs report the adapters' byte accounts,
+which must agree with the allocator's view (kept apart from ``test_bench.py`` so that
+``-m "core_model and cpu"`` never selects it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.runs import run_module
+
+pytestmark = [pytest.mark.core_model]
+
+MIB = 1 << 20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
+def test_reduced_bench_counts_new_misses_and_accounts_graph_bytes(tmp_path):
+    proc, res = run_module(
+        "minicpmo_cg.bench",
+        *("--quick", "--reduced", "--device", "cuda", "--only", "bookkeeping,streaming"),
+        tmp_path=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert res["problems"] == [] and res["meta"]["mode"] == "quick"
+    misses = res["bookkeeping"]["misses"]
+    # a no-op forward measured through CUDA events saves nothing when replayed: declined
+    for kind in ("declined (cost rule)", "budget (max_bytes)", "profile (start-up profiling)"):
+        assert misses[kind]["count_grew"], (kind, misses[kind])
+    runs = res["streaming"]["runs"]
+    assert list(runs) == ["eager", "count", "cost"]
+    count = runs["count"]
+    # count captures the frame and the chunk at their 2nd call; every later call replays
+    assert count["graphs"] == 2 and count["hit_rate_after_warmup"] == 1.0
+    graphs = [g for d in count["detail"].values() for g in d["graphs"]]
+    assert all(g["bytes"] == g["pool_bytes"] + g["static_bytes"] > 0 for g in graphs)
+    assert count["graph_bytes"] == sum(g["bytes"] for g in graphs)
+    mem = count["memory"]
+    if mem["pool_bytes"] is not None:  # the allocator names the pools of its segments
+        allocator = mem["pool_bytes"] + mem["static_bytes"]
+        assert abs(allocator - count["graph_bytes"]) <= 2 * MIB, (allocator, count["graph_bytes"])
+    assert {t["target"].split(" >= ")[0] for t in res["streaming"]["targets"]} == {
+        "admission=cost hit rate after warm-up",
+        "admission=cost speedup",
+    }
