@@ -4,7 +4,8 @@ input encoders, eager vs. exact-shape CUDA graphs, on real photos and real speec
 Builds the thinker's encoders from vllm-omni's own classes with random weights
 (:mod:`minicpmo_cg.standalone`), feeds them real photos and speech through MiniCPM-o's own
 preprocessing (:mod:`minicpmo_cg.inputs`) and runs every input through the patched call sites
-``get_vision_hidden_states`` / ``get_audio_hidden_states`` twice:
+``get_vision_hidden_states`` / ``get_audio_hidden_states`` twice, and one duplex session's 1 s speech
+chunks through ``get_audio_embedding_streaming`` (the duplex row, :mod:`minicpmo_cg.duplex`):
 
 1. **eager**: ``encoder_cuda_graph`` false (no adapters); one warm-up call on CUDA, then
    ``--repeats`` timed calls.
@@ -12,11 +13,15 @@ preprocessing (:mod:`minicpmo_cg.inputs`) and runs every input through the patch
    :data:`MAX_GRAPHS` (the demo feeds more distinct shapes than the default 4 slots) and
    ``encoder_cuda_graph_min_capture_calls`` :data:`MIN_CAPTURE_CALLS`: that many untimed calls
    (the last one captures), then ``--repeats`` timed calls, all of which must be replays.
+   The duplex row runs whole sessions instead (its KV cache grows chunk by chunk): eager, one
+   timed session; graphed, that many untimed sessions (the last one captures), then one timed
+   session whose every chunk must be a replay; its times are per chunk.
 
 Sizes: ``full`` is the checkpoint's (26 SigLIP + 24 Whisper layers, 448-pixel slices, eleven
 inputs); ``reduced`` (``--quick``) keeps 2 + 2 layers at full widths, 224-pixel slices and four
-inputs. The default is ``full`` on CUDA and ``reduced`` otherwise (the full size runs eagerly
-for about 11 minutes on a 2-core CPU); ``--full`` forces it.
+inputs. Both add the duplex row (:data:`DUPLEX_CHUNKS` chunks). The default is ``full`` on CUDA
+and ``reduced`` otherwise (the full size runs eagerly for about 11 minutes on a 2-core CPU);
+``--full`` forces it.
 
 Timings are per call of the whole call site (vision: embeddings, SigLIP stack, resampler; audio:
 mask building, Whisper, projection, pooling, length slicing), in milliseconds: the median over
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -65,6 +71,12 @@ PROG = "minicpmo-cg-demo"
 MAX_GRAPHS = 16
 #: ``encoder_cuda_graph_min_capture_calls`` for the graphed pass (the adapter's default).
 MIN_CAPTURE_CALLS = 2
+#: Chunks of the duplex row's session by device type: on CUDA a whole cache cycle and its reset
+#: (before chunk 29, at 1500 positions), so the graphed session replays all 30 graphs; on CPU
+#: (eager only) a few.
+DUPLEX_CHUNKS = {"cuda": 32, "cpu": 4}
+#: The adapter that serves each input modality.
+ADAPTER_OF = {"image": "vision", "audio": "audio", "duplex": "streaming audio"}
 #: Timed calls per input and mode by (device type, size).
 DEFAULT_REPEATS = {("cuda", "full"): 20, ("cuda", "reduced"): 5, ("cpu", "full"): 1, ("cpu", "reduced"): 1}
 #: Adapter options of the graphed pass. It times replays of every input's shapes, so admission is
@@ -283,9 +295,9 @@ def format_table(results: list[InputResult]) -> str:
 
 def format_stats(name: str, stats: dict[str, Any] | None) -> str:
     if stats is None:
-        return f"  {name:<6} n/a (no adapter)"
+        return f"  {name:<15} n/a (no adapter)"
     parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()]
-    return f"  {name:<6} " + " ".join(parts)
+    return f"  {name:<15} " + " ".join(parts)
 
 
 def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
@@ -309,8 +321,12 @@ def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     lines.append(
         "input shape: slices x max patches per slice / clips x max mel frames (100 per s); * = padded mask"
     )
+    lines.append(
+        "duplex: chunks x mel frames of one session through get_audio_embedding_streaming (KV cache kept, "
+        "reset before chunk 29); ms per chunk"
+    )
     lines.append("encoder CUDA graph stats (get_cumulative_stats):")
-    lines += [format_stats(name, report["stats"][name]) for name in ("vision", "audio")]
+    lines += [format_stats(name, report["stats"][name]) for name in ("vision", "audio", "streaming audio")]
     if not cuda:
         checks = ", ".join(
             f"{mod} {c['input']} via adapter max|d|={c['max_abs_diff']:.3g}"
@@ -405,7 +421,7 @@ def build(demo: Demo) -> None:
 
     _progress("importing torch, vLLM and vllm-omni's MiniCPM-o 4.5 model file ...")
     t_import = time.perf_counter()
-    from minicpmo_cg import inputs, standalone
+    from minicpmo_cg import duplex, inputs, standalone
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
     mod = standalone.model_module()
@@ -423,6 +439,7 @@ def build(demo: Demo) -> None:
     reduced = demo.size == "reduced"
     _progress("preparing inputs (skimage photos -> MiniCPMVImageProcessor, vllm-omni voices -> mel) ...")
     demo.items = inputs.build_inputs(quick=reduced)
+    demo.items.append(duplex.duplex_input(DUPLEX_CHUNKS[demo.device.type]))
     demo.model = standalone.build_thinker_encoders(
         device=demo.device, dtype=demo.dtype, reduced=reduced, seed=demo.seed, progress=True
     )
@@ -445,6 +462,37 @@ def _call_site(demo: Demo, item: Any) -> tuple[Any, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
+    """One new duplex session over the item's chunks: per-chunk milliseconds and embeddings."""
+    from minicpmo_cg.duplex import DuplexSession
+
+    session = DuplexSession()
+    times, outs = [], []
+    for chunk in item.on(demo.device):
+        ms, out = demo.timer.timed(lambda chunk=chunk: session.encode(demo.model, chunk))
+        times.append(ms)
+        outs.append(out)
+    return times, outs
+
+
+def _eager_input(demo: Demo, item: Any) -> tuple[InputResult, Any]:
+    """One input eagerly: a warm-up call on CUDA, then ``repeats`` timed calls (duplex: one session)."""
+    if item.modality == "duplex":
+        r = InputResult(item.name, item.modality, item.source, item.describe(), 1)
+        if demo.cuda:
+            _duplex_session(demo, item)  # warm-up
+        r.eager_ms, out = _duplex_session(demo, item)
+        r.output_shape = f"{len(out)} x {tuple(out[0].shape)}"
+        return r, out
+    fn, n_enc = _call_site(demo, item)
+    r = InputResult(item.name, item.modality, item.source, item.describe(), n_enc)
+    if demo.cuda:
+        fn()  # warm-up
+    r.eager_ms, out = demo.timer.repeat(fn, demo.repeats)
+    r.output_shape = output_shape(out)
+    return r, out
+
+
 def eager_pass(demo: Demo) -> tuple[list[InputResult], dict[str, Any]]:
     """Every input with graphs off; returns the results and the eager outputs by input name."""
     from minicpmo_cg import standalone
@@ -453,14 +501,10 @@ def eager_pass(demo: Demo) -> tuple[list[InputResult], dict[str, Any]]:
     results: list[InputResult] = []
     outputs: dict[str, Any] = {}
     for k, item in enumerate(demo.items, 1):
-        fn, n_enc = _call_site(demo, item)
-        r = InputResult(item.name, item.modality, item.source, item.describe(), n_enc)
-        _progress(f"eager   {k}/{len(demo.items)} {item.name} ({r.input_shape}) ...")
-        if demo.cuda:
-            fn()  # warm-up
-        r.eager_ms, out = demo.timer.repeat(fn, demo.repeats)
+        _progress(f"eager   {k}/{len(demo.items)} {item.name} ({item.describe()}) ...")
+        r, out = _eager_input(demo, item)
         outputs[item.name] = out
-        r.output_shape, r.output_max_abs, r.finite = output_shape(out), max_abs(out), all_finite(out)
+        r.output_max_abs, r.finite = max_abs(out), all_finite(out)
         if not r.finite:
             r.ok = False
             r.problems.append("eager output is not finite")
@@ -470,7 +514,7 @@ def eager_pass(demo: Demo) -> tuple[list[InputResult], dict[str, Any]]:
 
 
 def wire_graphs(demo: Demo) -> dict[str, Any]:
-    """Wire the adapters with graphs on; returns them by encoder (``vision``, ``audio``)."""
+    """Wire the adapters with graphs on; returns them by name (``vision``, ``audio``, ``streaming audio``)."""
     from minicpmo_cg import standalone
 
     standalone.wire_encoder_graphs(
@@ -479,7 +523,11 @@ def wire_graphs(demo: Demo) -> dict[str, Any]:
         enabled=True,
         **GRAPHED_OPTIONS,
     )
-    graphs = {"vision": standalone.vision_graph(demo.model), "audio": standalone.audio_graph(demo.model)}
+    graphs = {
+        "vision": standalone.vision_graph(demo.model),
+        "audio": standalone.audio_graph(demo.model),
+        "streaming audio": standalone.streaming_audio_graph(demo.model),
+    }
     for name, adapter in graphs.items():
         if adapter is None:
             raise RuntimeError(
@@ -490,12 +538,19 @@ def wire_graphs(demo: Demo) -> dict[str, Any]:
 
 def _graphed_input(demo: Demo, item: Any, r: InputResult, eager_out: Any, adapter: Any) -> None:
     """Warm up and capture one input's shapes, time the replays and compare with eager."""
-    fn, n_enc = _call_site(demo, item)
-    r.warmup_ms = [demo.timer.wall_ms(fn) for _ in range(MIN_CAPTURE_CALLS)]
-    hits0 = adapter.get_cumulative_stats()["graph_hits"]
-    r.graphed_ms, out = demo.timer.repeat(fn, demo.repeats)
+    if item.modality == "duplex":  # whole sessions: every key of the cache cycle is captured in the last
+        session = functools.partial(_duplex_session, demo, item)
+        r.warmup_ms = [demo.timer.wall_ms(session) for _ in range(MIN_CAPTURE_CALLS)]
+        hits0 = adapter.get_cumulative_stats()["graph_hits"]
+        r.graphed_ms, out = session()
+        r.expected_replays = len(item.chunks)
+    else:
+        fn, n_enc = _call_site(demo, item)
+        r.warmup_ms = [demo.timer.wall_ms(fn) for _ in range(MIN_CAPTURE_CALLS)]
+        hits0 = adapter.get_cumulative_stats()["graph_hits"]
+        r.graphed_ms, out = demo.timer.repeat(fn, demo.repeats)
+        r.expected_replays = demo.repeats * n_enc
     r.replays = adapter.get_cumulative_stats()["graph_hits"] - hits0
-    r.expected_replays = demo.repeats * n_enc
     r.max_abs_diff = max_abs_diff(eager_out, out)
     r.rel_diff = r.max_abs_diff / r.output_max_abs if r.output_max_abs else r.max_abs_diff
     rel_tol = graph_rel_tol(demo.dtype_name)
@@ -515,7 +570,7 @@ def graphed_pass(demo: Demo, results: list[InputResult], eager_out: dict[str, An
     """CUDA: every input through the graphs (results updated in place)."""
     for k, (item, r) in enumerate(zip(demo.items, results), 1):
         _progress(f"graphed {k}/{len(demo.items)} {item.name}: {MIN_CAPTURE_CALLS} warm-up/capture calls")
-        adapter = graphs["vision" if item.modality == "image" else "audio"]
+        adapter = graphs[ADAPTER_OF[item.modality]]
         _graphed_input(demo, item, r, eager_out[item.name], adapter)
         _progress(
             f"        {item.name}: {_fmt_ms(r.graphed_ms)} ms, max|g-e| {r.max_abs_diff:.3g}, "
@@ -525,20 +580,18 @@ def graphed_pass(demo: Demo, results: list[InputResult], eager_out: dict[str, An
 
 def _cheapest(items: list[Any], modality: str) -> Any:
     """The input of ``modality`` with the fewest slices x patches / mel frames."""
-    return min(
-        (i for i in items if i.modality == modality),
-        key=lambda i: (i.num_slices * max(i.patches)) if i.modality == "image" else sum(i.frames),
-    )
+    costs = {"image": lambda i: i.num_slices * max(i.patches), "audio": lambda i: sum(i.frames)}
+    return min((i for i in items if i.modality == modality), key=costs.get(modality, lambda i: len(i.chunks)))
 
 
 def cpu_routing_check(demo: Demo, results: list[InputResult], eager_out: dict[str, Any]) -> dict[str, Any]:
     """CPU: the patched call sites route through the wired adapters, which stay eager and exact."""
     check: dict[str, Any] = {}
-    for modality in ("image", "audio"):
+    for modality in ("image", "audio", "duplex"):
         item = _cheapest(demo.items, modality)
         _progress(f"routing check ({modality}): {item.name} through the wired adapters ...")
-        fn, _ = _call_site(demo, item)
-        diff = max_abs_diff(eager_out[item.name], fn())
+        out = _duplex_session(demo, item)[1] if modality == "duplex" else _call_site(demo, item)[0]()
+        diff = max_abs_diff(eager_out[item.name], out)
         check[modality] = {"input": item.name, "max_abs_diff": diff}
         if diff != 0.0:
             r = next(x for x in results if x.name == item.name)

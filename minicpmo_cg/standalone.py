@@ -317,8 +317,8 @@ def wire_encoder_graphs(
     The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
     model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
     only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
-    reads them and sets ``model.vpm._encoder_graph`` and ``model._audio_encoder_graph`` (None when
-    graphs are off).
+    reads them and sets ``model.vpm._encoder_graph``, ``model._audio_encoder_graph`` and (vllm-omni
+    patch 0004) ``model._streaming_audio_encoder_graph`` (None when graphs are off).
 
     Args:
         model: from :func:`build_thinker_encoders`.
@@ -327,7 +327,8 @@ def wire_encoder_graphs(
         backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. the
             benchmark's CPU stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
-            ``encoder_cuda_graph_max_graphs``.
+            ``encoder_cuda_graph_max_graphs``, ``streaming_audio=False`` sets
+            ``encoder_cuda_graph_streaming_audio``.
 
     Raises:
         PatchMissingError: the installed model file is not patched (run ``minicpmo-cg-patch apply``).
@@ -344,10 +345,11 @@ def wire_encoder_graphs(
     for attr, value in values.items():
         setattr(model.config, hf_keys[attr], value)
     model._init_encoder_cuda_graphs(vllm_config)
-    for adapter in (vision_graph(model), audio_graph(model)):
+    adapters = (vision_graph(model), audio_graph(model), streaming_audio_graph(model))
+    for adapter in adapters:
         if adapter is not None and backend is not None:
             adapter.backend = backend  # before the first call, as the adapter allows
-    if not enabled and (vision_graph(model) is not None or audio_graph(model) is not None):
+    if not enabled and any(adapter is not None for adapter in adapters):
         raise RuntimeError(
             "minicpmo_cg: _init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
             "is false; the patched model file does not honour the switch"
@@ -362,3 +364,8 @@ def vision_graph(model: Any) -> Any:
 def audio_graph(model: Any) -> Any:
     """The audio adapter (``model._audio_encoder_graph``) or None."""
     return getattr(model, "_audio_encoder_graph", None)
+
+
+def streaming_audio_graph(model: Any) -> Any:
+    """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
+    return getattr(model, "_streaming_audio_encoder_graph", None)

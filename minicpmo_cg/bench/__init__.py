@@ -1,6 +1,6 @@
 """The benchmark (``minicpmo-cg-bench``, ``python -m minicpmo_cg.bench``): MiniCPM-o 4.5's encoder
 CUDA graph adapter, eager vs graphed, capture cost, graph memory, adapter bookkeeping, two traffic
-replays and shared vs separate graph pools.
+replays, the duplex audio path and shared vs separate graph pools.
 
 Runs on a CUDA GPU. The encoders are vllm-omni's own classes at the checkpoint's dimensions with
 random bf16 weights (:func:`minicpmo_cg.standalone.build_thinker_encoders`); the adapter is the
@@ -34,7 +34,15 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     A duplex-style session: one 448x448 frame per second (one 32x32 slice) and one 1 s speech
     chunk per second for 120 s of simulated time, interleaved, through the patched call sites,
     eager vs graphed (default adapter options; captures happen inside the session and are paid
-    there). Hit rate, misses by kind, graph memory, total encoder time.
+    there). Hit rate, misses by kind, graph memory, total encoder time. The audio here is the
+    stateless call (``get_audio_hidden_states``); what a duplex session runs is ``duplex``.
+``duplex`` (:mod:`.duplex`)
+    The real duplex audio path: 1 s speech chunks through ``get_audio_embedding_streaming`` with
+    the duplex stage's prefix/suffix context frames and per-session KV cache, 120 s of simulated
+    time (cache resets before chunks 29, 58, 87, 116), eager vs graphed in one run (cold session,
+    warm session, two interleaved sessions), every graphed chunk bitwise against eager. Per-chunk
+    median and p90, session encoder time, graph memory in total and per session.
+    ``--only duplex`` runs it alone.
 ``offline`` (:mod:`.offline`)
     Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats.
 
@@ -51,7 +59,8 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     delta and replay latency per shape.
 
 Targets printed next to the values (not asserted): graphed/eager >= 2x for one image slice,
->= 3x for a 1 s audio chunk, bookkeeping < 20 us per call. Full mode takes about 2-4 minutes
+>= 3x for a 1 s audio chunk, bookkeeping < 20 us per call; duplex: graphed <= 3 ms per 1 s chunk
+and a session encoder time >= 3x lower than eager. Full mode takes about 2-4 minutes
 on an H200.
 
 The hit path's bookkeeping target is <= 15 us (vLLM's manager + the adapter; the 20 us above is

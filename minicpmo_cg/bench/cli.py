@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import minicpmo_cg.bench
-from minicpmo_cg.bench import bookkeeping, offline, per_shape, pools, streaming
+from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming
 from minicpmo_cg.bench.context import PROFILES, ROTATE, TARGETS, Ctx, log
 from minicpmo_cg.bench.cpu_backend import CpuGraphBackend
 from minicpmo_cg.bench.report import format_report
@@ -30,6 +30,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "audio": per_shape.run_audio,
     "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
+    "duplex": duplex.run,
     "offline": offline.run,
     "pools": pools.run,
 }

@@ -29,6 +29,8 @@ TARGETS = {
     "vision_1_slice_speedup": 2.0,
     "audio_1s_speedup": 3.0,
     "bookkeeping_us": 20.0,
+    "duplex_chunk_ms": 3.0,
+    "duplex_session_speedup": 3.0,
 }
 
 

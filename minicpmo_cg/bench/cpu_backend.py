@@ -88,8 +88,8 @@ class CpuGraphBackend:
         self.gpu_ms_per_item = gpu_ms_per_item
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
-        tensors = [x for x in inputs if x is not None]
-        if not tensors or not all(torch.is_tensor(x) for x in tensors):
+        tensors = [x for x in inputs if torch.is_tensor(x)]  # None and static arguments do not count
+        if not tensors:
             return None
         devices = {x.device for x in tensors}
         return devices.pop() if len(devices) == 1 else None

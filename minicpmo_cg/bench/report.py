@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minicpmo_cg.bench import bookkeeping, offline, per_shape, pools, streaming
+from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming
 
 
 def _header(meta: dict[str, Any]) -> list[str]:
@@ -31,6 +31,7 @@ def format_report(res: dict[str, Any]) -> str:
     for key, fmt in (
         ("bookkeeping", bookkeeping.format_section),
         ("streaming", streaming.format_section),
+        ("duplex", duplex.format_section),
         ("offline", offline.format_section),
         ("pools", pools.format_section),
     ):

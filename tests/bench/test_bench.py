@@ -33,6 +33,7 @@ def test_only_accepts_commas_and_repeats_in_canonical_order() -> None:
     args = cli.parse_args(["--only", "pools,vision", "--only", "audio"])
     assert args.sections == ["vision", "audio", "pools"]
     assert cli.parse_args([]).sections == list(cli.SECTIONS)
+    assert cli.parse_args(["--only", "duplex"]).sections == ["duplex"]  # the duplex audio path alone
     with pytest.raises(SystemExit):
         cli.parse_args(["--only", "gpu"])
 
@@ -99,6 +100,8 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
     backend = CpuGraphBackend()
     assert backend.eligible_device([torch.zeros(2), None]) == cpu
     assert backend.eligible_device([None]) is None
+    assert backend.eligible_device([torch.zeros(2), 3, object()]) == cpu  # static arguments do not count
+    assert backend.eligible_device([3]) is None
     assert backend.eligible_device([torch.zeros(2), torch.zeros(2, device="meta")]) is None
     config = standalone_vllm_config()
     adapter = mod.EncoderCudaGraph(
@@ -128,7 +131,7 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
 )
 def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    only = "vision,bookkeeping,streaming"
+    only = "vision,bookkeeping,streaming,duplex"
     r = subprocess.run(
         [sys.executable, "-m", "minicpmo_cg.bench", "--device", "cpu", "--allow-cpu", "--quick"]
         + ["--only", f"{only},offline", "--json", str(out)],
@@ -157,6 +160,11 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
         assert res["bookkeeping"]["misses"][kind]["count_grew"]
     _check_streaming(res["streaming"])
     _check_offline(res["offline"])
+    _check_duplex(res["duplex"])
+    assert (
+        "-- duplex audio: get_audio_embedding_streaming" in r.stdout
+        and "bitwise vs eager: cold yes" in r.stdout
+    )
     for title in ("streaming session", "offline photo mix"):
         section = r.stdout.split(f"-- {title}")[1]
         assert "admission=count " in section and "admission=cost " in section and "  target " in section
@@ -189,6 +197,24 @@ def _check_offline(s: dict) -> None:
         cost["detail"]["vision"]["admission"] == "cost" and count["detail"]["vision"]["admission"] == "count"
     )
     assert {t["target"]: t["ok"] for t in s["targets"]}["admission=cost graph bytes < admission=count"]
+
+
+def _check_duplex(dx: dict) -> None:
+    """One session with a cache reset, the next one's first chunk, a warm one and two interleaved."""
+    seconds, half = dx["seconds"], dx["seconds"] // 2
+    assert dx["resets_before_chunks"] == [29] and seconds >= 30  # one cache reset in the session
+    assert dx["bitwise"] == dict.fromkeys(("cold", "warm", "interleaved_a", "interleaved_b"), True)
+    # 30 keys per session (first-chunk form + 29 past lengths), each warmed up once, then replayed
+    assert (dx["stats"]["num_graphs"], dx["stats"]["warmup_misses"], dx["cap"]) == (30, 30, 120)
+    assert dx["admission"] == "count"  # the streaming adapter counts whatever the admission option says
+    calls = seconds + 1 + seconds + 2 * half  # cold session, next session's first chunk, warm, interleaved
+    assert dx["stats"]["graph_hits"] == calls - 30 and dx["stats"]["ineligible_misses"] == 0
+    assert (
+        dx["eager"]["n"] == dx["graphed_warm"]["n"] == seconds and dx["graphed_interleaved"]["n"] == 2 * half
+    )
+    mem, kv = dx["memory"], 2 * 2 * 1024 * 4  # 2 layers, K and V, d_model 1024, float32
+    assert mem["kv_bytes_per_position"] == kv and mem["arena_bytes"] == 1500 * kv
+    assert dx["session_cache_peak_bytes"] == {"eager": 1450 * kv, "graphed": 1450 * kv}
 
 
 @pytest.mark.cpu

@@ -180,10 +180,15 @@ def test_graphed_pass_captures_every_input_by_the_count_rule():
     def install_adapters(vllm_config):
         model.vpm = SimpleNamespace(_encoder_graph=object())
         model._audio_encoder_graph = object()
+        model._streaming_audio_encoder_graph = object()
 
     model._init_encoder_cuda_graphs = install_adapters
     graphs = demo.wire_graphs(SimpleNamespace(model=model, vllm_config=None))
-    assert graphs == {"vision": model.vpm._encoder_graph, "audio": model._audio_encoder_graph}
+    assert graphs == {
+        "vision": model.vpm._encoder_graph,
+        "audio": model._audio_encoder_graph,
+        "streaming audio": model._streaming_audio_encoder_graph,
+    }
     assert model.config.encoder_cuda_graph_admission == "count"
     assert model.config.encoder_cuda_graph_min_capture_calls == demo.MIN_CAPTURE_CALLS
 
@@ -367,13 +372,18 @@ def test_demo_on_cpu_runs_the_reduced_size_and_keeps_logs_off_stdout(tmp_path):
     assert sorted(by_name) == sorted(REDUCED_INPUTS)
     for r in by_name.values():
         assert r["finite"] and math.isfinite(r["output_max_abs"]) and r["output_max_abs"] > 0
-        assert r["eager_ms_median"] > 0 and len(r["eager_ms"]) == report["repeats"]
+        calls = demo.DUPLEX_CHUNKS["cpu"] if r["modality"] == "duplex" else report["repeats"]
+        assert r["eager_ms_median"] > 0 and len(r["eager_ms"]) == calls, r["name"]
         assert r["graphed_ms_median"] is None and r["max_abs_diff"] is None
     assert by_name["chelsea@224"]["output_shape"] == "(3, 64, 4096)"
     assert by_name["speech_1s"]["output_shape"] == "(10, 4096)"
     assert by_name["speech_5s"]["output_shape"] == "(50, 4096)"
+    assert by_name["duplex_speech"]["output_shape"] == f"{demo.DUPLEX_CHUNKS['cpu']} x (10, 4096)"
+    assert by_name["duplex_speech"]["input_shape"] == f"{demo.DUPLEX_CHUNKS['cpu']} ch x 104 mel"
     # The patched call sites went through the wired adapters, which stayed eager on CPU.
-    for encoder in ("vision", "audio"):
+    for encoder in ("vision", "audio", "streaming audio"):
         stats = report["stats"][encoder]
         assert stats["ineligible_misses"] >= 1 and stats["num_graphs"] == 0 and stats["graph_hits"] == 0
+    assert report["stats"]["streaming audio"]["ineligible_misses"] == demo.DUPLEX_CHUNKS["cpu"]
+    assert sorted(report["cpu_routing_check"]) == ["audio", "duplex", "image"]
     assert all(c["max_abs_diff"] == 0.0 for c in report["cpu_routing_check"].values())

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-#: The demo's inputs at the reduced size (``--quick``, the default without CUDA).
-REDUCED_INPUTS = ["chelsea@224", "frame@224", "speech_1s", "speech_5s"]
+#: The demo's inputs at the reduced size (``--quick``, the default without CUDA), and its duplex row.
+REDUCED_INPUTS = ["chelsea@224", "frame@224", "speech_1s", "speech_5s", "duplex_speech"]
 TIMEOUT_S = 900
 
 

@@ -108,9 +108,10 @@ class CpuMeasurement:
 class CpuGraphBackend:
     """The adapter's device seam on CPU: CPU tensors are eligible, measurements and captures scripted.
 
-    Records every capture as ``(output shape, [input shape or None])`` in ``captures``,
-    every device asked for free memory in ``devices_asked`` and the output shape of every
-    measured eager call in ``measured``.
+    Records every capture as ``(output shape, [input shape or None])`` in ``captures``
+    (and the captured ``ExactShapeEncoder`` in ``encoders``), every device asked for free
+    memory in ``devices_asked`` and the output shape of every measured eager call in
+    ``measured``. Only tensor inputs count for eligibility (None and static arguments do not).
 
     Args:
         free: free bytes reported, or a callable returning them (default: plenty).
@@ -134,13 +135,14 @@ class CpuGraphBackend:
         self.pool_bytes = pool_bytes
         self.ready = ready
         self.captures = []
+        self.encoders = []
         self.devices_asked = []
         self.measured = []
         self.pools = []
 
     def eligible_device(self, inputs):
-        tensors = [x for x in inputs if x is not None]
-        if not tensors or not all(isinstance(x, torch.Tensor) for x in tensors):
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]  # not None, not static arguments
+        if not tensors:
             return None
         devices = {x.device for x in tensors}
         return devices.pop() if len(devices) == 1 else None
@@ -164,6 +166,7 @@ class CpuGraphBackend:
     def capture(self, encoder, vllm_config, device, pool):
         shapes = [None if t is None else tuple(t[0]) for t in encoder.templates]
         self.captures.append((tuple(encoder.output_shape), shapes))
+        self.encoders.append(encoder)
         if self.fail_with is not None:
             raise self.fail_with
         if pool is None:

@@ -97,16 +97,22 @@ def test_direct_construction_reports_every_bad_field(ecg):
 
 def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
-    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True)
+    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0, True)
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
         encoder_cuda_graph_min_capture_calls=5,
         encoder_cuda_graph_min_free_bytes=0,
         encoder_cuda_graph_share_pools=False,
+        encoder_cuda_graph_streaming_audio=False,
     )
     assert ecg.EncoderCudaGraphOptions.from_hf_config(hf_config) == ecg.EncoderCudaGraphOptions(
-        enabled=False, max_graphs=0, min_capture_calls=5, min_free_bytes=0, share_pools=False
+        enabled=False,
+        max_graphs=0,
+        min_capture_calls=5,
+        min_free_bytes=0,
+        share_pools=False,
+        streaming_audio=False,
     )
 
 
@@ -132,7 +138,7 @@ def test_describe_writes_the_options_as_json(ecg):
         "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
-        "encoder_cuda_graph_log_interval_s=60.0"
+        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true"
     )
 
 

@@ -258,7 +258,7 @@ def test_eligibility_rules(ecg):
     with torch.inference_mode():
         assert eligible([torch.ones(1)]) is None  # CPU tensor
         assert eligible([None, None]) is None  # no tensor at all
-        assert eligible([3]) is None  # not a tensor
+        assert eligible([3]) is None  # a static argument alone: no tensor
         meta = torch.empty(1, device="meta")
         assert eligible([meta]) is None  # not CUDA
 

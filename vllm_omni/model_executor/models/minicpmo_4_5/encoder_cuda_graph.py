@@ -8,7 +8,9 @@ launch hundreds of small kernels per call, so on small inputs (one 448x448
 slice, a 1 s audio chunk) the host, not the GPU, sets their latency. This
 module replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
-eager call computes.
+eager call computes. The same adapter, built with static arguments (non-tensor
+inputs keyed by value), replays the streaming Whisper chunks of full-duplex
+sessions at each KV past length (vllm-omni patch 0004).
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
@@ -79,6 +81,7 @@ logger = init_logger(__name__)
 __all__ = [
     "HF_OVERRIDE_KEYS",
     "MISS_KINDS",
+    "STATIC_ARG",
     "STATS_KEYS",
     "CaptureAdmission",
     "CaptureCostModel",
@@ -122,7 +125,24 @@ STATS_KEYS = (
 MISS_KINDS = ("ineligible", "capacity", "warmup", "memory", "declined", "budget", "profile")
 
 GraphKey = tuple[Hashable, ...]
-"""``(replay stream id, device, per-input (shape, dtype) or None)``."""
+"""``(replay stream id, device, per input: (shape, dtype), None, or (STATIC_ARG, value))``."""
+
+#: Tags a static argument's entry in a graph key: ``(STATIC_ARG, value)`` never equals a tensor's
+#: ``(shape, dtype)`` entry, whose first item is a ``torch.Size``.
+STATIC_ARG = "static"
+
+
+def _is_static(x: Any) -> bool:
+    """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
+    return x is not None and not isinstance(x, torch.Tensor)
+
+
+def _key_entry(x: Any) -> Hashable:
+    """One input's entry in a graph key of an adapter with static arguments."""
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype)
+    return None if x is None else (STATIC_ARG, x)
+
 
 #: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
 #: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
@@ -263,8 +283,9 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         kind="choice",
         choices=("cost", "count"),
         default="cost",
-        doc='"cost": capture a shape only when its measured saving pays for capture and memory; '
-        '"count": capture every shape seen min_capture_calls times',
+        doc='vision and stateless audio encoders: "cost" captures a shape only when its measured saving '
+        'pays for capture and memory, "count" every shape seen min_capture_calls times '
+        '(streaming audio chunks always use "count")',
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_max_bytes",
@@ -280,6 +301,13 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         minimum=0,
         default=60.0,
         doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_streaming_audio",
+        kind="bool",
+        default=True,
+        doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
+        'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
 )
 
@@ -390,6 +418,9 @@ class EncoderCudaGraphOptions:
             ``"count"``, default ``"cost"``). ``"count"`` captures a shape at its
             ``min_capture_calls``-th call; ``"cost"`` also requires the measured
             saving to pay for the capture and the memory (:class:`CaptureCostModel`).
+            The model wiring applies it to the vision and stateless audio
+            adapters; the streaming audio adapter always counts (see
+            ``streaming_audio``).
         max_bytes: ``encoder_cuda_graph_max_bytes`` (int >= 0, bytes, default 0).
             Device memory the encoder's graphs may hold (pool growth + static
             input and output buffers); a capture whose estimate would pass it is
@@ -397,6 +428,16 @@ class EncoderCudaGraphOptions:
         log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number >= 0,
             seconds, default 60). Period of the INFO line with the hit rate,
             graphs and bytes, logged from the call path; 0 = off.
+        streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
+            True). Read by the model wiring, not by the adapter: also route the
+            stateful Whisper chunk calls of streaming (duplex) sessions,
+            ``get_audio_embedding_streaming``, through an adapter of their own;
+            its replays are bitwise equal to the eager path. Needs ``enabled``.
+            That adapter captures by ``"count"`` whatever ``admission`` says:
+            its keys are a fixed schedule (one per KV past length) that every
+            session walks once per cache cycle, a recurrence the cost rule,
+            which estimates it from calls seen so far, would see only after
+            minutes; the other options apply to it as to each encoder.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -413,6 +454,7 @@ class EncoderCudaGraphOptions:
     admission: str = _hf_field("encoder_cuda_graph_admission")
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
+    streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
 
     def __post_init__(self) -> None:
         checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
@@ -705,16 +747,19 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     exactly that one token budget and a batch of one, so its packing always
     picks the single captured graph and nothing is padded.
 
-    Buffer keys are ``"0"``, ``"1"``, ... for the positional inputs that are not
-    None; a None input stays None in the forward call.
+    Buffer keys are ``"0"``, ``"1"``, ... for the positional tensor inputs; a
+    None input stays None in the forward call, and a static argument keeps its
+    value in every forward call (warm-up, capture and eager), so the captured
+    graph bakes it in.
 
     Attributes:
-        templates: per positional input ``(shape, dtype, device)``, or None.
-        keys: buffer keys of the non-None inputs.
+        templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
+        statics: position -> value of each static argument.
+        keys: buffer keys of the tensor inputs.
         output_shape: the eager output's shape, recorded at the key's first sighting.
         output_dtype: the eager output's dtype (default: ``dtype``).
         tokens: ``prod(output_shape[:-1])`` (at least 1), the manager's token budget.
-        dtype: dtype of the first non-None input (the manager's dtype).
+        dtype: dtype of the first tensor input (the manager's dtype).
     """
 
     supports_encoder_cudagraph: ClassVar[Literal[True]] = True
@@ -722,27 +767,33 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
-        inputs: Sequence[torch.Tensor | None],
+        inputs: Sequence[Any],
         output_shape: torch.Size,
         output_dtype: torch.dtype | None = None,
     ) -> None:
         self._forward = forward
         self.arity = len(inputs)
-        self.templates = [None if x is None else (x.shape, x.dtype, x.device) for x in inputs]
-        self.keys = [str(i) for i, x in enumerate(inputs) if x is not None]
+        tensors = [isinstance(x, torch.Tensor) for x in inputs]
+        self.templates = [(x.shape, x.dtype, x.device) if t else None for x, t in zip(inputs, tensors)]
+        self.statics = {i: x for i, x in enumerate(inputs) if _is_static(x)}
+        self.keys = [str(i) for i, t in enumerate(tensors) if t]
         self.output_shape = torch.Size(output_shape)
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
-        self.dtype = next(x.dtype for x in inputs if x is not None)
+        self.dtype = next(x.dtype for x, t in zip(inputs, tensors) if t)
         self.output_dtype = self.dtype if output_dtype is None else output_dtype
 
     @property
     def static_bytes(self) -> int:
-        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool)."""
+        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool).
+
+        Only tensor inputs have a buffer: None and static arguments hold no bytes of the graph's.
+        """
         inputs = sum(math.prod(t[0]) * t[1].itemsize for t in self.templates if t is not None)
         return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
     def _call(self, values: dict[str, Any]) -> torch.Tensor:
-        return self._forward(*(values.get(str(i)) for i in range(self.arity)))
+        statics = self.statics
+        return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
 
     # -- SupportsEncoderCudaGraph -------------------------------------------------
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
@@ -887,8 +938,10 @@ class EncoderGraphBackend(Protocol):
     """
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
-        """The single device of ``inputs`` if this backend can graph the call, else None.
+        """The single device of the tensors in ``inputs`` if this backend can graph the call, else None.
 
+        ``inputs`` are the call's positional inputs: tensors, None and static
+        arguments; only the tensors count (a call without any is not eligible).
         Called only with autograd disabled (the adapter checks that first).
         """
         ...
@@ -905,6 +958,10 @@ class EncoderGraphBackend(Protocol):
         self, device: torch.device, call: Callable[[], torch.Tensor]
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
+
+        ``call`` takes no arguments: it closes over the call's inputs, static
+        arguments included, so a backend measures a call with static arguments
+        like any other.
 
         Returns:
             ``(output, measurement)``.
@@ -989,7 +1046,8 @@ def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
 class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
-    - eligible: every tensor input on one CUDA device, CUDA autocast off, and
+    - eligible: at least one tensor input, every tensor input on one CUDA
+      device (None and static arguments are skipped), CUDA autocast off, and
       the current stream not being captured by someone else;
     - replay stream: the id of ``torch.cuda.current_stream(device)``, read
       without building a ``Stream`` object (``torch.cuda.current_stream``'s own
@@ -1017,9 +1075,9 @@ class CudaGraphBackend:
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         device = None
         for x in inputs:
-            if x is None:
-                continue
-            if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            if not isinstance(x, torch.Tensor):
+                continue  # None or a static argument
+            if not x.is_cuda:
                 return None
             if device is None:
                 device = x.device
@@ -1161,13 +1219,29 @@ class EncoderCudaGraph:
     replays), an inference tensor exactly when the eager call's would be (the
     call runs under ``torch.inference_mode()``). Graphs captured under
     ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors or None; the graph key is the replay stream,
-    the inputs' device and each input's ``(shape, dtype)`` (None stays None, so
-    "mask given" and "no mask" are different graphs). Strides and values are
-    not part of the key; replays read the live input values.
+    Inputs are positional tensors or None, and with ``static_args`` also static
+    arguments; the graph key is the replay stream, the device of the tensor
+    inputs and, per input, a tensor's ``(shape, dtype)``, None (so "mask given"
+    and "no mask" are different graphs) or a static argument's
+    ``(STATIC_ARG, value)``. Strides and tensor values are not part of the
+    key; replays read the live input values.
+
+    *Static arguments* (``static_args=True``): any positional input that is
+    neither a tensor nor None (an int, a tuple, an object) is part of the key
+    by value (``==`` and ``hash``, so it must be hashable; an object without
+    ``__eq__`` counts by identity) and is passed unchanged to every call of
+    ``forward`` (warm-up, capture, eager); it never becomes a static input
+    buffer. A graph bakes in what ``forward`` did with it at capture, so each
+    value is its own graph. They carry what fixes the forward's control flow or
+    shapes without being a tensor shape (e.g. a KV-cache length), or a
+    persistent buffer the forward reads and writes in place (e.g. a K/V arena)
+    instead of a static copy. The choice is made once per adapter, so an
+    adapter whose inputs are all tensors keeps the tensor-only key and replay
+    path; there, a call with any other input is ineligible.
 
     A call runs ``forward`` eagerly, without touching any graph, when it is
-    *ineligible*: autograd enabled, or the backend refuses the inputs (for
+    *ineligible*: autograd enabled, an input that is neither a tensor nor None
+    without ``static_args``, or the backend refuses the tensor inputs (for
     :class:`CudaGraphBackend`: no tensor inputs, a non-CUDA tensor, tensors on
     more than one device, CUDA autocast enabled, or the current stream being
     captured by someone else). Calls made during vLLM's start-up memory
@@ -1213,6 +1287,8 @@ class EncoderCudaGraph:
             max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
             (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
+        static_args: whether inputs other than tensors and None are static
+            arguments (see above); False makes such calls ineligible.
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``
@@ -1247,6 +1323,7 @@ class EncoderCudaGraph:
         max_bytes: int = 0,
         log_interval_s: float = 60.0,
         name: str = "encoder",
+        static_args: bool = False,
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -1263,6 +1340,7 @@ class EncoderCudaGraph:
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
+        self.static_args = bool(static_args)
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
@@ -1300,7 +1378,7 @@ class EncoderCudaGraph:
         """Bytes held by this adapter's graphs (pool growth + static buffers, measured at capture)."""
         return sum(info.total_bytes for info in self.graph_info.values())
 
-    def __call__(self, *inputs: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, *inputs: Any) -> torch.Tensor:
         if self._failure is not None:
             raise EncoderCudaGraphCaptureFailedError(
                 f"{self.name} encoder CUDA graph capture failed earlier "
@@ -1316,12 +1394,15 @@ class EncoderCudaGraph:
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
+        if self.static_args:
+            return self._call_with_statics(inputs, device)
+        try:
+            entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
+        except AttributeError:  # an input that is neither a tensor nor None, without static_args
+            self.admission.record_ineligible()
+            return self.forward(*inputs)
         self._calls += 1
-        key: GraphKey = (
-            self.backend.replay_stream(device),
-            device,
-            tuple([None if x is None else (x.shape, x.dtype) for x in inputs]),
-        )
+        key: GraphKey = (self.backend.replay_stream(device), device, entries)
         manager = self.graphs.get(key)
         if manager is not None:  # hit: the common case, kept to one lookup
             return manager.execute({_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if x is not None})[0]
@@ -1395,14 +1476,29 @@ class EncoderCudaGraph:
         }
 
     # -- internals -------------------------------------------------------------------
-    def _miss(
-        self, key: GraphKey, inputs: Sequence[torch.Tensor | None], device: torch.device
-    ) -> torch.Tensor:
+    def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
+        self._calls += 1
+        key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
+        try:
+            manager = self.graphs.get(key)
+        except TypeError as exc:  # an unhashable static argument
+            raise TypeError(
+                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
+                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
+            ) from exc
+        if manager is not None:
+            return self._replay(manager, inputs)
+        return self._miss(key, inputs, device)
+
+    def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
-        if len(inputs) > len(_BUFFER_KEYS):  # never captured, so the hit path needs no check
+        # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
+        # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
+        if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
             self.admission.record_ineligible()
             return self.forward(*inputs)
         decision = self.admission.admit(key)
@@ -1446,9 +1542,7 @@ class EncoderCudaGraph:
         record.last_call = self._calls
         return record
 
-    def _run_eager(
-        self, record: _KeyRecord, inputs: Sequence[torch.Tensor | None], device: torch.device
-    ) -> torch.Tensor:
+    def _run_eager(self, record: _KeyRecord, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """The eager forward, measured while the key has fewer than :attr:`MAX_SAMPLES` samples."""
         if self._measure and len(record.measurements) < self.MAX_SAMPLES:
             out, measurement = self.backend.measure_eager(device, lambda: self.forward(*inputs))
@@ -1501,11 +1595,12 @@ class EncoderCudaGraph:
         pool, which therefore grows by about the eager call's peak allocation
         delta, rounded up to the caching allocator's 2 MiB segment granularity
         (less when a shared pool already holds reusable blocks), plus static
-        copies of the inputs and one output buffer outside the pool.
+        copies of the tensor inputs and one output buffer outside the pool
+        (static arguments have no buffer).
         """
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
-        static += sum(math.prod(s) * d.itemsize for s, d in filter(None, key[2]))
+        static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))
         peak = max((m.peak_bytes for m in record.measurements), default=0)
         return -(-peak // _SEGMENT_BYTES) * _SEGMENT_BYTES + static
 
@@ -1590,12 +1685,14 @@ class EncoderCudaGraph:
         )
 
     @staticmethod
-    def _replay(manager: ReplayableGraph, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def _replay(manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
         """Replay; the graph copies ``inputs`` into its static buffers and returns a clone of its output."""
-        return manager.execute({_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if x is not None})[0]
+        return manager.execute(
+            {_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+        )[0]
 
     def _capture(
-        self, key: GraphKey, record: _KeyRecord, inputs: Sequence[torch.Tensor | None], device: torch.device
+        self, key: GraphKey, record: _KeyRecord, inputs: Sequence[Any], device: torch.device
     ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
@@ -1716,8 +1813,16 @@ def _require_capture_error_mode() -> None:
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    """Readable input shapes of a key for logs: ``[(shape, dtype) | None, ...]``."""
-    return [None if t is None else (tuple(t[0]), str(t[1]).replace("torch.", "")) for t in key[2]]
+    """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
+    return [
+        t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
+        for t in key[2]
+    ]
+
+
+def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
+    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None, not static arguments)."""
+    return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)
 
 
 def _mib(num_bytes: int) -> str:
@@ -1776,6 +1881,7 @@ def make_encoder_cuda_graph(
     options: EncoderCudaGraphOptions,
     *,
     name: str,
+    static_args: bool = False,
     captured_modules: Sequence[str] | None = None,
     lora_reason: str | None = None,
 ) -> EncoderCudaGraphSetup:
@@ -1788,7 +1894,8 @@ def make_encoder_cuda_graph(
     as capacity misses) but the state is off.
 
     Args:
-        forward, vllm_config, name, captured_modules: see :class:`EncoderCudaGraph`.
+        forward, vllm_config, name, static_args, captured_modules: see
+            :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 
@@ -1815,6 +1922,7 @@ def make_encoder_cuda_graph(
         max_bytes=options.max_bytes,
         log_interval_s=options.log_interval_s,
         name=name,
+        static_args=static_args,
         captured_modules=captured_modules,
     )
     state = "off (encoder_cuda_graph_max_graphs=0)" if options.max_graphs == 0 else "on"

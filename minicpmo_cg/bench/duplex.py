@@ -1,0 +1,249 @@
+"""Scenario ``duplex``: the real duplex audio path, eager vs graphed in one run.
+
+One simulated full-duplex session of 1 s speech chunks through the thinker's
+``get_audio_embedding_streaming``, framed as vllm-omni's duplex stage frames them (prefix 0 on the
+first chunk, else 2; suffix 2) and with the session's Whisper KV cache swapped in and out around
+each call as the stage does (:mod:`minicpmo_cg.duplex`). The cache resets before chunks 29, 58, ...
+(1500 positions). Runs, each timed per chunk at the call site (:class:`minicpmo_cg.measure.Timer`):
+
+- eager (graphs off), after a short untimed warm-up session;
+- graphed, default options: the *cold* session of a fresh adapter (warmup misses and captures
+  included, what a new worker's first session pays), then the next session's first chunk (it
+  captures the first-chunk form), then a *warm* session on the same audio (replays);
+- two sessions interleaved chunk by chunk (each swaps its cache into the shared arena).
+
+Every graphed chunk must equal the eager chunk of the same session bitwise (the claim the
+option's default rests on); a difference is a problem (exit status 1). Reported: per-chunk
+median, p90 and max, session encoder time (sum of the chunks), the adapter's stats, graph memory
+in total (K/V arena + static buffers + graph pool) and per session (the session's own cache, on
+either path), and what the design with per-graph cache copies would hold. Targets: graphed
+median <= 3 ms per 1 s chunk, warm session encoder time >= 3x lower than eager.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minicpmo_cg import duplex, standalone
+from minicpmo_cg.bench.context import TARGETS, Ctx, log
+from minicpmo_cg.bench.memory import graph_memory, mem_state, mib, release_memory
+from minicpmo_cg.measure import summary
+
+DUPLEX_SECONDS = {"full": 120, "quick": 60, "cpu": 30}
+WARMUP_CHUNKS = 4
+
+
+def _session(ctx: Ctx, chunks: list[duplex.DuplexChunk]) -> dict:
+    """Encode ``chunks`` in one new session; per-chunk ms, outputs and the session cache's peak bytes."""
+    session = duplex.DuplexSession()
+    times, outs, peak = [], [], 0
+    for chunk in chunks:
+        ms, out = ctx.timer.timed(lambda chunk=chunk: session.encode(ctx.model, chunk))
+        times.append(ms)
+        outs.append(out)
+        peak = max(peak, duplex.cache_bytes(session.cache))
+    return {"ms": times, "outs": outs, "cache_peak_bytes": peak}
+
+
+def _interleaved(ctx: Ctx, runs: list[list[duplex.DuplexChunk]]) -> dict:
+    """Sessions encoded alternately, chunk by chunk; per-chunk ms over all and outputs per session."""
+    sessions = [duplex.DuplexSession() for _ in runs]
+    outs: list[list[torch.Tensor]] = [[] for _ in runs]
+    times = []
+    for i in range(max(len(r) for r in runs)):
+        for k, chunks in enumerate(runs):
+            if i < len(chunks):
+                ms, out = ctx.timer.timed(lambda k=k, c=chunks[i]: sessions[k].encode(ctx.model, c))
+                times.append(ms)
+                outs[k].append(out)
+    return {"ms": times, "outs": outs}
+
+
+def _mismatches(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[tuple[int, float]]:
+    """``(chunk, max|diff|)`` of the chunks that are not bitwise equal."""
+    bad = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.shape != w.shape or not torch.equal(g, w):
+            diff = float((g.float() - w.float()).abs().max()) if g.shape == w.shape else float("nan")
+            bad.append((i, diff))
+    return bad
+
+
+def _timing(times: list[float]) -> dict[str, Any]:
+    return {**summary(times), "max": max(times), "session_ms": sum(times)}
+
+
+def _memory(ctx: Ctx, adapter: Any, seconds: int, reserved_delta: int) -> dict[str, Any]:
+    """Graph memory in total, and the per-graph-cache-copy design's bytes for the same graphs."""
+    mem = graph_memory([adapter])
+    arenas = getattr(ctx.model, "_streaming_audio_arenas", {})
+    arena = sum(a.kv.numel() * a.kv.element_size() for a in arenas.values())
+    apm = ctx.model.apm
+    per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
+    n = duplex.CHUNK_POSITIONS
+    forms = {(i == 0, past) for i, past in enumerate(duplex.past_lengths(seconds))}
+    # a static past input of L positions and a full-cache output of L + n per graph
+    copies = sum((2 * past + n) * per_position for _, past in forms)
+    return {
+        **mem,
+        "arena_bytes": arena,
+        "total_bytes": arena + mem["static_bytes"] + (mem["pool_bytes"] or 0),
+        "reserved_delta_bytes": reserved_delta,
+        "kv_bytes_per_position": per_position,
+        "per_graph_cache_copies_bytes": copies,
+    }
+
+
+def _graphed(ctx: Ctx, main: list[duplex.DuplexChunk], other: list[duplex.DuplexChunk]) -> dict:
+    """Cold session, the next session's first chunk, warm session, two interleaved sessions."""
+    model = ctx.model
+    release_memory()
+    before = mem_state()
+    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=True, backend=ctx.backend)
+    adapter = standalone.streaming_audio_graph(model)
+    if adapter is None:
+        raise RuntimeError(
+            "the patched model built no streaming audio adapter (vllm-omni patch 0004 missing?)"
+        )
+    try:
+        log("duplex: graphed cold session ...")
+        cold = _session(ctx, main)
+        # the next session's first chunk: the first-chunk form is captured at its second sighting
+        cold["next_first_ms"] = _session(ctx, main[:1])["ms"][0]
+        after = mem_state()
+        log("duplex: graphed warm session ...")
+        warm = _session(ctx, main)
+        half = len(other)
+        log(f"duplex: two interleaved sessions of {half} chunks ...")
+        inter = _interleaved(ctx, [main[:half], other])
+        stats = adapter.get_cumulative_stats()
+        memory = _memory(ctx, adapter, len(main), after["reserved"] - before["reserved"])
+        cap, admission = adapter.options.max_graphs, adapter.get_detailed_stats()["admission"]
+    finally:
+        standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)  # drop the graphs
+        release_memory()
+    return {
+        "cold": cold,
+        "warm": warm,
+        "interleaved": inter,
+        "stats": stats,
+        "memory": memory,
+        "cap": cap,
+        "admission": admission,
+    }
+
+
+def _eager(ctx: Ctx, main: list[duplex.DuplexChunk], other: list[duplex.DuplexChunk]) -> dict:
+    standalone.wire_encoder_graphs(ctx.model, ctx.vllm_config, enabled=False)
+    _session(ctx, main[:WARMUP_CHUNKS])  # lazy setup out of the timed session
+    log("duplex: eager session ...")
+    eager = _session(ctx, main)
+    eager["other_outs"] = _session(ctx, other)["outs"]
+    return eager
+
+
+def _checks(ctx: Ctx, eager: dict, graphed: dict) -> dict[str, bool]:
+    half = len(eager["other_outs"])
+    pairs = {
+        "cold": (graphed["cold"]["outs"], eager["outs"]),
+        "warm": (graphed["warm"]["outs"], eager["outs"]),
+        "interleaved_a": (graphed["interleaved"]["outs"][0], eager["outs"][:half]),
+        "interleaved_b": (graphed["interleaved"]["outs"][1], eager["other_outs"]),
+    }
+    bitwise = {}
+    for name, (got, want) in pairs.items():
+        bad = _mismatches(got, want)
+        bitwise[name] = not bad
+        if bad:
+            ctx.problems.append(f"duplex: {name} session differs from eager at (chunk, max|diff|) {bad[:5]}")
+    return bitwise
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    seconds = DUPLEX_SECONDS[ctx.mode]
+    dtype = torch.float32  # the duplex stage feeds the processor's float32 mel; the encoder casts it
+    mel = duplex.speech_mel(seconds + seconds // 2)
+    main = duplex.frame_chunks(
+        mel[:, : seconds * duplex.CHUNK_FRAMES + 2], seconds, device=ctx.device, dtype=dtype
+    )
+    other = duplex.frame_chunks(
+        mel[:, seconds * duplex.CHUNK_FRAMES :], seconds // 2, device=ctx.device, dtype=dtype
+    )
+    eager = _eager(ctx, main, other)
+    graphed = _graphed(ctx, main, other)
+    bitwise = _checks(ctx, eager, graphed)
+    e, w = _timing(eager["ms"]), _timing(graphed["warm"]["ms"])
+    return {
+        "seconds": seconds,
+        "resets_before_chunks": [i for i, past in enumerate(duplex.past_lengths(seconds)) if i and past == 0],
+        "source": f"shipped voices, {seconds} x 1 s chunks (+ {seconds // 2} for the second session)",
+        "eager": e,
+        "graphed_warm": w,
+        "graphed_cold": _timing(graphed["cold"]["ms"]),
+        "graphed_interleaved": _timing(graphed["interleaved"]["ms"]),
+        "session_speedup": e["session_ms"] / w["session_ms"] if w["session_ms"] else None,
+        "cold_session_speedup": e["session_ms"] / sum(graphed["cold"]["ms"]),
+        "next_session_first_chunk_ms": graphed["cold"]["next_first_ms"],
+        "median_speedup": e["median"] / w["median"] if w["median"] else None,
+        "stats": graphed["stats"],
+        "cap": graphed["cap"],
+        "admission": graphed["admission"],
+        "memory": graphed["memory"],
+        "session_cache_peak_bytes": {
+            "eager": eager["cache_peak_bytes"],
+            "graphed": graphed["warm"]["cache_peak_bytes"],
+        },
+        "bitwise": bitwise,
+    }
+
+
+def _row(label: str, t: dict[str, Any], note: str = "") -> str:
+    return f"{label:26s}{t['median']:8.2f}{t['p90']:8.2f}{t['max']:8.2f}{t['session_ms']:12.1f}" + (
+        f"  {note}" if note else ""
+    )
+
+
+def format_section(s: dict[str, Any]) -> list[str]:
+    mem, st, peak = s["memory"], s["stats"], s["session_cache_peak_bytes"]
+    lines = [
+        (
+            f"\n-- duplex audio: get_audio_embedding_streaming, {s['source']}; cache resets before chunks "
+            f"{s['resets_before_chunks']}; ms per chunk at the call site"
+        ),
+        f"{'path':26s}{'median':>8s}{'p90':>8s}{'max':>8s}{'session ms':>12s}",
+        _row("eager", s["eager"]),
+        _row("graphed (warm session)", s["graphed_warm"], f"x{s['session_speedup']:.2f} session"),
+        _row(
+            "graphed (cold session)",
+            s["graphed_cold"],
+            f"x{s['cold_session_speedup']:.2f}; warmups + captures; the next session's first chunk "
+            f"{s['next_session_first_chunk_ms']:.2f} ms (captures its form)",
+        ),
+        _row("graphed (2 interleaved)", s["graphed_interleaved"], "both sessions' chunks"),
+        (
+            f"graphs {st['num_graphs']} (cap {s['cap']}, admission {s['admission']}), hits {st['graph_hits']}, misses: warmup "
+            f"{st['warmup_misses']} capacity {st['capacity_misses']} memory {st['memory_misses']} "
+            f"ineligible {st['ineligible_misses']}"
+        ),
+        (
+            f"graph memory in total {mib(mem['total_bytes'])} MiB: K/V arena {mib(mem['arena_bytes'])} "
+            f"+ static buffers {mib(mem['static_bytes'])} + pool {mib(mem['pool_bytes'])} (reserved +"
+            f"{mib(mem['reserved_delta_bytes'])} over the cold session); per-graph cache copies would hold "
+            f"{mib(mem['per_graph_cache_copies_bytes'])} MiB"
+        ),
+        (
+            f"per session: own KV cache peak {mib(peak['graphed'])} MiB graphed vs {mib(peak['eager'])} MiB "
+            f"eager (+{mib(peak['graphed'] - peak['eager'])} MiB of graph memory per session)"
+        ),
+        "bitwise vs eager: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in s["bitwise"].items()),
+    ]
+    goal_ms, goal_x = TARGETS["duplex_chunk_ms"], TARGETS["duplex_session_speedup"]
+    med, speedup = s["graphed_warm"]["median"], s["session_speedup"] or 0.0
+    lines.append(
+        f"targets: graphed median <= {goal_ms:g} ms per 1 s chunk: {'MET' if med <= goal_ms else 'MISSED'} "
+        f"({med:.2f}); session encoder time >= {goal_x:g}x lower: "
+        f"{'MET' if speedup >= goal_x else 'MISSED'} (x{speedup:.2f})"
+    )
+    return lines

@@ -1,0 +1,203 @@
+"""A full-duplex session's audio path outside vllm-omni's duplex stage: chunk framing and session caches.
+
+vllm-omni's duplex stage (``MiniCPMO45Stage0DuplexRuntime``, ``minicpmo_4_5/duplex/stage0.py`` in
+vllm-omni 0.30.0) encodes a live session's audio one 1 s chunk at a time through the thinker's
+``get_audio_embedding_streaming(data, use_extra_context=True, prefix_extra_frames=0 if first else 2,
+suffix_extra_frames=2)``. Before each call it puts the session's Whisper KV cache into
+``thinker.audio_past_key_values`` and afterwards takes the updated one back, so sessions interleave
+on one model. This module does the same for the demo, the benchmark and the tests:
+
+- :func:`frame_chunks` cuts a log-mel stream into the stage's chunks: chunk ``i`` covers frames
+  ``[100 i, 100 i + 100)`` plus :data:`CONTEXT_FRAMES` frames of context on each side (none before
+  the first chunk), so a chunk is 102 (first) or 104 mel frames, 50 encoder positions after the
+  context is cut, 10 embeddings after pooling. (The checkpoint's streaming mel processor computes
+  the frames incrementally; the shapes, and so the encoder's work, are the same.)
+- :func:`speech_mel` is such a stream from the speech files vllm-omni ships.
+- :class:`DuplexSession` keeps one session's cache and swaps it in and out around each call.
+
+A session's cache resets when past + new positions would reach the position table's 1500 rows:
+before its 30th chunk (:func:`past_lengths`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Mel frames per 1 s chunk (10 ms hop).
+CHUNK_FRAMES = 100
+#: Context frames on each side of a chunk (the duplex stage's prefix after the first chunk, and suffix).
+CONTEXT_FRAMES = 2
+#: Whisper encoder positions per chunk once the context frames are cut (conv stride 2).
+CHUNK_POSITIONS = CHUNK_FRAMES // 2
+
+
+@dataclass(frozen=True)
+class DuplexChunk:
+    """One ``get_audio_embedding_streaming`` call of a duplex session.
+
+    Attributes:
+        features: log-mel frames ``(1, 80, T)`` with the context frames (T = 102 or 104 at 1 s).
+        prefix_extra_frames: 0 for a session's first chunk, else :data:`CONTEXT_FRAMES`.
+        suffix_extra_frames: :data:`CONTEXT_FRAMES`.
+    """
+
+    features: torch.Tensor
+    prefix_extra_frames: int
+    suffix_extra_frames: int = CONTEXT_FRAMES
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The ``data`` argument: ``audio_features`` and ``audio_feature_lens`` (one chunk of T frames)."""
+        frames = torch.tensor([self.features.shape[-1]], dtype=torch.int64, device=self.features.device)
+        return {"audio_features": self.features, "audio_feature_lens": [frames]}
+
+
+@dataclass
+class DuplexInput:
+    """The demo's duplex row: one session's chunks (float32 features on the CPU).
+
+    Attributes:
+        name: table label.
+        source: where the audio comes from.
+        chunks: the session's chunks, in order.
+    """
+
+    name: str
+    source: str
+    chunks: list[DuplexChunk]
+
+    modality = "duplex"
+
+    def describe(self) -> str:
+        """Input shape for the table: ``chunks x mel frames of a later chunk``."""
+        return f"{len(self.chunks)} ch x {self.chunks[-1].features.shape[-1]} mel"
+
+    def on(self, device: Any, dtype: torch.dtype = torch.float32) -> list[DuplexChunk]:
+        """The chunks with their features on ``device`` in ``dtype``."""
+        return [
+            DuplexChunk(
+                c.features.to(device=device, dtype=dtype), c.prefix_extra_frames, c.suffix_extra_frames
+            )
+            for c in self.chunks
+        ]
+
+
+def duplex_input(seconds: int, name: str = "duplex_speech") -> DuplexInput:
+    """A :class:`DuplexInput` of ``seconds`` chunks of :func:`speech_mel`."""
+    source = f"shipped voices, {seconds} x 1 s chunks framed as the duplex stage frames them"
+    return DuplexInput(name, source, frame_chunks(speech_mel(seconds), seconds))
+
+
+def frame_chunks(
+    mel: torch.Tensor, count: int, *, device: Any = "cpu", dtype: torch.dtype = torch.float32
+) -> list[DuplexChunk]:
+    """The first ``count`` duplex chunks of the log-mel stream ``mel``.
+
+    Args:
+        mel: ``(n_mels, T)`` frames, ``T >= count * CHUNK_FRAMES + CONTEXT_FRAMES``.
+        count: chunks (seconds).
+        device, dtype: of the chunks' features.
+
+    Raises:
+        ValueError: ``mel`` is too short.
+    """
+    need = count * CHUNK_FRAMES + CONTEXT_FRAMES
+    if mel.shape[-1] < need:
+        raise ValueError(f"{count} duplex chunks need {need} mel frames, got {mel.shape[-1]}")
+    chunks = []
+    for i in range(count):
+        start = max(0, i * CHUNK_FRAMES - CONTEXT_FRAMES)
+        end = (i + 1) * CHUNK_FRAMES + CONTEXT_FRAMES
+        features = mel[None, :, start:end].to(device=device, dtype=dtype).contiguous()
+        chunks.append(DuplexChunk(features, 0 if i == 0 else CONTEXT_FRAMES))
+    return chunks
+
+
+def speech_mel(seconds: int) -> torch.Tensor:
+    """``(80, T)`` log-mel frames of vllm-omni's shipped voices, repeated to cover ``seconds`` chunks.
+
+    Each voice file (``default_female``, ``default_male``) goes through Whisper's feature extractor
+    as MiniCPM-o's processor runs it (:func:`minicpmo_cg.inputs.mel_features`); the streams are
+    concatenated and repeated until ``seconds`` chunks and their trailing context fit.
+    """
+    from minicpmo_cg import inputs
+
+    extractor = inputs.make_feature_extractor()
+    voices = [
+        inputs.mel_features(extractor, inputs.load_wav_16k(inputs.voice_file(stem)))
+        for stem in ("default_female", "default_male")
+    ]
+    stream = torch.cat(voices, dim=-1)
+    need = seconds * CHUNK_FRAMES + CONTEXT_FRAMES
+    return stream.repeat(1, math.ceil(need / stream.shape[-1]))[:, :need]
+
+
+def past_lengths(count: int, positions: int = 1500, chunk: int = CHUNK_POSITIONS) -> list[int]:
+    """KV past length at each of a session's first ``count`` chunks (the model's reset rule).
+
+    ``get_audio_embedding_streaming`` drops a cache whose length plus the chunk's positions
+    reaches ``positions`` (the position table's rows): 0, 50, ..., 1400, then 0 again.
+    """
+    lengths, past = [], 0
+    for _ in range(count):
+        if past + chunk >= positions:
+            past = 0
+        lengths.append(past)
+        past += chunk
+    return lengths
+
+
+class DuplexSession:
+    """One duplex session: its own Whisper KV cache, swapped into the model around each call.
+
+    Attributes:
+        cache: the session's ``audio_past_key_values`` between calls (None before the first).
+    """
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+
+    def encode(self, model: Any, chunk: DuplexChunk) -> torch.Tensor:
+        """``model.get_audio_embedding_streaming`` on ``chunk`` with this session's cache.
+
+        Returns:
+            the chunk's embeddings, ``(positions // audio_pool_step, embed_dim)``.
+        """
+        previous = model.audio_past_key_values
+        model.audio_past_key_values = self.cache
+        try:
+            out = model.get_audio_embedding_streaming(
+                chunk.data,
+                use_extra_context=True,
+                prefix_extra_frames=chunk.prefix_extra_frames,
+                suffix_extra_frames=chunk.suffix_extra_frames,
+            )
+            self.cache = model.audio_past_key_values
+        finally:
+            model.audio_past_key_values = previous
+        ((embeds,),) = out
+        return embeds
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of the K/V tensors a session cache holds (0 for None).
+
+    Reads the graphed path's ``_StreamingAudioKVCache`` (``blocks``) and the eager path's
+    ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
+    """
+    if cache is None:
+        return 0
+    blocks = getattr(cache, "blocks", None)
+    if blocks is not None:
+        return sum(b.numel() * b.element_size() for b in blocks)
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", [])
+    return sum(
+        t.numel() * t.element_size()
+        for layer in layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    )
