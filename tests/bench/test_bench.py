@@ -171,16 +171,17 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
 
 
 def _check_streaming(s: dict) -> None:
-    """One frame shape and one chunk shape: under both rules each warms up once, is captured on its
-    2nd call (the scripted timings make both launch-bound), then hits."""
+    """One frame shape and one chunk shape: each is captured under both rules, then hits: at its
+    2nd call by count, at its 3rd by cost (its 2nd call is held to measure the GPU's busy time)."""
     assert list(s["runs"]) == ["eager", "count", "cost"]
-    for key in ("count", "cost"):
+    for key, warmups in (("count", 1), ("cost", 2)):
         run = s["runs"][key]
         assert run["options"]["admission"] == key and run["label"] == f"admission={key}"
         st, detail = run["stats"], run["detail"]
         assert st["vision"]["num_graphs"] == 1 and st["audio"]["num_graphs"] == 1
-        assert st["vision"]["warmup_misses"] == 1 and st["vision"]["graph_hits"] == s["seconds"] - 1
-        assert detail["vision"]["graphs"][0]["hits"] == s["seconds"] - 1
+        assert st["vision"]["warmup_misses"] == warmups
+        assert st["vision"]["graph_hits"] == s["seconds"] - warmups
+        assert detail["vision"]["graphs"][0]["hits"] == s["seconds"] - warmups
         assert run["hit_rate_after_warmup"] == 1.0 and run["misses"]["declined"] == 0
     hit_rate_target = s["targets"][0]  # the speed target depends on CPU timings
     assert hit_rate_target["target"].endswith("hit rate after warm-up >= 99%") and hit_rate_target["ok"]
@@ -219,15 +220,21 @@ def _check_duplex(dx: dict) -> None:
 
 @pytest.mark.cpu
 def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -> None:
-    backend = CpuGraphBackend(host_ms=8.0, gpu_ms_per_item=8.0)
-    assert backend.scripted_ms((1, 1024, 1152)) == (8.0, 8.0)
-    assert backend.scripted_ms((3, 1024, 1152)) == (8.0, 24.0)
-    assert backend.capture_ms((3, 16, 4)) == 2 * 24.0 + CAPTURE_FIXED_MS
+    backend = CpuGraphBackend(host_ms=8.0, busy_ms_per_item=6.5)
+    assert backend.scripted_ms((1, 1024, 1152)) == (8.0, 8.0, 6.5)  # the GPU idles 1.5 ms
+    assert backend.scripted_ms((3, 1024, 1152)) == (8.0, 19.5, 19.5)  # GPU-bound: never idle
+    assert backend.capture_ms((3, 16, 4)) == 8.0 + 19.5 + CAPTURE_FIXED_MS
     out, measurement = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(2, 5))
-    assert out.shape == (2, 5) and (measurement.host_ms, measurement.gpu_ms()) == (8.0, 16.0)
+    sample = measurement.sample()
+    assert out.shape == (2, 5) and (measurement.host_ms, sample.gpu_ms, sample.busy_ms) == (8.0, 13.0, None)
     assert measurement.peak_bytes == 0
-    with pytest.raises(ValueError, match="gpu_ms_per_item=0"):
-        CpuGraphBackend(gpu_ms_per_item=0)
+    # held: the GPU starts after the hold and shows its work, or the host's pace once caught up
+    _, held = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(1, 5), hold_ms=1.0)
+    assert (held.sample().gpu_ms, held.sample().busy_ms, held.sample().hold_ms) == (None, 7.0, 1.0)
+    _, held = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(1, 5), hold_ms=4.0)
+    assert held.sample().busy_ms == 6.5
+    with pytest.raises(ValueError, match="busy_ms_per_item=0"):
+        CpuGraphBackend(busy_ms_per_item=0)
 
 
 @pytest.mark.cpu
@@ -235,8 +242,8 @@ def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -
     not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
 )
 def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
-    """Through the unmodified adapter: a recurring single item is captured at its 2nd call, a
-    3-item batch seen every third call is declined (its launch-bound share is 1/3)."""
+    """Through the unmodified adapter: a recurring single item is measured, held once and captured
+    at its 3rd call; a 3-item batch seen every third call is declined (GPU-bound)."""
     mod = importlib.import_module(ADAPTER_MODULE)
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
@@ -245,10 +252,11 @@ def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
     )
     one, three = torch.ones(1, 4), torch.ones(3, 4)
     with torch.no_grad():
-        for x in (three, one, one, three):
+        for x in (three, one, one, three, one):
             adapter(x)
     detail = adapter.get_detailed_stats()
     assert detail["admission"] == "cost" and detail["declined_misses"] == 1
+    assert adapter.get_cumulative_stats()["warmup_misses"] == 3  # three's 1st, one's 1st and held call
     assert [g["inputs"][0][0] for g in detail["graphs"]] == [(1, 4)]
     # the scripted capture time is what the capture took, so the calibration stays near 1
     assert detail["graphs"][0]["capture_ms"] >= CpuGraphBackend().capture_ms((1, 4))
