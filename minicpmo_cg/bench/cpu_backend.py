@@ -65,12 +65,13 @@ class CpuGraphBackend:
     audio clips) and waits for the host otherwise, so the call's GPU span is the longer of the
     two. An unheld call shows its span only; a call held ``hold`` ms shows ``max(busy, span -
     hold)`` (the GPU's work, or the host's pace once the GPU has caught up). With the defaults a
-    single item idles 1.5 of its 8 ms (as a SigLIP slice does on an H200): a held measurement
-    shows it and it is captured when it recurs often, at its third call; a batch of 2 or more is
-    GPU-bound and is declined. A capture takes (sleeps) what one takes on a GPU, an eager run and
-    a recorded run plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture
-    estimate with the measured capture times. Peak bytes and pool growth are 0; graph bytes are
-    the static buffers.
+    single item idles 1.5 of its 8 ms (as a SigLIP slice does on an H200): recurring every call
+    it pays even with the least saving and is captured at its second call; recurring less often
+    it is held once, and captured if its idle time pays; a batch of 2 or more keeps the GPU busy
+    and is declined. A capture takes (sleeps) what one takes on a GPU, an eager run and a
+    recorded run plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate
+    with the measured capture times. Peak bytes and pool growth are 0; graph bytes are the
+    static buffers.
 
     Args:
         free_bytes: the free-memory reading the memory floor sees (default: plenty).

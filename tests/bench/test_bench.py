@@ -171,17 +171,16 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
 
 
 def _check_streaming(s: dict) -> None:
-    """One frame shape and one chunk shape: each is captured under both rules, then hits: at its
-    2nd call by count, at its 3rd by cost (its 2nd call is held to measure the GPU's busy time)."""
+    """One frame shape and one chunk shape: under both rules each warms up once, is captured on its
+    2nd call (the scripted timings make both launch-bound), then hits."""
     assert list(s["runs"]) == ["eager", "count", "cost"]
-    for key, warmups in (("count", 1), ("cost", 2)):
+    for key in ("count", "cost"):
         run = s["runs"][key]
         assert run["options"]["admission"] == key and run["label"] == f"admission={key}"
         st, detail = run["stats"], run["detail"]
         assert st["vision"]["num_graphs"] == 1 and st["audio"]["num_graphs"] == 1
-        assert st["vision"]["warmup_misses"] == warmups
-        assert st["vision"]["graph_hits"] == s["seconds"] - warmups
-        assert detail["vision"]["graphs"][0]["hits"] == s["seconds"] - warmups
+        assert st["vision"]["warmup_misses"] == 1 and st["vision"]["graph_hits"] == s["seconds"] - 1
+        assert detail["vision"]["graphs"][0]["hits"] == s["seconds"] - 1
         assert run["hit_rate_after_warmup"] == 1.0 and run["misses"]["declined"] == 0
     hit_rate_target = s["targets"][0]  # the speed target depends on CPU timings
     assert hit_rate_target["target"].endswith("hit rate after warm-up >= 99%") and hit_rate_target["ok"]
@@ -242,8 +241,9 @@ def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -
     not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
 )
 def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
-    """Through the unmodified adapter: a recurring single item is measured, held once and captured
-    at its 3rd call; a 3-item batch seen every third call is declined (GPU-bound)."""
+    """Through the unmodified adapter: a recurring single item is captured at its 2nd call (cheap
+    enough to pay even with the least saving), a 3-item batch seen every third call is declined
+    (GPU-bound: its capture would need more of the host time than a held call could show)."""
     mod = importlib.import_module(ADAPTER_MODULE)
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
@@ -252,11 +252,10 @@ def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
     )
     one, three = torch.ones(1, 4), torch.ones(3, 4)
     with torch.no_grad():
-        for x in (three, one, one, three, one):
+        for x in (three, one, one, three):
             adapter(x)
     detail = adapter.get_detailed_stats()
     assert detail["admission"] == "cost" and detail["declined_misses"] == 1
-    assert adapter.get_cumulative_stats()["warmup_misses"] == 3  # three's 1st, one's 1st and held call
     assert [g["inputs"][0][0] for g in detail["graphs"]] == [(1, 4)]
     # the scripted capture time is what the capture took, so the calibration stays near 1
     assert detail["graphs"][0]["capture_ms"] >= CpuGraphBackend().capture_ms((1, 4))

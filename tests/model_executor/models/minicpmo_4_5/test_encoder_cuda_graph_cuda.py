@@ -499,7 +499,10 @@ def test_a_held_measurement_times_the_gpu_work_behind_a_calibrated_hold(ecg):
 
 @torch.inference_mode()
 def test_cost_mode_captures_launch_bound_and_declines_gpu_bound_calls(ecg, vllm_config):
-    small = ecg.EncoderCudaGraph(ManySmallKernels(), vllm_config, name="launch-bound")
+    """2000 tiny kernels (several ms of launches, a few KiB of memory) called every time pay even
+    if a replay saved only a tenth of their host time: captured at the second call, unheld."""
+    steps = 1000
+    small = ecg.EncoderCudaGraph(ManySmallKernels(steps), vllm_config, name="launch-bound")
     large = ecg.EncoderCudaGraph(FewLargeMatmuls(), vllm_config, name="gpu-bound")
     xs, xl = rand(8, 64), rand(4096, 4096)
     torch.cuda.set_sync_debug_mode("error")
@@ -508,15 +511,14 @@ def test_cost_mode_captures_launch_bound_and_declines_gpu_bound_calls(ecg, vllm_
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()  # let the events complete: the decision reads them back
-    for _ in range(4):  # the launch-bound call: held once, then captured at its 3rd call
-        torch.testing.assert_close(small(xs), ManySmallKernels()(xs), rtol=0, atol=0)
+    for _ in range(3):
+        torch.testing.assert_close(small(xs), ManySmallKernels(steps)(xs), rtol=0, atol=0)
         large(xl)
         torch.cuda.synchronize()
     assert small.get_cumulative_stats()["num_graphs"] == 1
     assert small.get_cumulative_stats()["graph_hits"] == 3
-    assert small.get_cumulative_stats()["warmup_misses"] == 2
     assert large.get_cumulative_stats()["num_graphs"] == 0
-    assert large.get_detailed_stats()["declined_misses"] == 4
+    assert large.get_detailed_stats()["declined_misses"] == 3
     (record,) = large._records.values()
     assert record.verdict is not None and not record.verdict.capture
     # declined without a held call: microseconds of launches bound what a replay could save

@@ -623,7 +623,8 @@ class CostVerdict:
     """What :meth:`CaptureCostModel.decide` concluded for one key (all times in ms)."""
 
     capture: bool
-    #: latency a replay saves per call; while ``busy_ms`` is unknown, the most it can save
+    #: latency a replay saves per call; while ``busy_ms`` is unknown, the least it saves when
+    #: ``capture``, else the most it can save
     saving_ms: float
     #: replays expected over the horizon
     expected_replays: float
@@ -648,6 +649,8 @@ class CostVerdict:
         )
         if self.busy_ms is not None:
             return f"eager {self.span_ms:.2f} ms, GPU busy {self.busy_ms:.2f} ms: saving {pays}"
+        if self.capture:
+            return f"eager {self.span_ms:.2f} ms, GPU busy not measured: saving at least {pays}"
         then = f"; measuring it with a {self.hold_ms:.2f} ms hold" if self.hold_ms else ""
         return f"eager {self.span_ms:.2f} ms, GPU busy not measured: saving at most {pays}{then}"
 
@@ -671,14 +674,17 @@ class CaptureCostModel:
     A replay's GPU time is about the eager call's busy time ``b`` (a graph
     launch removes the idle gaps between kernels, not the kernels), so it saves
     ``g - b``. A held sample shows at most its hold, so its ``g - b`` counts up
-    to ``hold_ms``. While ``b`` is unknown (no sample shows it), ``S`` is bounded
-    by ``min(h, g)`` (the GPU can only wait for the host while the host
-    enqueues): a key that would not pay even then is declined; one that would
-    pay with a share ``HOLD_MIN_SHARE`` of that bound gets a verdict with
-    ``hold_ms`` = ``HOLD_MARGIN`` times the saving it needs (at most ``h``), which
-    the adapter applies to the key's next eager call. Since a hold only delays
-    the GPU into time it would otherwise spend waiting for the host, it costs
-    that call nothing when the key pays and at most the hold when it does not.
+    to ``hold_ms``. While ``b`` is unknown (no sample shows it), ``S`` lies
+    between ``MIN_SAVING_SHARE`` and all of ``min(h, g)`` (the GPU can only wait
+    for the host while the host enqueues, and every shape measured saved at
+    least that share): a key that pays at the low end is captured; one that
+    would not pay even at the high end, or only with more than
+    ``HOLD_MIN_SHARE`` of it, is declined; the others get a verdict with
+    ``hold_ms`` = ``HOLD_MARGIN`` times the saving they need (at most ``h``),
+    which the adapter applies to the key's current eager call. Since a hold
+    only delays the GPU into time it would otherwise spend waiting for the
+    host, it costs that call nothing when the key pays and at most the hold
+    when it does not.
 
     The rate is the key's recurrence per encoder call since its first
     sighting; the horizon assumes traffic lasts about as long again as it has
@@ -699,7 +705,10 @@ class CaptureCostModel:
     MEMORY_MS_PER_GIB = 100.0
     #: captures kept for the calibration of the capture estimate
     CALIBRATION_WINDOW = 8
-    #: a key is measured with a hold only if it would pay with this share of its bound on ``S``
+    #: the least share of ``min(h, g)`` a replay saved on any shape measured (30 s audio chunk:
+    #: 0.8 of 8 ms); a key that pays with it is captured without measuring its busy time
+    MIN_SAVING_SHARE = 0.1
+    #: a key is measured with a hold only if it would pay with this share of ``min(h, g)``
     HOLD_MIN_SHARE = 0.25
     #: the hold is this many times the saving the key needs (noise between calls up to half of it
     #: does not turn a paying key down)
@@ -768,11 +777,11 @@ class CaptureCostModel:
             return CostVerdict(replays * saving >= price, saving, busy_ms=busy, **costs)
         bound = max(0.0, min(h, g) - self.REPLAY_HOST_MS)
         need = price / replays
-        hold = (
-            min(self.HOLD_MARGIN * (need + self.REPLAY_HOST_MS), h)
-            if need <= self.HOLD_MIN_SHARE * bound
-            else 0.0
-        )
+        if need <= self.MIN_SAVING_SHARE * bound:  # pays even if a replay saves the least ever seen
+            return CostVerdict(True, self.MIN_SAVING_SHARE * bound, **costs)
+        hold = 0.0
+        if need <= self.HOLD_MIN_SHARE * bound:
+            hold = min(self.HOLD_MARGIN * (need + self.REPLAY_HOST_MS), h)
         return CostVerdict(False, bound, hold_ms=hold, **costs)
 
 
