@@ -796,9 +796,10 @@ def _shown_saving(span_ms: float, sample: EagerCallSample) -> float:
 # ---------------------------------------------------------------------------
 
 
-def _copy_exact(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Replay padding logic: copy in place. Shapes are equal by construction of the key."""
-    dst.copy_(src)
+#: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
+#: construction of the key). The unbound tensor method itself, so a replay runs no Python frame of
+#: ours per input.
+_copy_exact = torch.Tensor.copy_
 
 
 class ExactShapeEncoder(SupportsEncoderCudaGraph):
@@ -843,6 +844,8 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
         self.dtype = next(x.dtype for x, t in zip(inputs, tensors) if t)
         self.output_dtype = self.dtype if output_dtype is None else output_dtype
+        # built once: the manager asks for the item specs twice per replay and only reads them
+        self._item_specs = [EncoderItemSpec(input_size=self.tokens, output_tokens=self.tokens)]
 
     @property
     def static_bytes(self) -> int:
@@ -876,12 +879,17 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         return self.tokens, self.tokens
 
     def get_encoder_cudagraph_item_specs(self, mm_kwargs: dict[str, Any]) -> list[EncoderItemSpec]:
-        return [EncoderItemSpec(input_size=self.tokens, output_tokens=self.tokens)]
+        return self._item_specs
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        if list(indices) != [0]:
+        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call).
+
+        vLLM's manager pops its reserved capture-axis entry from the returned dict, which a call
+        of this adapter never has, so nothing of the caller's changes.
+        """
+        if indices != [0] and list(indices) != [0]:
             raise AssertionError(f"exact-shape encoder graphs hold one item, got indices {indices}")
-        return dict(mm_kwargs)
+        return mm_kwargs
 
     def prepare_encoder_cudagraph_capture_inputs(
         self,
@@ -913,7 +921,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     def prepare_encoder_cudagraph_replay_buffers(
         self, mm_kwargs: dict[str, Any], max_batch_size: int, max_frames_per_batch: int, path: str = "default"
     ) -> EncoderCudaGraphReplayBuffers:
-        return EncoderCudaGraphReplayBuffers(values=dict(mm_kwargs))
+        return EncoderCudaGraphReplayBuffers(values=mm_kwargs)  # read only (copied into the buffers)
 
     def encoder_cudagraph_forward(
         self, inputs: dict[str, torch.Tensor], path: str = "default"
@@ -1189,7 +1197,8 @@ class CudaGraphBackend:
 
     - eligible: at least one tensor input, every tensor input on one CUDA
       device (None and static arguments are skipped), CUDA autocast off, and
-      the current stream not being captured by someone else;
+      the current stream not being captured by someone else (both read through
+      torch's C functions directly);
     - replay stream: the id of ``torch.cuda.current_stream(device)``, read
       without building a ``Stream`` object (``torch.cuda.current_stream``'s own
       building block), which saves about 3 us per call;
@@ -1216,6 +1225,9 @@ class CudaGraphBackend:
       not name pools), plus the static input and output buffers.
     """
 
+    def __init__(self) -> None:
+        self._spin = _SpinClock()
+
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         device = None
         for x in inputs:
@@ -1227,15 +1239,15 @@ class CudaGraphBackend:
                 device = x.device
             elif x.device != device:
                 return None
-        if device is None or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
+        # torch.is_autocast_enabled() without a device type is CUDA's (torch's own overload, no
+        # string to parse); the capturing check is torch.cuda.is_current_stream_capturing's C call
+        if device is None or torch.is_autocast_enabled() or _stream_capturing():
             return None
         return device
 
-    def __init__(self) -> None:
-        self._spin = _SpinClock()
-
     def replay_stream(self, device: torch.device) -> int:
-        return _current_stream_id(device.index)
+        # torch.cuda.current_stream(device).stream_id without constructing a Stream
+        return torch._C._cuda_getCurrentStream(device.index)[0]
 
     def free_bytes(self, device: torch.device) -> int:
         return torch.cuda.mem_get_info(device)[0]
@@ -1292,9 +1304,11 @@ class CudaGraphBackend:
         return CapturedGraph(manager, pool, max(0, growth), encoder.static_bytes)
 
 
-def _current_stream_id(device_index: int) -> int:
-    """``torch.cuda.current_stream(device_index).stream_id`` without constructing a ``Stream``."""
-    return torch._C._cuda_getCurrentStream(device_index)[0]
+#: ``torch.cuda.is_current_stream_capturing``'s C function (torch defines a stand-in on builds without
+#: CUDA), called without the Python wrapper around it.
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
 
 
 # ---------------------------------------------------------------------------
