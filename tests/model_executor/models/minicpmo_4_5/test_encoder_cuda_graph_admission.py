@@ -748,7 +748,7 @@ def test_hit_path_bookkeeping_through_vllm_manager_on_cpu(ecg, vllm_config, cpu_
         f"hit path on CPU: bookkeeping {t_call - t_bare:.2f} us = vLLM manager {t_manager - t_bare:.2f} us"
         f" + adapter {t_call - t_manager:.2f} us (call {t_call:.2f}, bare {t_bare:.2f})"
     )
-    assert t_call - t_bare < 30.0  # about 9 us on an idle x86 core; a per-call copy or sync would show
+    assert t_call - t_bare < 30.0  # about 9 us on an idle CPU core; a per-call copy or sync would show
 
 
 def test_cuda_backend_global_checks_are_torchs_own_cuda_state(ecg):
