@@ -299,6 +299,7 @@ def test_a_key_that_may_pay_is_held_once_then_captured_at_its_third_call(ecg, vl
     stats = graph.get_cumulative_stats()
     assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (1, 2, 2)
     assert graph.backend.measured == [(1, 1024), (1, 1024)]  # one unheld, one held call; replays never
+    assert graph.get_detailed_stats()["held_calls"] == 1
     model = graph.cost_model
     # capture 8.2 + 8.34 + 3 ms, memory 214 MiB + the 4 KiB input and output: over 32 replays
     need = (8.2 + 8.34 + model.CAPTURE_FIXED_MS + model.MEMORY_MS_PER_GIB * (214 * MIB + 8192) / GIB) / 32
@@ -365,6 +366,7 @@ def test_photo_mix_with_h200_timings_captures_nothing_under_cost(ecg, vllm_confi
         assert [g["inputs"][0][0] for g in detail["graphs"]] == [(5, 1020), (3, 1036), (1, 1014), (3, 1035)]
         return
     assert order.count("chelsea") == 11 and stats["num_graphs"] == 0 and graph.backend.holds == []
+    assert detail["held_calls"] == 0
     assert (stats["warmup_misses"], detail["declined_misses"]) == (5, 27)  # 5 shapes' first calls
 
 

@@ -1541,6 +1541,7 @@ class EncoderCudaGraph:
         self._cap_logged = False
         self._profiling_over = False
         self._calls = 0  # eligible calls: the clock of the cost rule's rates
+        self._held_calls = 0
         self._measure = admission == "cost" or max_bytes > 0
         self._log_interval = float(log_interval_s)
         self._next_log = time.monotonic() + self._log_interval
@@ -1625,6 +1626,7 @@ class EncoderCudaGraph:
         Returns:
             dict with ``admission`` (``"cost"`` or ``"count"``),
             ``declined_misses`` (eager calls of keys the cost rule declined),
+            ``held_calls`` (warmup calls the cost rule measured behind a hold),
             ``budget_misses`` (captures deferred by ``max_bytes``),
             ``profile_misses`` (calls during vLLM's start-up profiling),
             ``graph_bytes`` (int, bytes held by all graphs), ``max_bytes`` (the
@@ -1650,6 +1652,7 @@ class EncoderCudaGraph:
         return {
             "admission": self.options.admission,
             "declined_misses": m["declined"],
+            "held_calls": self._held_calls,
             "budget_misses": m["budget"],
             "profile_misses": m["profile"],
             "graph_bytes": self.graph_bytes,
@@ -1728,6 +1731,7 @@ class EncoderCudaGraph:
         """The eager forward: held once when the cost rule asked for it, else measured while the key
         has fewer than :attr:`MAX_SAMPLES` unheld samples."""
         if record.hold_ms > 0:
+            self._held_calls += 1
             out, record.held = self.backend.measure_eager(
                 device, lambda: self.forward(*inputs), record.hold_ms
             )
