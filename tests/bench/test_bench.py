@@ -192,6 +192,8 @@ def _check_offline(s: dict) -> None:
     assert count["graphs"] == 4 and count["misses"]["declined"] == 0
     assert 1 <= cost["graphs"] < count["graphs"] and cost["misses"]["declined"] >= 1
     assert cost["graph_bytes"] < count["graph_bytes"]
+    # the recurring single slice is held once before its capture; count never measures
+    assert cost["held_calls"] >= 1 and count["held_calls"] == 0
     assert cost["graph_bytes"] == sum(g["bytes"] for g in cost["detail"]["vision"]["graphs"])
     assert (
         cost["detail"]["vision"]["admission"] == "cost" and count["detail"]["vision"]["admission"] == "count"
@@ -331,8 +333,8 @@ def test_session_section_puts_the_runs_side_by_side_with_their_targets() -> None
 @pytest.mark.cpu
 def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
     class Adapter:
-        def __init__(self, hits: int, misses: int, declined: int) -> None:
-            self.hits, self.misses, self.declined = hits, misses, declined
+        def __init__(self, hits: int, misses: int, declined: int, held: int = 0) -> None:
+            self.hits, self.misses, self.declined, self.held = hits, misses, declined, held
             self.graphs: dict = {}
 
         def get_cumulative_stats(self) -> dict:
@@ -344,6 +346,7 @@ def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
         def get_detailed_stats(self) -> dict:
             return {
                 "declined_misses": self.declined,
+                "held_calls": self.held,
                 "budget_misses": 0,
                 "profile_misses": 0,
                 "graph_bytes": 5,
@@ -353,10 +356,11 @@ def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
         "vision": {"graph_hits": 8, "graph_misses": 2},
         "audio": {"graph_hits": 9, "graph_misses": 1},
     }
-    res = session.graph_results({"vision": Adapter(98, 2, 1), "audio": Adapter(108, 2, 0)}, at_warmup)
+    res = session.graph_results({"vision": Adapter(98, 2, 1, 1), "audio": Adapter(108, 2, 0, 2)}, at_warmup)
     assert res["hit_rate"] == 206 / 210
     assert res["hit_rate_after_warmup"] == (206 - 17) / (210 - 20)  # one miss after the warm-up
     assert (res["graphs"], res["graph_bytes"], res["misses"]["declined"]) == (2, 10, 1)
+    assert res["held_calls"] == 3
     assert session.graph_results({"vision": Adapter(1, 1, 0)}, None)["hit_rate_after_warmup"] is None
 
 
