@@ -74,13 +74,36 @@ def test_reduced_encoders_shapes_and_deterministic_weights():
     assert a.apm.config.d_model == 1024 and a.audio_projection_layer.linear1.in_features == 1024
     assert a.audio_avg_pooler.kernel_size == (5,) and a.audio_encoder_layer == -1
     assert not a.training and all(p.dtype == torch.float32 and not p.requires_grad for p in a.parameters())
-    assert a.build_info.vision_attn == "eager"
+    assert (
+        a.build_info.vision_attn == "sdpa"
+    )  # the model's default (--hf-overrides vision_attn_implementation)
+    assert {type(layer.self_attn).__name__ for layer in a.vpm.encoder.layers} == {"SiglipSdpaAttention"}
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
         assert torch.isfinite(pa).all(), name
     ln = a.vpm.post_layernorm
     assert torch.equal(ln.weight, torch.ones_like(ln.weight)) and not ln.bias.any()
     assert a.resampler.pos_embed.dtype == torch.float32 and a.resampler.pos_embed.abs().max() <= 1.0
+
+
+@pytest.mark.cpu
+def test_builder_takes_the_vision_attention_as_the_model_resolves_it(monkeypatch):
+    eager = standalone.build_thinker_encoders(reduced=True, seed=3, vision_attn="eager")
+    sdpa = standalone.build_thinker_encoders(reduced=True, seed=3)
+    assert eager.build_info.vision_attn == eager.config.vision_attn_implementation == "eager"
+    assert {type(layer.self_attn).__name__ for layer in eager.vpm.encoder.layers} == {"SiglipAttention"}
+    for (name, pa), (_, pb) in zip(eager.named_parameters(), sdpa.named_parameters()):
+        assert torch.equal(pa, pb), name  # the seed decides the weights, not the attention
+    with pytest.raises(ValueError, match='vision_attn_implementation="sdpa2"'):
+        standalone.build_thinker_encoders(reduced=True, vision_attn="sdpa2")
+    mod = standalone.model_module()
+    monkeypatch.setattr(mod, "is_flash_attn_2_available", lambda: False)
+    with pytest.raises(ValueError, match="flash-attn 2"):
+        standalone.build_thinker_encoders(reduced=True, vision_attn="flash_attention_2")
+    monkeypatch.delattr(mod, "vision_attn_implementation")  # a model file without patch 0005
+    with pytest.raises(standalone.PatchMissingError, match="patch 0005"):
+        standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "sdpa")
+    assert standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "eager") == "eager"
 
 
 @pytest.mark.cpu
