@@ -252,7 +252,11 @@ def test_options_fields_are_registry_entries(ecg):
 
 def test_vision_attn_implementation_is_registered_and_validated_with_the_rest(ecg):
     spec = ecg.HF_OVERRIDE_KEYS["vision_attn_implementation"]
-    assert (spec.kind, spec.default, spec.choices) == ("choice", "sdpa", ("sdpa", "eager", "flash_attention_2"))
+    assert (spec.kind, spec.default, spec.choices) == (
+        "choice",
+        "sdpa",
+        ("sdpa", "eager", "flash_attention_2"),
+    )
     assert ecg.read_hf_overrides(types.SimpleNamespace())["vision_attn_implementation"] == "sdpa"
     for value in spec.choices:
         config = types.SimpleNamespace(vision_attn_implementation=value)
@@ -262,8 +266,10 @@ def test_vision_attn_implementation_is_registered_and_validated_with_the_rest(ec
         ecg.EncoderCudaGraphOptions.from_hf_config(config)  # the model's first check reports both
     assert info.value.problems == [
         "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0",
-        'vision_attn_implementation="SDPA": got a string, expected one of "sdpa", "eager", '
-        '"flash_attention_2"',
+        (
+            'vision_attn_implementation="SDPA": got a string, expected one of "sdpa", "eager", '
+            '"flash_attention_2"'
+        ),
     ]
     assert "vision_attn_implementation" not in ecg.EncoderCudaGraphOptions().describe()
 
