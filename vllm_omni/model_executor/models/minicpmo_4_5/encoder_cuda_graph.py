@@ -265,7 +265,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         kind="int",
         minimum=2,
         default=2,
-        doc="calls with the same input shapes, dtype, device and stream before capture",
+        doc="calls with the same input shapes, dtype, device and stream before a capture may happen",
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_min_free_bytes",
