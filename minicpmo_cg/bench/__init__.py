@@ -41,8 +41,9 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     the duplex stage's prefix/suffix context frames and per-session KV cache, 120 s of simulated
     time (cache resets before chunks 29, 58, 87, 116), eager vs graphed in one run (cold session,
     warm session, two interleaved sessions), every graphed chunk bitwise against eager. Per-chunk
-    median and p90, session encoder time, graph memory in total and per session.
-    ``--only duplex`` runs it alone.
+    median and p90, session encoder time, graph memory in total and per session; on a GPU, where a
+    graphed chunk's time goes (:mod:`.duplex_breakdown`: per-phase CUDA events, the replay against
+    the past length, attention alone). ``--only duplex`` runs it alone.
 ``offline`` (:mod:`.offline`)
     Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats.
 
