@@ -621,7 +621,7 @@ def test_interleaved_duplex_sessions_replay_bitwise_equal_to_their_own_eager_run
     assert stats["ineligible_misses"] == stats["capacity_misses"] == stats["memory_misses"] == 0
     # one arena for the device and stream; each graph owns only the mel and mask buffers
     ((key, arena),) = model._streaming_audio_arenas.items()
-    assert key == (torch.device("cuda", torch.cuda.current_device()), torch.cuda.current_stream().cuda_stream)
+    assert key == (torch.device("cuda", torch.accelerator.current_device_index()), torch.cuda.current_stream().cuda_stream)
     assert arena.kv.shape == (LAYERS, 2, 1, HEADS, POSITIONS, D_MODEL // HEADS)
     for manager in graph.graphs.values():
         for graph_set in manager.budget_graphs.values():
