@@ -77,7 +77,7 @@ def _prepare_out(out: Path) -> None:
 def _commit_owned(repo: SeriesRepo, cs: ChangeSet) -> None:
     files = {rel: transform.add_spdx(path.read_text(encoding="utf-8")) for rel, path in cs.owned.items()}
     names = ", ".join(Path(rel).name for rel in files)
-    body = [f"New module(s) beside the MiniCPM-o 4.5 model: {names}."]
+    body = [f"New {'module' if len(files) == 1 else 'modules'} beside the MiniCPM-o 4.5 model: {names}."]
     for rel, text in files.items():
         summary = prtext.first_paragraph(_docstring(text))
         if summary:
@@ -180,6 +180,11 @@ def export(opts: ExportOptions) -> ExportResult:
         RuntimeError: a patch does not apply to the release (git's message).
     """
     cs = read_change_set(opts.repo, opts.lane)
+    if not cs.omni_patches:
+        raise transform.ExportError(
+            f"nothing to export for lane {cs.lane.name}: no vllm-omni patch is active there (all upstream or "
+            f"not targeting vllm-omni {cs.lane.vllm_omni}), so the owned files are not installed either"
+        )
     _prepare_out(opts.out)
     ruff = fetch.ruff_binary(conv.RUFF_VERSION)
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-export-") as tmp:
