@@ -240,3 +240,27 @@ def _stand_ins(checkout: Path) -> None:
     (checkout / conv.DESIGN_INDEX_FILE).write_text(
         "# Design\n\n- [MiniCPM-o MRv2](minicpm_o45_mrv2_performance.md)\n"
     )
+
+
+@pytest.mark.cpu
+def test_exported_patches_are_those_the_patch_tool_applies_on_the_lane(current_lane_only):
+    from minicpmo_cg.patchtool import build_plan, discover_installation
+
+    plan = build_plan(discover_installation(None), REPO / "patches", REPO)
+    active = {r.patch.name for r in plan.reports if r.state in ("applied", "pending")}
+    cs = read_change_set(REPO, "current")
+    assert {p.name for p in cs.omni_patches + cs.vllm_patches} == active
+
+
+@pytest.mark.cpu
+def test_a_lane_whose_vllm_omni_patches_are_upstream_has_nothing_to_export(tmp_path):
+    from minicpmo_cg.export import build, transform
+    from minicpmo_cg.export.gitseries import Identity
+
+    repo = _copy_checkout(tmp_path / "repo")
+    for patch in (repo / "patches/vllm-omni").glob("*.patch"):
+        text = patch.read_text()
+        patch.write_text(text.replace("\nTargets:", "\nUpstream-Since: vllm-omni==0.30.0\nTargets:", 1))
+    with pytest.raises(transform.ExportError, match="nothing to export for lane current"):
+        build.export(build.ExportOptions(repo=repo, out=tmp_path / "pr", author=Identity(AUTHOR)))
+    assert not (tmp_path / "pr").exists()
