@@ -23,10 +23,12 @@ inputs. Both add the duplex row (:data:`DUPLEX_CHUNKS` chunks). The default is `
 and ``reduced`` otherwise (the full size runs eagerly for about 11 minutes on a 2-core CPU);
 ``--full`` forces it.
 
-Timings are per call of the whole call site (vision: embeddings, SigLIP stack, resampler; audio:
-mask building, Whisper, projection, pooling, length slicing), in milliseconds: the median over
-the timed calls (:class:`minicpmo_cg.measure.Timer`). Everything runs under
-``torch.inference_mode``. A graphed output must be within
+Timings are per call of the whole call site (vision: embeddings, SigLIP stack, resampler, replayed
+from one graph per call; audio: mask building, Whisper, projection, pooling, length slicing), in
+milliseconds: the median over the timed calls (:class:`minicpmo_cg.measure.Timer`). The
+``attention`` column names the encoder's attention: SigLIP's is the model's default,
+``--hf-overrides vision_attn_implementation`` ``"sdpa"`` (:data:`VISION_ATTN`). Everything runs
+under ``torch.inference_mode``. A graphed output must be within
 :data:`minicpmo_cg.measure.GRAPH_REL_TOL` of the eager one; non-finite outputs, or timed
 graphed calls that were not all served by replays, also fail the demo.
 
@@ -77,6 +79,8 @@ MIN_CAPTURE_CALLS = 2
 DUPLEX_CHUNKS = {"cuda": 32, "cpu": 4}
 #: The adapter that serves each input modality.
 ADAPTER_OF = {"image": "vision", "audio": "audio", "duplex": "streaming audio"}
+#: SigLIP's attention in the demo: the model's default (``vision_attn_implementation``).
+VISION_ATTN = "sdpa"
 #: Timed calls per input and mode by (device type, size).
 DEFAULT_REPEATS = {("cuda", "full"): 20, ("cuda", "reduced"): 5, ("cpu", "full"): 1, ("cpu", "reduced"): 1}
 #: Adapter options of the graphed pass. It times replays of every input's shapes, so admission is
@@ -218,6 +222,7 @@ class InputResult:
     source: str
     input_shape: str
     encoder_calls: int
+    attention: str = ""
     output_shape: str = ""
     output_max_abs: float = math.nan
     finite: bool = True
@@ -237,6 +242,7 @@ class InputResult:
             "modality": self.modality,
             "source": self.source,
             "input_shape": self.input_shape,
+            "attention": self.attention,
             "encoder_calls_per_call": self.encoder_calls,
             "output_shape": self.output_shape,
             "output_max_abs": self.output_max_abs,
@@ -267,6 +273,7 @@ def _table_row(r: InputResult) -> list[str]:
     return [
         r.name,
         r.modality,
+        r.attention,
         r.input_shape,
         r.output_shape,
         _fmt_ms(r.eager_ms),
@@ -279,11 +286,11 @@ def _table_row(r: InputResult) -> list[str]:
 
 def format_table(results: list[InputResult]) -> str:
     """The results table (one row per input)."""
-    header = ["input", "modality", "input shape", "output"]
+    header = ["input", "modality", "attention", "input shape", "output"]
     header += ["eager ms", "graphed ms", "speedup", "max|g-e|", "replays"]
     rows = [header] + [_table_row(r) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    numeric = {4, 5, 6, 7, 8}
+    numeric = {5, 6, 7, 8, 9}
     lines = []
     for k, row in enumerate(rows):
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
@@ -441,20 +448,32 @@ def build(demo: Demo) -> None:
     demo.items = inputs.build_inputs(quick=reduced)
     demo.items.append(duplex.duplex_input(DUPLEX_CHUNKS[demo.device.type]))
     demo.model = standalone.build_thinker_encoders(
-        device=demo.device, dtype=demo.dtype, reduced=reduced, seed=demo.seed, progress=True
+        device=demo.device,
+        dtype=demo.dtype,
+        reduced=reduced,
+        seed=demo.seed,
+        vision_attn=VISION_ATTN,
+        progress=True,
     )
     demo.vllm_config = standalone_vllm_config(enforce_eager=False)
     demo.timer = Timer(demo.device)
 
 
 def _call_site(demo: Demo, item: Any) -> tuple[Any, int]:
-    """``(fn, n_encoder_calls)``: a no-argument call of the input's model call site."""
+    """``(fn, n_encoder_calls)``: a no-argument call of the input's model call site and the adapter
+    calls (graph replays when graphed) it makes: one per call for images too, since the image graph
+    holds every ``vision_batch_size`` chunk of SigLIP and the resampler (vllm-omni patch 0006)."""
     model = demo.model
     data = item.data(demo.device, demo.dtype)
     if item.modality == "image":
-        batch = max(1, int(model.config.vision_batch_size))
-        return (lambda: model.get_vision_hidden_states(data)), math.ceil(item.num_slices / batch)
+        return (lambda: model.get_vision_hidden_states(data)), 1
     return (lambda: model.get_audio_hidden_states(data)), 1
+
+
+def _attention(demo: Demo, item: Any) -> str:
+    """The attention implementation of the encoder that serves ``item``."""
+    info = demo.model.build_info
+    return info.vision_attn if item.modality == "image" else info.audio_attn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,14 +497,14 @@ def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
 def _eager_input(demo: Demo, item: Any) -> tuple[InputResult, Any]:
     """One input eagerly: a warm-up call on CUDA, then ``repeats`` timed calls (duplex: one session)."""
     if item.modality == "duplex":
-        r = InputResult(item.name, item.modality, item.source, item.describe(), 1)
+        r = InputResult(item.name, item.modality, item.source, item.describe(), 1, _attention(demo, item))
         if demo.cuda:
             _duplex_session(demo, item)  # warm-up
         r.eager_ms, out = _duplex_session(demo, item)
         r.output_shape = f"{len(out)} x {tuple(out[0].shape)}"
         return r, out
     fn, n_enc = _call_site(demo, item)
-    r = InputResult(item.name, item.modality, item.source, item.describe(), n_enc)
+    r = InputResult(item.name, item.modality, item.source, item.describe(), n_enc, _attention(demo, item))
     if demo.cuda:
         fn()  # warm-up
     r.eager_ms, out = demo.timer.repeat(fn, demo.repeats)

@@ -14,6 +14,9 @@ on one model. This module does the same for the demo, the benchmark and the test
   the frames incrementally; the shapes, and so the encoder's work, are the same.)
 - :func:`speech_mel` is such a stream from the speech files vllm-omni ships.
 - :class:`DuplexSession` keeps one session's cache and swaps it in and out around each call.
+- :func:`stage_frame_data` and :func:`encode_frame` are the stage's vision call for a camera frame
+  (``_encode_processed_vision``): the processed frame's slices in the model dtype, ``tgt_sizes`` as
+  int64, through ``get_vision_hidden_states`` under ``torch.no_grad()``.
 
 A session's cache resets when past + new positions would reach the position table's 1500 rows:
 before its 30th chunk (:func:`past_lengths`).
@@ -201,3 +204,34 @@ def cache_bytes(cache: Any) -> int:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
         if isinstance(t, torch.Tensor)
     )
+
+
+def stage_frame_data(
+    pixel_values: list[torch.Tensor], tgt_sizes: torch.Tensor, *, device: Any, dtype: torch.dtype
+) -> dict[str, Any]:
+    """A camera frame's ``get_vision_hidden_states`` argument as the duplex stage builds it.
+
+    ``MiniCPMO45Stage0DuplexRuntime._encode_processed_vision`` moves the processed frame's slices to
+    the vision tower's device and dtype and ``tgt_sizes`` to int64; the tensors are normal (not
+    inference) tensors, made outside ``torch.inference_mode``.
+
+    Args:
+        pixel_values: the frame's slices ``(3, 14, 14 * h_i * w_i)`` (one for a 448x448 frame).
+        tgt_sizes: ``(slices, 2)`` patch grids.
+        device, dtype: the vision tower's.
+    """
+    with torch.inference_mode(False):
+        return {
+            "pixel_values": [p.to(device=device, dtype=dtype) for p in pixel_values],
+            "tgt_sizes": tgt_sizes.reshape(-1, 2).to(device=device, dtype=torch.int64),
+        }
+
+
+def encode_frame(model: Any, data: dict[str, Any]) -> torch.Tensor:
+    """The duplex stage's vision call: ``get_vision_hidden_states`` under ``torch.no_grad()``.
+
+    The stage runs it outside ``torch.inference_mode``, so this leaves any enclosing inference mode
+    first. Returns ``(slices, query_num, hidden_size)``.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        return model.get_vision_hidden_states(data)

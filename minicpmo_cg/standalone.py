@@ -12,7 +12,7 @@ LLM through vLLM's model registry, never runs) and is given exactly the attribut
 
 =========================== ==================================================================
 ``config``                  ``MiniCPMOConfig`` at the checkpoint's values (:func:`thinker_config`)
-``vpm``                     ``SiglipVisionTransformer`` (eager attention, last layer dropped)
+``vpm``                     ``SiglipVisionTransformer`` (last layer dropped; attention chosen by ``vision_attn``)
 ``resampler``               ``Resampler`` (64 queries, embed 4096, 32 heads, kv_dim 1152)
 ``apm``                     ``MiniCPMWhisperEncoder`` (Whisper-medium encoder)
 ``audio_projection_layer``  ``MultiModalProjector`` (1024 -> 4096 -> 4096)
@@ -188,8 +188,8 @@ class EncoderBuildInfo:
     Attributes:
         vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
         audio_layers: Whisper encoder layers.
-        vision_attn: SigLIP attention implementation (``"eager"``, as the model picks it when
-            the model config names none).
+        vision_attn: SigLIP attention implementation (``"sdpa"``, ``"eager"`` or
+            ``"flash_attention_2"``), as the model resolves ``vision_attn_implementation``.
         audio_attn: Whisper attention implementation (transformers' default for the config).
         num_params: parameters of all encoder modules (count).
         build_s: wall time of the build, seconds.
@@ -209,6 +209,7 @@ def build_thinker_encoders(
     dtype: torch.dtype | None = None,
     reduced: bool = False,
     seed: int = 0,
+    vision_attn: str = "sdpa",
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> Any:
@@ -219,7 +220,11 @@ def build_thinker_encoders(
         dtype: parameter dtype; default ``torch.bfloat16`` on CUDA, ``torch.float32`` on CPU.
             The resampler's sincos position cache stays float32, as in the real model.
         reduced: 2 vision + 2 audio layers at full widths (quick runs, tests).
-        seed: weight seed (:func:`init_weights_`).
+        seed: weight seed (:func:`init_weights_`); the same seed gives the same weights whatever
+            the attention implementation.
+        vision_attn: SigLIP's attention, the ``--hf-overrides`` key ``vision_attn_implementation``
+            (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
+            ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
         config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
         progress: print build progress to stderr.
 
@@ -228,12 +233,19 @@ def build_thinker_encoders(
         attributes listed in the module docstring plus ``build_info``
         (:class:`EncoderBuildInfo`). Encoder CUDA graphs are not wired yet: call
         :func:`wire_encoder_graphs`.
+
+    Raises:
+        ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
+            ``"flash_attention_2"`` without the flash-attn 2 package, from the model file.
+        PatchMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
+            SDPA patch (vllm-omni patch 0005).
     """
     start = time.perf_counter()
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
+    config.vision_config._attn_implementation = resolve_vision_attn(config, vision_attn)
     if progress:
         _progress(
             f"building thinker encoders ({'reduced' if reduced else 'full'}: "
@@ -255,15 +267,37 @@ def build_thinker_encoders(
     return model
 
 
+def resolve_vision_attn(config: Any, vision_attn: str) -> str:
+    """Set ``vision_attn_implementation`` on ``config`` and resolve it as the model's ``__init__`` does.
+
+    Returns:
+        the SigLIP attention implementation the model would build.
+
+    Raises:
+        ValueError: see :func:`build_thinker_encoders`.
+        PatchMissingError: see :func:`build_thinker_encoders`.
+    """
+    resolve = getattr(model_module(), "vision_attn_implementation", None)
+    if resolve is None:  # a model file without vllm-omni patch 0005: SigLIP's eager attention only
+        if vision_attn != "eager":
+            raise PatchMissingError(
+                f"minicpmo_cg: vision_attn={vision_attn!r} needs vllm-omni patch 0005 (SDPA attention for "
+                "SigLIP); run `minicpmo-cg-patch apply` first"
+            )
+        return "eager"
+    config.vision_attn_implementation = vision_attn
+    return resolve(config)
+
+
 def _bare_model_on_meta(config: Any) -> Any:
-    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device."""
+    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device.
+
+    SigLIP gets the attention named by ``config.vision_config._attn_implementation``.
+    """
     mod = model_module()
     model = object.__new__(mod.MiniCPMO45OmniLLMForConditionalGeneration)
     nn.Module.__init__(model)
     model.config = config
-    # As MiniCPMO45OmniLLMForConditionalGeneration.__init__ does without a model-level
-    # _attn_implementation (vLLM's ModelConfig has none): eager SigLIP attention.
-    config.vision_config._attn_implementation = "eager"
     with torch.device("meta"):
         vpm = mod.SiglipVisionTransformer(config.vision_config)
         if config.drop_vision_last_layer:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import minicpmo_cg.bench
-from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming
+from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming, vision_path
 from minicpmo_cg.bench.context import PROFILES, ROTATE, TARGETS, Ctx, log
 from minicpmo_cg.bench.cpu_backend import CpuGraphBackend
 from minicpmo_cg.bench.report import format_report
@@ -28,6 +28,7 @@ PROG = "minicpmo-cg-bench"
 SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "vision": per_shape.run_vision,
     "audio": per_shape.run_audio,
+    "vision_path": vision_path.run,
     "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
     "duplex": duplex.run,
@@ -113,9 +114,8 @@ def make_context(args: argparse.Namespace, mode: str) -> Ctx:
         raise UsageError(f"cannot import the patched vllm-omni / minicpmo_cg: {exc}") from exc
     reduced = args.reduced or mode == "cpu"
     log(f"building encoders ({'reduced' if reduced else 'full'}, {dtype}, {device}) ...")
-    model = standalone.build_thinker_encoders(
-        device=device, dtype=dtype, reduced=reduced, seed=args.seed, progress=True
-    )
+    build_args = {"device": device, "dtype": dtype, "reduced": reduced, "seed": args.seed, "progress": True}
+    model = standalone.build_thinker_encoders(**build_args)
     if not standalone.has_graph_wiring(model):
         raise UsageError(standalone.PATCH_HINT)
     return Ctx(
@@ -128,6 +128,7 @@ def make_context(args: argparse.Namespace, mode: str) -> Ctx:
         adapter_mod=adapter_mod,
         rng=torch.Generator().manual_seed(args.seed),
         backend=CpuGraphBackend() if device.type != "cuda" else None,
+        build_args=build_args,
     )
 
 

@@ -31,6 +31,10 @@ TARGETS = {
     "bookkeeping_us": 20.0,
     "duplex_chunk_ms": 3.0,
     "duplex_session_speedup": 3.0,
+    # the whole image call, graphed, default (SDPA) attention: at most (ms, MiB)
+    "vision_path_1_slice_ms": 4.0,
+    "vision_path_10_slices_ms": 40.0,
+    "vision_path_1_slice_graph_mib": 64.0,
 }
 
 
@@ -85,6 +89,15 @@ class Ctx:
     #: the adapters' device seam: None = the adapter's CUDA backend; a ``CpuGraphBackend`` for ``--allow-cpu``
     backend: Any = None
     problems: list[str] = field(default_factory=list)
+    #: the keyword arguments ``model`` was built with (:func:`minicpmo_cg.standalone.build_thinker_encoders`)
+    build_args: dict[str, Any] = field(default_factory=dict)
+
+    def build_model(self, **overrides: Any) -> Any:
+        """Another model from the project's builder, as ``model`` was built but for ``overrides``
+        (e.g. ``vision_attn="eager"``); the same seed gives the same weights."""
+        from minicpmo_cg import standalone
+
+        return standalone.build_thinker_encoders(**{**self.build_args, **overrides})
 
     @property
     def cpu(self) -> bool:
@@ -151,7 +164,7 @@ def record_inputs(ctx: Ctx, modality: str, data: dict[str, Any]) -> list[tuple[A
         owner, attr, forward, call = (
             model.vpm,
             "_encoder_graph",
-            model.vpm._encode_last_hidden_state,
+            model._encode_images,  # the whole image call: pixels to resampler output
             model.get_vision_hidden_states,
         )
     else:

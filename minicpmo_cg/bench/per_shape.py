@@ -1,5 +1,6 @@
 """Scenarios ``vision`` and ``audio``: per input shape, eager vs graphed latency of the captured
-region, capture cost, graph memory and the graphed-vs-eager difference."""
+region (vision: the whole image call from pixels to resampler output, ``_encode_images``; audio:
+Whisper, projection and pooling), capture cost, graph memory and the graphed-vs-eager difference."""
 
 from __future__ import annotations
 
@@ -93,10 +94,10 @@ def run_vision(ctx: Ctx) -> list[dict[str, Any]]:
     rows = []
     for name, grids in CPU_VISION_SHAPES if ctx.cpu else VISION_SHAPES:
         rotation = [c for _ in range(ROTATE) for c in record_inputs(ctx, "vision", vision_data(ctx, grids))]
-        if len(rotation) != ROTATE:  # one encoder call per get_vision_hidden_states call expected
-            raise RuntimeError(f"vision {name}: the call site split the slices into several chunks")
+        if len(rotation) != ROTATE:  # one graph call per get_vision_hidden_states call
+            raise RuntimeError(f"vision {name}: the call site made {len(rotation)} graph calls for {ROTATE}")
         log(f"vision {name}: inputs {describe_inputs(rotation[0])}")
-        rows.append(bench_shape(ctx, "vision", name, ctx.model.vpm._encode_last_hidden_state, rotation))
+        rows.append(bench_shape(ctx, "vision", name, ctx.model._encode_images, rotation))
         del rotation
     return rows
 

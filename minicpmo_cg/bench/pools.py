@@ -21,7 +21,7 @@ def _shapes(ctx: Ctx) -> list[tuple[str, str, tuple[Any, ...]]]:
 
 def _variant(ctx: Ctx, shapes: list[tuple[str, str, tuple[Any, ...]]], share: bool) -> dict[str, Any]:
     """Capture every shape with ``share_pools=share``; memory, capture time and replay latency."""
-    forwards = {"vision": ctx.model.vpm._encode_last_hidden_state, "audio": ctx.model._encode_audio_features}
+    forwards = {"vision": ctx.model._encode_images, "audio": ctx.model._encode_audio_features}
     release_memory()
     before = mem_state()
     adapters = {

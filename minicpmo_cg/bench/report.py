@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming
+from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming, vision_path
 
 
 def _header(meta: dict[str, Any]) -> list[str]:
@@ -29,6 +29,7 @@ def format_report(res: dict[str, Any]) -> str:
     if rows:
         lines += per_shape.format_rows(rows)
     for key, fmt in (
+        ("vision_path", vision_path.format_section),
         ("bookkeeping", bookkeeping.format_section),
         ("streaming", streaming.format_section),
         ("duplex", duplex.format_section),

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.runs import patched_model_available
 
-from minicpmo_cg.bench import bookkeeping, cli, context, offline, per_shape, session, streaming
+from minicpmo_cg.bench import bookkeeping, cli, context, offline, per_shape, session, streaming, vision_path
 from minicpmo_cg.bench.cpu_backend import CAPTURE_FIXED_MS, CpuGraphBackend, fixed_free_bytes
 from minicpmo_cg.measure import GRAPH_REL_TOL, graph_rel_tol, summary, within_graph_tolerance
 
@@ -34,6 +34,7 @@ def test_only_accepts_commas_and_repeats_in_canonical_order() -> None:
     assert args.sections == ["vision", "audio", "pools"]
     assert cli.parse_args([]).sections == list(cli.SECTIONS)
     assert cli.parse_args(["--only", "duplex"]).sections == ["duplex"]  # the duplex audio path alone
+    assert cli.parse_args(["--only", "duplex,vision_path"]).sections == ["vision_path", "duplex"]
     with pytest.raises(SystemExit):
         cli.parse_args(["--only", "gpu"])
 
@@ -131,7 +132,7 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
 )
 def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    only = "vision,bookkeeping,streaming,duplex"
+    only = "vision,vision_path,bookkeeping,streaming,duplex"
     r = subprocess.run(
         [sys.executable, "-m", "minicpmo_cg.bench", "--device", "cpu", "--allow-cpu", "--quick"]
         + ["--only", f"{only},offline", "--json", str(out)],
@@ -148,7 +149,8 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     assert res["meta"]["mode"] == "cpu" and res["problems"] == []
     assert {row["name"] for row in res["vision"]} == {n for n, _ in per_shape.CPU_VISION_SHAPES}
     padded = next(row for row in res["vision"] if "padded" in row["name"])
-    assert padded["inputs"][1] is not None  # the call site built a padding mask
+    assert padded["inputs"][2] is not None  # the call site built a patch mask: (pixels, tgt_sizes, mask)
+    _check_vision_path(res["vision_path"], r.stdout)
     assert all(row["max_rel_diff"] == 0.0 and row["stats"]["num_graphs"] == 1 for row in res["vision"])
     kinds = set(res["bookkeeping"]["misses"])
     assert {"warmup", "capacity", "memory (injected reading)", "ineligible (autograd on)"} <= kinds
@@ -162,12 +164,34 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     _check_offline(res["offline"])
     _check_duplex(res["duplex"])
     assert (
-        "-- duplex audio: get_audio_embedding_streaming" in r.stdout
+        "-- duplex session: a frame and a 1 s chunk a second; audio: get_audio_embedding_streaming"
+        in r.stdout
         and "bitwise vs eager: cold yes" in r.stdout
     )
     for title in ("streaming session", "offline photo mix"):
         section = r.stdout.split(f"-- {title}")[1]
         assert "admission=count " in section and "admission=cost " in section and "  target " in section
+
+
+def _check_vision_path(s: dict, stdout: str) -> None:
+    """Both attentions, 1, 3 and 10 slices; one graph per row, bitwise equal to eager; on a CPU every
+    timing target of the default attention is missed, so its 1- and 10-slice rows carry profiles."""
+    rows = s["rows"]
+    assert [(r["attention"], r["slices"]) for r in rows] == [
+        (a, n) for a in ("eager", "sdpa") for n in (1, 3, 10)
+    ]
+    for r in rows:
+        assert r["equal"] and r["finite"] and r["stats"]["num_graphs"] == 1 and r["stats"]["graph_hits"] >= 2
+        assert r["graph_bytes"] > 0 and r["eager_ms"]["n"] >= 2 and r["graphed_ms"]["n"] >= 2
+        profiled = r["attention"] == "sdpa" and r["slices"] in (1, 10)
+        assert bool(r["missed"]) == profiled and len(r.get("profiles", [])) == (2 if profiled else 0), r[
+            "name"
+        ]
+    section = stdout.split("-- vision path:")[1]
+    assert "targets (sdpa attention)" in section and "--- profile: sdpa 1 slice 4x4, graphed" in section
+    assert (
+        vision_path.missed_targets({**rows[3], "graphed_ms": {"median": 3.9}, "graph_bytes": 64 << 20}) == []
+    )
 
 
 def _check_streaming(s: dict) -> None:
@@ -203,7 +227,17 @@ def _check_duplex(dx: dict) -> None:
     """One session with a cache reset, the next one's first chunk, a warm one and two interleaved."""
     seconds, half = dx["seconds"], dx["seconds"] // 2
     assert dx["resets_before_chunks"] == [29] and seconds >= 30  # one cache reset in the session
-    assert dx["bitwise"] == dict.fromkeys(("cold", "warm", "interleaved_a", "interleaved_b"), True)
+    assert dx["bitwise"] == dict.fromkeys(
+        ("cold", "warm", "interleaved_a", "interleaved_b", "frames_cold", "frames_warm"), True
+    )
+    # a frame a second through get_vision_hidden_states: captured by the cost rule at its 2nd call
+    vision = dx["vision"]
+    assert (vision["admission"], vision["num_graphs"], vision["warmup_misses"]) == ("cost", 1, 1)
+    assert vision["graph_hits"] == 2 * seconds - 1  # the cold session's later frames, the warm session's
+    assert dx["frame_eager"]["n"] == dx["frame_graphed_warm"]["n"] == seconds
+    total = dx["session_ms"]
+    assert total["eager"] == dx["eager"]["session_ms"] + dx["frame_eager"]["session_ms"]
+    assert dx["session_speedup"] == total["eager"] / total["warm"]
     # 30 keys per session (first-chunk form + 29 past lengths), each warmed up once, then replayed
     assert (dx["stats"]["num_graphs"], dx["stats"]["warmup_misses"], dx["cap"]) == (30, 30, 120)
     assert dx["admission"] == "count"  # the streaming adapter counts whatever the admission option says

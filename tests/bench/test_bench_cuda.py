@@ -45,3 +45,27 @@ def test_reduced_bench_counts_new_misses_and_accounts_graph_bytes(tmp_path):
         "admission=cost hit rate after warm-up",
         "admission=cost speedup",
     }
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
+def test_reduced_bench_vision_path_and_duplex_frames_match_eager(tmp_path):
+    proc, res = run_module(
+        "minicpmo_cg.bench",
+        *("--quick", "--reduced", "--device", "cuda", "--only", "vision_path,duplex"),
+        tmp_path=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert res["problems"] == []
+    rows = {(r["attention"], r["slices"]): r for r in res["vision_path"]["rows"]}
+    assert sorted(rows) == [(a, n) for a in ("eager", "sdpa") for n in (1, 3, 10)]
+    for key, r in rows.items():
+        assert r["equal"] and r["finite"] and r["stats"]["num_graphs"] == 1, (key, r["stats"])
+        assert r["graph_bytes"] > 0 and r["graphed_ms"]["median"] > 0, key
+    # SDPA materialises neither the (B, 16, N, N) scores nor their float32 softmax
+    assert rows[("sdpa", 1)]["graph_bytes"] < rows[("eager", 1)]["graph_bytes"]
+    dx = res["duplex"]
+    assert all(dx["bitwise"].values()), dx["bitwise"]  # frames and chunks, graphed == eager
+    vision = dx["vision"]
+    assert vision["num_graphs"] <= 1 and vision["capture_failures"] == 0
+    assert vision["graph_hits"] + vision["graph_misses"] == 2 * dx["seconds"]  # cold and warm sessions

@@ -74,13 +74,36 @@ def test_reduced_encoders_shapes_and_deterministic_weights():
     assert a.apm.config.d_model == 1024 and a.audio_projection_layer.linear1.in_features == 1024
     assert a.audio_avg_pooler.kernel_size == (5,) and a.audio_encoder_layer == -1
     assert not a.training and all(p.dtype == torch.float32 and not p.requires_grad for p in a.parameters())
-    assert a.build_info.vision_attn == "eager"
+    assert (
+        a.build_info.vision_attn == "sdpa"
+    )  # the model's default (--hf-overrides vision_attn_implementation)
+    assert {type(layer.self_attn).__name__ for layer in a.vpm.encoder.layers} == {"SiglipSdpaAttention"}
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
         assert torch.isfinite(pa).all(), name
     ln = a.vpm.post_layernorm
     assert torch.equal(ln.weight, torch.ones_like(ln.weight)) and not ln.bias.any()
     assert a.resampler.pos_embed.dtype == torch.float32 and a.resampler.pos_embed.abs().max() <= 1.0
+
+
+@pytest.mark.cpu
+def test_builder_takes_the_vision_attention_as_the_model_resolves_it(monkeypatch):
+    eager = standalone.build_thinker_encoders(reduced=True, seed=3, vision_attn="eager")
+    sdpa = standalone.build_thinker_encoders(reduced=True, seed=3)
+    assert eager.build_info.vision_attn == eager.config.vision_attn_implementation == "eager"
+    assert {type(layer.self_attn).__name__ for layer in eager.vpm.encoder.layers} == {"SiglipAttention"}
+    for (name, pa), (_, pb) in zip(eager.named_parameters(), sdpa.named_parameters()):
+        assert torch.equal(pa, pb), name  # the seed decides the weights, not the attention
+    with pytest.raises(ValueError, match='vision_attn_implementation="sdpa2"'):
+        standalone.build_thinker_encoders(reduced=True, vision_attn="sdpa2")
+    mod = standalone.model_module()
+    monkeypatch.setattr(mod, "is_flash_attn_2_available", lambda: False)
+    with pytest.raises(ValueError, match="flash-attn 2"):
+        standalone.build_thinker_encoders(reduced=True, vision_attn="flash_attention_2")
+    monkeypatch.delattr(mod, "vision_attn_implementation")  # a model file without patch 0005
+    with pytest.raises(standalone.PatchMissingError, match="patch 0005"):
+        standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "sdpa")
+    assert standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "eager") == "eager"
 
 
 @pytest.mark.cpu
@@ -191,6 +214,26 @@ def test_graphed_pass_captures_every_input_by_the_count_rule():
     }
     assert model.config.encoder_cuda_graph_admission == "count"
     assert model.config.encoder_cuda_graph_min_capture_calls == demo.MIN_CAPTURE_CALLS
+
+
+@pytest.mark.cpu
+def test_an_image_call_of_several_siglip_chunks_expects_one_replay():
+    """The image graph holds every vision_batch_size chunk of SigLIP and the resampler: the full set's
+    photos_x3 (18 slices, two chunks of 16 and 2) is one replay per call, not two."""
+    from minicpmo_cg import inputs
+
+    slices = [torch.zeros(3, 14, 14 * 1024) for _ in range(18)]
+    item = inputs.VisionInput("photos_x3", "test", slices, torch.tensor([[32, 32]] * 18, dtype=torch.int32))
+    calls = []
+    model = SimpleNamespace(
+        config=SimpleNamespace(vision_batch_size=16), get_vision_hidden_states=lambda data: calls.append(data)
+    )
+    fn, replays_per_call = demo._call_site(
+        SimpleNamespace(model=model, device="cpu", dtype=torch.float32), item
+    )
+    assert replays_per_call == 1
+    fn()
+    assert len(calls) == 1 and len(calls[0]["pixel_values"]) == 18
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +406,16 @@ def test_demo_on_cpu_runs_the_reduced_size_and_keeps_logs_off_stdout(tmp_path):
         eager_ms = float(cells[-5])
         assert math.isfinite(eager_ms) and eager_ms > 0, name
         assert cells[-4:] == ["n/a"] * 4, name  # graphed ms, speedup, max|g-e|, replays
+    # the attention column: SigLIP's default for the images, Whisper's for the audio rows
+    audio_attn = report["model"]["audio_attn"]
+    assert report["model"]["vision_attn"] == demo.VISION_ATTN == "sdpa"
+    assert {name: cells[2] for name, cells in rows.items()} == {
+        "chelsea@224": "sdpa",
+        "frame@224": "sdpa",
+        "speech_1s": audio_attn,
+        "speech_5s": audio_attn,
+        "duplex_speech": audio_attn,
+    }
 
     assert report["ok"] is True and report["device"] == "cpu" and report["cuda_graphs"] is False
     assert report["dtype"] == "float32" and report["quick"] is True
@@ -371,6 +424,7 @@ def test_demo_on_cpu_runs_the_reduced_size_and_keeps_logs_off_stdout(tmp_path):
     by_name = {r["name"]: r for r in report["inputs"]}
     assert sorted(by_name) == sorted(REDUCED_INPUTS)
     for r in by_name.values():
+        assert r["attention"] == ("sdpa" if r["modality"] == "image" else audio_attn), r["name"]
         assert r["finite"] and math.isfinite(r["output_max_abs"]) and r["output_max_abs"] > 0
         calls = demo.DUPLEX_CHUNKS["cpu"] if r["modality"] == "duplex" else report["repeats"]
         assert r["eager_ms_median"] > 0 and len(r["eager_ms"]) == calls, r["name"]

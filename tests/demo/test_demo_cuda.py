@@ -27,6 +27,8 @@ def test_quick_demo_on_cuda_graphs_match_eager(tmp_path):
     assert sorted(rows) == sorted(REDUCED_INPUTS)
     for r in report["inputs"]:
         assert r["finite"] and r["graphed_ms_median"] > 0 and r["eager_ms_median"] > 0, r["name"]
+        if r["modality"] == "image":  # SigLIP's default attention, one graph replay per image call
+            assert r["attention"] == "sdpa" and r["encoder_calls_per_call"] == 1, r
         assert r["max_abs_diff"] <= rel_tol * r["output_max_abs"], r
         if r["modality"] == "duplex":  # one timed session, every chunk a replay, bitwise
             assert r["replays"] == r["expected_replays"] == DUPLEX_CHUNKS["cuda"] == len(r["graphed_ms"]), r

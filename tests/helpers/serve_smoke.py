@@ -13,6 +13,11 @@ Modes (what the user types; the adapter is the only thing that differs between
 - ``enforce-eager``: ``--enforce-eager`` (no adapter; the Thinker's decode graphs are
   off as well, so its answers are *not* required to match ``graphed``).
 
+Each mode runs with SigLIP's attention chosen by ``--vision-attn`` (the ``--hf-overrides`` key
+``vision_attn_implementation``, merged into the mode's overrides; default: the server's, ``"sdpa"``).
+The attention changes the numerics, so only recordings of one attention are compared; each
+server's log must name the attention it runs (the model's ``SigLIP attention`` INFO line).
+
 Inputs are built locally, nothing is downloaded: images from scikit-image's bundled
 photos, audio from vllm-omni's bundled voice ``.wav`` files, sent as base64 data URLs.
 Each prompt group holds several inputs of one exact shape (mirrored/flipped photos,
@@ -24,6 +29,7 @@ CLI (used by ``.buildkite/cuda/test-merge.yml``; needs the lane venv with the pa
 applied, see ``.buildkite/scripts/lane_exec.sh``)::
 
     python tests/helpers/serve_smoke.py run --mode graphed --out out/e2e/current-graphed.json
+    python tests/helpers/serve_smoke.py run --mode graphed --vision-attn eager --out out/e2e/g-eager-attn.json
     python tests/helpers/serve_smoke.py compare out/e2e/current-eager.json out/e2e/current-graphed.json
 
 Module-level imports are stdlib only, so ``compare`` runs on any Python 3.10+.
@@ -67,6 +73,9 @@ MODE_ARGS: dict[str, list[str]] = {
 }
 #: modes whose answers must equal ``graphed``'s (only the encoder adapter differs)
 EQUIVALENT_TO_GRAPHED = ("eager",)
+#: values of ``--hf-overrides vision_attn_implementation`` the e2e serves with; the first is the default
+VISION_ATTNS = ("sdpa", "eager")
+DEFAULT_VISION_ATTN = VISION_ATTNS[0]
 
 #: environment knobs (also documented in CONTRIBUTING.md)
 ENV_MODEL = "MINICPMO_CG_E2E_MODEL"  # local checkpoint dir, or a hub id (with ENV_HUB=1)
@@ -82,6 +91,8 @@ MAX_TOKENS = 64
 CAPTURED_ENCODERS = ("vision", "audio")
 #: the adapter's INFO line per capture (encoder_cuda_graph.py, ``_capture``)
 CAPTURE_RE = re.compile(r"Captured (?P<name>.+?) encoder CUDA graph (?P<n>\d+)/(?P<cap>\d+)")
+#: the model's INFO line naming SigLIP's attention (patches/vllm-omni/0005)
+SIGLIP_ATTN_RE = re.compile(r"MiniCPM-o 4\.5 SigLIP attention: (?P<attn>\w+)")
 
 
 class ServerError(RuntimeError):
@@ -320,9 +331,27 @@ def vllm_executable() -> str:
     return found
 
 
-def server_command(model: str, mode: str, port: int, deploy_config: Path, vllm: str = "vllm") -> list[str]:
+def mode_args(mode: str, vision_attn: str | None = None) -> list[str]:
+    """The flags of ``mode``, with ``vision_attn_implementation`` merged into its ``--hf-overrides``."""
     if mode not in MODE_ARGS:
         raise ValueError(f"unknown mode {mode!r} (have {sorted(MODE_ARGS)})")
+    if vision_attn is not None and vision_attn not in VISION_ATTNS:
+        raise ValueError(f"unknown vision attention {vision_attn!r} (have {list(VISION_ATTNS)})")
+    args = list(MODE_ARGS[mode])
+    overrides: dict[str, Any] = {}
+    if "--hf-overrides" in args:
+        at = args.index("--hf-overrides")
+        overrides = json.loads(args[at + 1])
+        del args[at : at + 2]
+    if vision_attn is not None:
+        overrides["vision_attn_implementation"] = vision_attn
+    return args + (["--hf-overrides", json.dumps(overrides)] if overrides else [])
+
+
+def server_command(
+    model: str, mode: str, port: int, deploy_config: Path, vllm: str = "vllm", vision_attn: str | None = None
+) -> list[str]:
+    flags = mode_args(mode, vision_attn)
     return [
         vllm,
         "serve",
@@ -337,7 +366,7 @@ def server_command(model: str, mode: str, port: int, deploy_config: Path, vllm: 
         SERVED_MODEL_NAME,
         "--deploy-config",
         str(deploy_config),
-        *MODE_ARGS[mode],
+        *flags,
     ]
 
 
@@ -547,6 +576,18 @@ def parse_captures(log_text: str) -> list[dict[str, Any]]:
     ]
 
 
+def siglip_attention(log_text: str) -> str | None:
+    """The SigLIP attention the model's log line names (the last one), or None without the line."""
+    found = SIGLIP_ATTN_RE.findall(log_text)
+    return found[-1] if found else None
+
+
+def label(record: dict[str, Any]) -> str:
+    """``mode`` or ``mode/attention`` of a recording (recordings before the attention choice: mode)."""
+    attn = record.get("vision_attn")
+    return record["mode"] if attn is None else f"{record['mode']}/{attn}"
+
+
 def environment() -> dict[str, str]:
     info: dict[str, str] = {"python": sys.version.split()[0]}
     for dist in ("vllm", "vllm-omni", "torch", "minicpmo-encoder-cuda-graphs"):
@@ -575,15 +616,18 @@ def run_mode(
     *,
     prompts: tuple[Prompt, ...] = PROMPTS,
     startup_timeout: float | None = None,
+    vision_attn: str | None = None,
 ) -> dict[str, Any]:
-    """Serve ``model`` in ``mode``, send ``prompts`` one at a time, stop the server; return the record."""
+    """Serve ``model`` in ``mode`` (SigLIP attention ``vision_attn``, None: the server's default), send
+    ``prompts`` one at a time, stop the server; return the record."""
     if startup_timeout is None:
         startup_timeout = float(os.environ.get(ENV_STARTUP_TIMEOUT, DEFAULT_STARTUP_TIMEOUT_S))
     workdir.mkdir(parents=True, exist_ok=True)
     deploy = turn_deploy_config(workdir)
     port = free_port()
-    log_path = workdir / f"serve-{mode}.log"
-    command = server_command(model, mode, port, deploy, vllm=vllm_executable())
+    attn = vision_attn or DEFAULT_VISION_ATTN
+    log_path = workdir / f"serve-{mode}-{attn}.log"
+    command = server_command(model, mode, port, deploy, vllm=vllm_executable(), vision_attn=vision_attn)
     answers: list[dict[str, str]] = []
     started = time.monotonic()
     with ServeProcess(command, log_path, port) as server:
@@ -598,12 +642,14 @@ def run_mode(
     log_text = log_path.read_text(encoding="utf-8", errors="replace")
     return {
         "mode": mode,
+        "vision_attn": attn,
         "model": model,
         "command": command,
         "log": str(log_path),
         "startup_s": round(ready_s, 1),
         "answers": answers,
         "captures": parse_captures(log_text),
+        "siglip_attention": siglip_attention(log_text),
         "env": environment(),
     }
 
@@ -611,14 +657,21 @@ def run_mode(
 def check_run(record: dict[str, Any]) -> list[str]:
     """Problems within one recording (empty list: fine)."""
     problems: list[str] = []
+    who = label(record)
     answers = {a["name"]: a["text"] for a in record["answers"]}
+    expected = record.get("vision_attn")
+    if expected is not None and record.get("siglip_attention") != expected:
+        problems.append(
+            f"{who}: the server log names SigLIP attention {record.get('siglip_attention')!r}, expected "
+            f"{expected!r} (is the patch set applied? see {record['log']})"
+        )
     for name, text in answers.items():
         if not text.strip():
-            problems.append(f"{record['mode']}: empty answer for {name}")
+            problems.append(f"{who}: empty answer for {name}")
     for first, again in repeat_pairs(list(answers)):
         if first in answers and answers[first] != answers[again]:
             problems.append(
-                f"{record['mode']}: {again} differs from {first} within one server "
+                f"{who}: {again} differs from {first} within one server "
                 f"(first, eager warmup: {answers[first]!r}; again: {answers[again]!r})"
             )
     encoders = sorted({c["encoder"] for c in record["captures"]})
@@ -630,12 +683,15 @@ def check_run(record: dict[str, Any]) -> list[str]:
                 f"{encoders or 'none'} (is the patch set applied? see {record['log']})"
             )
     elif record["captures"]:
-        problems.append(f"{record['mode']}: encoder CUDA graphs were captured ({encoders}) although disabled")
+        problems.append(f"{who}: encoder CUDA graphs were captured ({encoders}) although disabled")
     return problems
 
 
 def compare(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
     """Answer differences between two recordings of the same prompt set (empty list: equal)."""
+    if reference.get("vision_attn") != candidate.get("vision_attn"):
+        why = "the attention changes the numerics, so only recordings of one attention are compared"
+        return [f"recorded with different SigLIP attention ({label(reference)} vs {label(candidate)}): {why}"]
     ref = {a["name"]: a["text"] for a in reference["answers"]}
     cand = {a["name"]: a["text"] for a in candidate["answers"]}
     problems: list[str] = []
@@ -644,7 +700,7 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
     for name, text in ref.items():
         if name in cand and text != cand[name]:
             problems.append(
-                f"{name}: {reference['mode']} answered {text!r}, {candidate['mode']} answered {cand[name]!r}"
+                f"{name}: {label(reference)} answered {text!r}, {label(candidate)} answered {cand[name]!r}"
             )
     if problems and reference.get("env", {}).get("gpu") != candidate.get("env", {}).get("gpu"):
         problems.append(
@@ -669,12 +725,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if model is None:
         print(f"serve_smoke: {why}", file=sys.stderr)
         return 2
-    print(f"serve_smoke: serving {model} ({why}) in mode {args.mode}", file=sys.stderr)
+    attn = args.vision_attn or f"{DEFAULT_VISION_ATTN} (the default)"
+    print(
+        f"serve_smoke: serving {model} ({why}) in mode {args.mode}, SigLIP attention {attn}", file=sys.stderr
+    )
     out = Path(args.out)
     workdir = (
         Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"serve-smoke-{args.mode}-"))
     )
-    record = run_mode(model, args.mode, workdir)
+    record = run_mode(model, args.mode, workdir, vision_attn=args.vision_attn)
     record["problems"] = check_run(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -700,7 +759,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if not problems:
         print(
             f"serve_smoke: {len(reference['answers'])} answers equal "
-            f"({reference['mode']} vs {candidate['mode']})"
+            f"({label(reference)} vs {label(candidate)})"
         )
     return 1 if problems else 0
 
@@ -710,6 +769,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="serve in one mode and record the answers")
     run.add_argument("--mode", choices=sorted(MODE_ARGS), required=True)
+    run.add_argument(
+        "--vision-attn",
+        choices=VISION_ATTNS,
+        help="SigLIP attention (--hf-overrides vision_attn_implementation; default: the server's, sdpa)",
+    )
     run.add_argument("--out", required=True, help="JSON recording to write")
     run.add_argument("--model", help=f"checkpoint (default: ${ENV_MODEL}, else {MODEL_ID} when allowed)")
     run.add_argument("--workdir", help="server logs and deploy overlay (default: a new temp dir)")

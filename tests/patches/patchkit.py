@@ -31,6 +31,10 @@ ADAPTER_REL = resources.ADAPTER_RELPATH.as_posix()
 MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 INIT_REL = "vllm_omni/model_executor/models/minicpmo_4_5/__init__.py"
 WIRING = "vllm-omni/0001-minicpmo45-route-encoders-through-cuda-graphs.patch"
+#: A line the wiring patch adds that no later patch of the series has in its context, and what
+#: :func:`edit_wiring` makes of it: editing it gives 0001 a new revision that the series still applies over.
+WIRING_LINE = "            audio_embeds = self._audio_encoder_graph(wavforms, audio_attention_mask)"
+WIRING_LINE_EDITED = f"{WIRING_LINE}  # edited"
 STATE_DIR = "minicpmo_cg_patch_state"
 TMP_SUFFIX = ".minicpmo-cg-tmp"
 GOOD_STATES = {"applied", "upstream", "n/a"}
@@ -160,6 +164,15 @@ def make_patch(
     changed = "".join(lines[:index] + [after + "\n"] + lines[index + 1 :])
     path.write_text(patch_text(rel, original, changed, targets=targets, extra_header=extra_header))
     return path
+
+
+def edit_wiring(patches: Path) -> None:
+    """Edit :data:`WIRING_LINE` of the wiring patch in the series folder ``patches`` (in place)."""
+    wiring = patches / WIRING
+    text = wiring.read_text()
+    edited = text.replace(f"+{WIRING_LINE}\n", f"+{WIRING_LINE_EDITED}\n", 1)
+    assert edited != text, f"{WIRING} no longer adds {WIRING_LINE!r}"
+    wiring.write_text(edited)
 
 
 def make_site(tmp_path: Path, name: str = "site-packages") -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import patchkit
 import pytest
-from patchkit import STATE_DIR, WIRING, full_tree, litter
+from patchkit import STATE_DIR, full_tree, litter
 
 from minicpmo_cg import resources
 from minicpmo_cg.patchtool import cli, fsops
@@ -53,11 +53,7 @@ class World:
         shutil.copytree(resources.patches_dir(), self.rev1)
         self.rev2 = root / "rev2"
         shutil.copytree(resources.patches_dir(), self.rev2)
-        wiring = self.rev2 / WIRING
-        text = wiring.read_text()
-        edited = text.replace("+    _encoder_graph = None\n", "+    _encoder_graph = None  # edited\n", 1)
-        assert edited != text
-        wiring.write_text(edited)
+        patchkit.edit_wiring(self.rev2)
         self.applied1 = self.copy(self.pristine, "applied1")
         assert self.run("apply", self.applied1, self.rev1) == 0
         applied2 = self.copy(self.pristine, "applied2")

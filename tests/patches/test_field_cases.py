@@ -78,11 +78,7 @@ def killed(proc: subprocess.CompletedProcess) -> bool:
 def edited_series(tmp_path: Path) -> Path:
     """The shipped series with one added line of the vllm-omni patch edited (a new revision)."""
     patches = patchkit.custom_patches(tmp_path)
-    wiring = patches / WIRING
-    text = wiring.read_text()
-    wiring.write_text(
-        text.replace("+    _encoder_graph = None\n", "+    _encoder_graph = None  # edited\n", 1)
-    )
+    patchkit.edit_wiring(patches)
     return patches
 
 

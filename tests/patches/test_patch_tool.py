@@ -29,9 +29,11 @@ from patchkit import (
     SITE_SOURCE,
     STATE_DIR,
     WIRING,
+    WIRING_LINE_EDITED,
     cli,
     cli_json,
     custom_patches,
+    edit_wiring,
     hashes,
     make_patch,
     record_hashes,
@@ -300,18 +302,14 @@ def test_byte_identical_revert_restores_mode_and_bytes(tmp_site):
 
 def test_edited_patch_is_reapplied_from_the_original(tmp_site, tmp_path):
     patches = custom_patches(tmp_path)
-    wiring = patches / WIRING
     assert cli("apply", "--site-packages", str(tmp_site), "--patches-dir", str(patches)).returncode == 0
-    text = wiring.read_text()
-    wiring.write_text(
-        text.replace("+    _encoder_graph = None\n", "+    _encoder_graph = None  # edited\n", 1)
-    )
+    edit_wiring(patches)
     code, status = cli_json("status", "--site-packages", str(tmp_site), "--patches-dir", str(patches))
     assert code == 0
     entry = next(p for p in status["patches"] if p["name"] == WIRING)
     assert entry["state"] == "pending" and "older revision" in entry["detail"]
     assert cli("apply", "--site-packages", str(tmp_site), "--patches-dir", str(patches)).returncode == 0
-    assert "_encoder_graph = None  # edited" in (tmp_site / MODEL_REL).read_text()
+    assert WIRING_LINE_EDITED in (tmp_site / MODEL_REL).read_text()
     assert cli("revert", "--site-packages", str(tmp_site), "--patches-dir", str(patches)).returncode == 0
     assert (tmp_site / MODEL_REL).read_text() == SITE_SOURCE[MODEL_REL]
 

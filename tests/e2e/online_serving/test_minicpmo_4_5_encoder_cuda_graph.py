@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end: ``vllm serve openbmb/MiniCPM-o-4_5 --omni`` answers alike with and without encoder graphs.
+"""End to end: ``vllm serve openbmb/MiniCPM-o-4_5 --omni`` answers alike with and without encoder graphs,
+with each SigLIP attention.
 
-Starts the server twice on this machine's GPU, one after the other (eager:
-``--hf-overrides '{"encoder_cuda_graph": false}'``; graphed: defaults), sends the
-fixed image, audio and image+audio prompts of ``tests/helpers/serve_smoke.py`` greedily and
-requires identical answers. Within each server, a repeated input must get its
-first answer again (in the graphed server the first answer is eager warmup and
-the repeat a graph replay), the graphed server's log must show captures of both
-encoders and the eager server's none.
+Starts the server four times on this machine's GPU, one after the other: eager
+(``--hf-overrides '{"encoder_cuda_graph": false}'``) and graphed (defaults), each with
+``vision_attn_implementation`` ``"sdpa"`` (the default) and ``"eager"`` (merged into the
+``--hf-overrides``). Sends the fixed image, audio and image+audio prompts of
+``tests/helpers/serve_smoke.py`` greedily and requires identical answers from the eager and the
+graphed server of one attention (the attention changes the numerics, so answers across attentions
+may differ). Within each server, a repeated input must get its first answer again (in the graphed
+server the first answer is eager warmup and the repeat a graph replay), the graphed server's log
+must show captures of both encoders and the eager server's none, and each log must name the
+SigLIP attention it was asked for.
 
 Each test is marked ``cuda`` and the module has no ``core_model`` mark: it needs a GPU that holds the whole
 three-stage deploy (an 80 GB H100 class device) and a checkpoint, so it is not
@@ -46,23 +50,32 @@ def model() -> str:
     return resolved
 
 
+#: (mode, SigLIP attention) of every server, in start order
+RUNS = [(mode, attn) for attn in smoke.VISION_ATTNS for mode in ("eager", "graphed")]
+
+
 @pytest.fixture(scope="module")
-def recordings(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def recordings(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
     root = tmp_path_factory.mktemp("serve-eager-vs-graphed")
     # Sequential on one GPU: each server's process group is gone before the next starts.
-    return {mode: smoke.run_mode(model, mode, root / mode) for mode in ("eager", "graphed")}
+    return {
+        (mode, attn): smoke.run_mode(model, mode, root / f"{mode}-{attn}", vision_attn=attn)
+        for mode, attn in RUNS
+    }
 
 
 @pytest.mark.cuda
-def test_each_server_runs_in_its_mode_and_is_self_consistent(recordings: dict[str, dict]) -> None:
-    problems = smoke.check_run(recordings["eager"]) + smoke.check_run(recordings["graphed"])
+def test_each_server_runs_in_its_mode_and_is_self_consistent(recordings: dict[tuple[str, str], dict]) -> None:
+    problems = [p for key in RUNS for p in smoke.check_run(recordings[key])]
     assert not problems, "\n".join(problems)
+    assert {key: recordings[key]["siglip_attention"] for key in RUNS} == {key: key[1] for key in RUNS}
 
 
 @pytest.mark.cuda
-def test_graphed_answers_equal_eager(recordings: dict[str, dict]) -> None:
-    assert len(recordings["graphed"]["answers"]) == len(smoke.PROMPTS)
-    problems = smoke.compare(recordings["eager"], recordings["graphed"])
+@pytest.mark.parametrize("attn", smoke.VISION_ATTNS)
+def test_graphed_answers_equal_eager(recordings: dict[tuple[str, str], dict], attn: str) -> None:
+    assert len(recordings[("graphed", attn)]["answers"]) == len(smoke.PROMPTS)
+    problems = smoke.compare(recordings[("eager", attn)], recordings[("graphed", attn)])
     assert not problems, "\n".join(problems)
 
 

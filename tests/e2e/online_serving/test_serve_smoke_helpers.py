@@ -120,6 +120,31 @@ def test_server_command_per_mode(mode: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("mode", ["graphed", "eager", "enforce-eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_server_command_merges_the_vision_attention_into_the_overrides(
+    mode: str, attn: str, tmp_path: Path
+) -> None:
+    cmd = smoke.server_command("/ckpt", mode, 8123, tmp_path / "d.yaml", vision_attn=attn)
+    assert cmd.count("--hf-overrides") == 1
+    overrides = json.loads(cmd[cmd.index("--hf-overrides") + 1])
+    expected = {"vision_attn_implementation": attn}
+    assert overrides == ({"encoder_cuda_graph": False, **expected} if mode == "eager" else expected)
+    assert ("--enforce-eager" in cmd) == (mode == "enforce-eager")
+    assert smoke.VISION_ATTNS[0] == smoke.DEFAULT_VISION_ATTN == "sdpa"
+    with pytest.raises(ValueError, match="vision attention"):
+        smoke.server_command("/ckpt", mode, 1, tmp_path, vision_attn="flash_attention_2")
+
+
+@pytest.mark.cpu
+def test_vision_attentions_are_choices_of_the_registered_key() -> None:
+    from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph import HF_OVERRIDE_KEYS
+
+    spec = HF_OVERRIDE_KEYS["vision_attn_implementation"]
+    assert spec.default == smoke.DEFAULT_VISION_ATTN and set(smoke.VISION_ATTNS) <= set(spec.choices)
+
+
+@pytest.mark.cpu
 def test_turn_deploy_overlay_loads_with_vllm_omni(tmp_path: Path) -> None:
     from vllm_omni.config.stage_config import load_deploy_config
 
@@ -284,6 +309,15 @@ def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
 
 
 @pytest.mark.cpu
+def test_siglip_attention_regex_matches_the_model_log_line() -> None:
+    wiring = "".join(p.read_text() for p in sorted((REPO / "patches/vllm-omni").glob("*.patch")))
+    fmt = re.search(r'"(MiniCPM-o 4\.5 SigLIP attention: %s[^"]*)"', wiring)
+    assert fmt, "the SigLIP attention log line is not in patches/vllm-omni; update serve_smoke.SIGLIP_ATTN_RE"
+    assert smoke.siglip_attention("INFO x " + fmt.group(1) % "eager" + "\nINFO y") == "eager"
+    assert smoke.siglip_attention("no such line") is None
+
+
+@pytest.mark.cpu
 def test_capture_regex_matches_the_adapter_log_format() -> None:
     source = ADAPTER.read_text()
     fmt = re.search(r'"(Captured %s encoder CUDA graph %d/%d[^"]*)"', source)
@@ -292,13 +326,14 @@ def test_capture_regex_matches_the_adapter_log_format() -> None:
     assert smoke.parse_captures("INFO x " + line) == [{"encoder": "audio", "index": 2, "cap": 4}]
 
 
-def _record(mode: str, answers: dict[str, str], captures=("vision", "audio"), gpu="H100") -> dict:
+def _record(mode: str, answers: dict[str, str], captures=("vision", "audio"), gpu="H100", **attn) -> dict:
     return {
         "mode": mode,
         "log": "serve.log",
         "answers": [{"name": k, "text": v} for k, v in answers.items()],
         "captures": [{"encoder": c, "index": 1, "cap": 4} for c in captures],
         "env": {"gpu": gpu},
+        **attn,
     }
 
 
@@ -318,6 +353,24 @@ def test_check_run() -> None:
     assert any(
         "empty answer" in p for p in smoke.check_run(_record("eager", {**ANSWERS, "img/1": " "}, captures=()))
     )
+
+
+@pytest.mark.cpu
+def test_check_run_requires_the_asked_siglip_attention_in_the_log() -> None:
+    asked = {"vision_attn": "eager"}
+    assert smoke.check_run(_record("graphed", ANSWERS, siglip_attention="eager", **asked)) == []
+    wrong = smoke.check_run(_record("graphed", ANSWERS, siglip_attention="sdpa", **asked))
+    assert len(wrong) == 1 and "graphed/eager: the server log names SigLIP attention 'sdpa'" in wrong[0]
+    missing = smoke.check_run(_record("eager", ANSWERS, captures=(), siglip_attention=None, **asked))
+    assert len(missing) == 1 and "None, expected 'eager'" in missing[0]
+
+
+@pytest.mark.cpu
+def test_compare_only_recordings_of_one_attention() -> None:
+    sdpa = _record("eager", ANSWERS, captures=(), vision_attn="sdpa")
+    assert smoke.compare(sdpa, _record("graphed", ANSWERS, vision_attn="sdpa")) == []
+    (problem,) = smoke.compare(sdpa, _record("graphed", ANSWERS, vision_attn="eager"))
+    assert "different SigLIP attention (eager/sdpa vs graphed/eager)" in problem
 
 
 @pytest.mark.cpu

@@ -36,7 +36,7 @@ def model():
     from minicpmo_cg.standalone import build_thinker_encoders, wire_encoder_graphs
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
-    m = build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=False, seed=1)
+    m = build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=False, seed=1, vision_attn="sdpa")
     wire_encoder_graphs(m, standalone_vllm_config(), enabled=True, max_graphs=8, admission="count")
     assert len(m.vpm.encoder.layers) == 26 and len(m.apm.layers) == 24
     return m
@@ -83,18 +83,19 @@ def test_vision_padded_masks_and_changed_tgt_sizes_match_eager(model):
 def test_vision_full_slices_use_a_maskless_graph(model):
     graph = model.vpm._encoder_graph
     before = graph.get_cumulative_stats()["num_graphs"]
-    data = vision_data([(32, 32)] * 2, seed=2)  # nothing padded: attention_mask is None
+    data = vision_data([(32, 32)] * 2, seed=2)  # nothing padded: the patch mask input is None
     for _ in range(3):
         out = model.get_vision_hidden_states(data)
     assert_graphed_equals_eager(
         out, eager(model, lambda: model.get_vision_hidden_states(data)), "vision full"
     )
     assert graph.get_cumulative_stats()["num_graphs"] == before + 1
-    assert any(g["inputs"][1] is None for g in graph.get_detailed_stats()["graphs"])
+    assert any(g["inputs"][2] is None for g in graph.get_detailed_stats()["graphs"])  # pixels, tgt, mask
 
 
 @torch.inference_mode()
-def test_vision_hidden_states_request_bypasses_the_graph(model):
+def test_vpm_forward_never_touches_the_graph(model):
+    """The image path's graph starts at the pixels (get_vision_hidden_states); vpm.forward is eager."""
     graph = model.vpm._encoder_graph
     before = graph.get_cumulative_stats()
     pixels = torch.randn(1, 3, 14, 1024 * 14, device="cuda", dtype=torch.bfloat16)
@@ -102,6 +103,7 @@ def test_vision_hidden_states_request_bypasses_the_graph(model):
     tgt = torch.tensor([[32, 32]], dtype=torch.int32, device="cuda")
     out = model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, output_hidden_states=True)
     assert len(out.hidden_states) == 27
+    model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
     assert graph.get_cumulative_stats() == before
 
 
@@ -115,7 +117,7 @@ def test_duplex_frame_captured_under_inference_mode_replays_under_no_grad(model)
     with torch.inference_mode():
         for _ in range(2):
             model.get_vision_hidden_states(frame)
-    hits = _graph_hits(graph, (1, 1024, 1152))
+    hits = _graph_hits(graph, FRAME_PIXELS)
     for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
         with mode():
             data = vision_data([(32, 32)], seed=8)
@@ -123,7 +125,11 @@ def test_duplex_frame_captured_under_inference_mode_replays_under_no_grad(model)
             ref = eager(model, lambda data=data: model.get_vision_hidden_states(data))
         assert out.is_inference() == ref.is_inference()
         assert_graphed_equals_eager(out, ref, f"duplex frame under {mode.__name__}")
-    assert _graph_hits(graph, (1, 1024, 1152)) == hits + 3
+    assert _graph_hits(graph, FRAME_PIXELS) == hits + 3
+
+
+#: the pixels input of a 448x448 frame's graph: one slice of 32x32 patches of 14x14
+FRAME_PIXELS = (1, 3, 14, 1024 * 14)
 
 
 def _graph_hits(graph, first_input_shape):

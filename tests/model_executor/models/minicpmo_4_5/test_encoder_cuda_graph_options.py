@@ -235,15 +235,43 @@ def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
 # ---------------------------------------------------------------------------
 
 
+#: Registered keys that the model file reads itself (``read_hf_overrides``), not the adapter.
+MODEL_FILE_KEYS = {"vision_attn_implementation"}
+
+
 def test_options_fields_are_registry_entries(ecg):
     import dataclasses
 
     for f in dataclasses.fields(ecg.EncoderCudaGraphOptions):
         spec = ecg.HF_OVERRIDE_KEYS[f.metadata["hf_key"]]
         assert f.default == spec.default and spec.doc
-    assert {f.metadata["hf_key"] for f in dataclasses.fields(ecg.EncoderCudaGraphOptions)} == set(
-        ecg.HF_OVERRIDE_KEYS
+    adapter_keys = {f.metadata["hf_key"] for f in dataclasses.fields(ecg.EncoderCudaGraphOptions)}
+    assert adapter_keys | MODEL_FILE_KEYS == set(ecg.HF_OVERRIDE_KEYS)
+    assert not adapter_keys & MODEL_FILE_KEYS
+
+
+def test_vision_attn_implementation_is_registered_and_validated_with_the_rest(ecg):
+    spec = ecg.HF_OVERRIDE_KEYS["vision_attn_implementation"]
+    assert (spec.kind, spec.default, spec.choices) == (
+        "choice",
+        "sdpa",
+        ("sdpa", "eager", "flash_attention_2"),
     )
+    assert ecg.read_hf_overrides(types.SimpleNamespace())["vision_attn_implementation"] == "sdpa"
+    for value in spec.choices:
+        config = types.SimpleNamespace(vision_attn_implementation=value)
+        assert ecg.read_hf_overrides(config)["vision_attn_implementation"] == value
+    config = types.SimpleNamespace(vision_attn_implementation="SDPA", encoder_cuda_graph_max_graphs=-1)
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.EncoderCudaGraphOptions.from_hf_config(config)  # the model's first check reports both
+    assert info.value.problems == [
+        "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0",
+        (
+            'vision_attn_implementation="SDPA": got a string, expected one of "sdpa", "eager", '
+            '"flash_attention_2"'
+        ),
+    ]
+    assert "vision_attn_implementation" not in ecg.EncoderCudaGraphOptions().describe()
 
 
 def test_design_doc_options_table_lists_every_key_with_its_default(ecg):
@@ -259,7 +287,6 @@ def _key(name, kind, default, **extra):
 
 
 FUTURE_KEYS = [
-    _key("vision_attn_implementation", "choice", "sdpa", choices=("sdpa", "eager", "flash_attention_2")),
     _key("encoder_cuda_graph_streaming_audio", "bool", True),
 ]
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The vllm-omni patch 0001 wiring, checked on the *installed* (patched) model file.
+"""The vllm-omni wiring (patches 0001 and 0006), checked on the *installed* (patched) model file.
 
 Run after ``minicpmo-cg-patch apply``. Tiny CPU encoders stand in for the real
 ones; the graph slots hold recording callables that delegate to the captured
@@ -21,13 +21,13 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
 
-if not hasattr(llm.SiglipVisionTransformer, "_encode_last_hidden_state"):
+Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
+
+if not hasattr(Model, "_encode_images"):
     pytest.fail(
         f"{llm.__file__} is not patched: run 'minicpmo-cg-patch apply' (python -m minicpmo_cg.patchtool apply) first",
         pytrace=False,
     )
-
-Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
 
 
 class Recorder:
@@ -53,17 +53,18 @@ class Forbidden:
 
 
 # ---------------------------------------------------------------------------
-# Vision
+# Vision: one graph call per image call (patch 0006)
 # ---------------------------------------------------------------------------
 
 PATCH = 14
 SIDE = 4  # image_size 56 / patch 14
+HIDDEN, EMBED_V = 64, 32
 
 
 def tiny_vpm(attn: str = "eager") -> nn.Module:
     torch.manual_seed(0)
     config = llm.SiglipVisionConfig(
-        hidden_size=64,
+        hidden_size=HIDDEN,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -74,78 +75,109 @@ def tiny_vpm(attn: str = "eager") -> nn.Module:
     return llm.SiglipVisionTransformer(config).eval()
 
 
-def vision_batch(grids: list[tuple[int, int]]):
-    """The layout get_vision_hidden_states feeds vpm: (B, 3, 14, L_max) pixels, (B, 1, N_max) mask."""
+def tiny_vision_model(attn: str = "eager", vision_batch_size: int = 16) -> Model:
+    """A model object holding only what get_vision_hidden_states reads (vpm, resampler, config)."""
+    model = object.__new__(Model)
+    nn.Module.__init__(model)
+    model.config = SimpleNamespace(vision_batch_size=vision_batch_size)
+    model.vpm = tiny_vpm(attn)
+    model.resampler = llm.Resampler(
+        num_queries=4, embed_dim=EMBED_V, num_heads=2, kv_dim=HIDDEN, adaptive=True
+    )
+    return model.eval()
+
+
+def vision_data(grids: list[tuple[int, int]]):
+    """The get_vision_hidden_states argument: slices (3, 14, h*w*14) and tgt_sizes (B, 2)."""
     torch.manual_seed(1)
-    n_max = max(h * w for h, w in grids)
-    pixels = torch.zeros(len(grids), 3, PATCH, n_max * PATCH)
-    mask = torch.zeros(len(grids), 1, n_max, dtype=torch.bool)
-    for i, (h, w) in enumerate(grids):
-        pixels[i, :, :, : h * w * PATCH] = torch.randn(3, PATCH, h * w * PATCH)
-        mask[i, 0, : h * w] = True
-    return pixels, mask, torch.tensor(grids, dtype=torch.int32)
+    pixels = [torch.randn(3, PATCH, h * w * PATCH) for h, w in grids]
+    return {"pixel_values": pixels, "tgt_sizes": torch.tensor(grids, dtype=torch.int32)}
 
 
+def _eager_vision(model, data):
+    saved = model.vpm._encoder_graph
+    model.vpm._encoder_graph = None
+    try:
+        with torch.no_grad():
+            return model.get_vision_hidden_states(data)
+    finally:
+        model.vpm._encoder_graph = saved
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize(
     "grids, padded",
     [([(SIDE, SIDE), (SIDE, SIDE)], False), ([(SIDE, SIDE), (2, 3)], True)],
-    ids=["no-padding", "padding-mask"],
+    ids=["no-padding", "padding"],
 )
-def test_vision_forward_routes_through_graph_and_matches_eager(grids, padded):
-    vpm = tiny_vpm()
-    pixels, mask, tgt = vision_batch(grids)
+def test_vision_call_routes_pixels_tgt_sizes_and_mask_through_one_graph_call(grids, padded, attn):
+    model = tiny_vision_model(attn, vision_batch_size=1)  # SigLIP runs in two chunks
+    data = vision_data(grids)
+    expected = _eager_vision(model, data)
+    rec = Recorder(model._encode_images)
+    model.vpm._encoder_graph = rec
     with torch.no_grad():
-        eager = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt).last_hidden_state
-        embeddings = vpm.embeddings(pixel_values=pixels, patch_attention_mask=mask, tgt_sizes=tgt)
-        rec = Recorder(vpm._encode_last_hidden_state)
-        vpm._encoder_graph = rec
-        out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+        out = model.get_vision_hidden_states(data)
 
-    assert len(rec.calls) == 1
-    hidden_states, attention_mask = rec.calls[0]
+    assert len(rec.calls) == 1  # one graph call per image call: both SigLIP chunks and the resampler
+    pixels, tgt_sizes, patch_valid = rec.calls[0]
     n_max = max(h * w for h, w in grids)
-    assert hidden_states.shape == (len(grids), n_max, 64)
-    torch.testing.assert_close(hidden_states, embeddings, rtol=0, atol=0)
+    assert pixels.shape == (len(grids), 3, PATCH, n_max * PATCH) and pixels.is_contiguous()
+    for i, item in enumerate(data["pixel_values"]):
+        assert torch.equal(pixels[i, ..., : item.shape[-1]], item)
+        assert not pixels[i, ..., item.shape[-1] :].any()
+    assert torch.equal(tgt_sizes, data["tgt_sizes"])
     if padded:
-        # eager attention: the additive 4-D mask, -inf-like where a key patch is padding
-        assert attention_mask is not None
-        assert attention_mask.shape == (len(grids), 1, n_max, n_max)
-        assert attention_mask.dtype == hidden_states.dtype
-        assert (attention_mask[1, 0, :, 6:] < -1e30).all() and (attention_mask[1, 0, :, :6] == 0).all()
+        assert patch_valid.dtype == torch.bool and patch_valid.shape == (len(grids), n_max)
+        assert torch.equal(patch_valid.sum(-1), torch.tensor([h * w for h, w in grids]))
+        assert patch_valid[1, :6].all() and not patch_valid[1, 6:].any()
     else:
-        assert attention_mask is None
-    assert isinstance(out, llm.BaseModelOutputWithPooling)
-    assert out.hidden_states is None and out.attentions is None
-    torch.testing.assert_close(out.last_hidden_state, eager, rtol=0, atol=0)
+        assert patch_valid is None  # decided from the slice lengths, nothing read on the host
+    assert out.shape == (len(grids), 4, EMBED_V)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_vision_graph_output_is_what_forward_returns():
-    vpm = tiny_vpm()
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
-    sentinel = torch.full((1, SIDE * SIDE, 64), 7.0)
-    vpm._encoder_graph = lambda hidden_states, attention_mask: sentinel
+def test_vision_graph_output_is_what_the_call_returns():
+    model = tiny_vision_model()
+    sentinel = torch.full((1, 4, EMBED_V), 7.0)
+    model.vpm._encoder_graph = lambda pixels, tgt_sizes, patch_valid: sentinel
     with torch.no_grad():
-        out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
-    assert out.last_hidden_state is sentinel
+        out = model.get_vision_hidden_states(vision_data([(SIDE, SIDE)]))
+    assert out is sentinel
+
+
+def test_vision_accepts_a_stacked_tensor_and_int64_tgt_sizes():
+    model = tiny_vision_model()
+    data = vision_data([(SIDE, SIDE)] * 3)
+    expected = _eager_vision(model, data)
+    stacked = {"pixel_values": torch.stack(data["pixel_values"]), "tgt_sizes": data["tgt_sizes"].long()}
+    rec = Recorder(model._encode_images)
+    model.vpm._encoder_graph = rec
+    with torch.no_grad():
+        out = model.get_vision_hidden_states(stacked)
+    ((pixels, tgt_sizes, patch_valid),) = rec.calls
+    assert pixels.shape == (3, 3, PATCH, SIDE * SIDE * PATCH) and patch_valid is None
+    assert tgt_sizes.dtype == torch.int64
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"output_hidden_states": True}, {"output_attentions": True}, {"return_dict": False}],
-    ids=["output_hidden_states", "output_attentions", "return_dict_false"],
+    [{}, {"output_hidden_states": True}, {"output_attentions": True}, {"return_dict": False}],
+    ids=["plain", "output_hidden_states", "output_attentions", "return_dict_false"],
 )
-def test_vision_bypasses_keep_the_eager_path(kwargs):
+def test_vpm_forward_never_uses_the_graph(kwargs):
     vpm = tiny_vpm()
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
+    torch.manual_seed(1)
+    pixels = torch.randn(2, 3, PATCH, SIDE * SIDE * PATCH)
+    mask = torch.ones(2, 1, SIDE * SIDE, dtype=torch.bool)
+    mask[1, 0, 6:] = False
+    tgt = torch.tensor([[SIDE, SIDE], [2, 3]], dtype=torch.int32)
     with torch.no_grad():
         expected = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, **kwargs)
         vpm._encoder_graph = Forbidden(f"vpm(..., {kwargs})")
         out = vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, **kwargs)
-    if kwargs.get("return_dict") is False:
-        assert isinstance(out, tuple)
-        torch.testing.assert_close(out[0], expected[0], rtol=0, atol=0)
-    else:
-        torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=0, atol=0)
+    torch.testing.assert_close(out[0], expected[0], rtol=0, atol=0)
     if kwargs.get("output_hidden_states"):
         assert out.hidden_states is not None and len(out.hidden_states) == 3  # embeddings + 2 layers
     if kwargs.get("output_attentions"):
@@ -171,29 +203,29 @@ class _StubEncoder(nn.Module):
         return llm.BaseModelOutput(last_hidden_state=inputs_embeds)
 
 
-def test_vision_flash_attention_2_with_padding_mask_stays_eager():
-    vpm = tiny_vpm()
-    vpm._use_flash_attention_2 = True  # as built with _attn_implementation="flash_attention_2"
-    vpm.encoder = _StubEncoder()
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
-    vpm._encoder_graph = Forbidden("FA2 with a padding mask")
+def test_vision_flash_attention_2_with_padding_stays_eager():
+    model = tiny_vision_model()
+    model.vpm._use_flash_attention_2 = True  # as built with _attn_implementation="flash_attention_2"
+    model.vpm.encoder = _StubEncoder()
+    model.vpm._encoder_graph = Forbidden("FA2 with padding")
     with torch.no_grad():
-        vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
-    (fa2_mask,) = vpm.encoder.masks
+        model.get_vision_hidden_states(vision_data([(SIDE, SIDE), (2, 3)]))
+    (fa2_mask,) = model.vpm.encoder.masks
     assert fa2_mask.dtype == torch.bool and fa2_mask.shape == (2, SIDE * SIDE)
+    assert fa2_mask[1, :6].all() and not fa2_mask[1, 6:].any()
 
     # Without padding FA2 gets no mask, so nothing is read on the host: the graph is used.
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
-    rec = Recorder(vpm._encode_last_hidden_state)
-    vpm._encoder_graph = rec
+    rec = Recorder(model._encode_images)
+    model.vpm._encoder_graph = rec
     with torch.no_grad():
-        vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
-    assert len(rec.calls) == 1 and rec.calls[0][1] is None
+        model.get_vision_hidden_states(vision_data([(SIDE, SIDE)]))
+    assert len(rec.calls) == 1 and rec.calls[0][2] is None
+    assert model.vpm.encoder.masks[-1] is None
 
 
 def test_encode_last_hidden_state_is_encoder_plus_post_layernorm():
     vpm = tiny_vpm()
-    x = torch.randn(2, 5, 64)
+    x = torch.randn(2, 5, HIDDEN)
     with torch.no_grad():
         expected = vpm.post_layernorm(vpm.encoder(inputs_embeds=x, attention_mask=None).last_hidden_state)
         torch.testing.assert_close(vpm._encode_last_hidden_state(x, None), expected, rtol=0, atol=0)
@@ -361,7 +393,9 @@ def bare_model(config, *, vpm=True, apm=True) -> Model:
     model = object.__new__(Model)
     nn.Module.__init__(model)
     model.config = config
-    model.vpm = tiny_vpm() if vpm else None
+    vision = tiny_vision_model() if vpm else None
+    model.vpm = vision.vpm if vpm else None
+    model.resampler = vision.resampler if vpm else None
     model.apm = tiny_audio_model().apm if apm else None
     return model
 
@@ -387,15 +421,26 @@ def test_init_encoder_cuda_graphs_builds_adapters(vllm_configs):
     )
     assert vision is not audio
     assert vision.options.max_graphs == 7 and audio.options.min_capture_calls == 3
-    assert vision.forward == model.vpm._encode_last_hidden_state
+    assert vision.forward == model._encode_images  # pixels to resampler output
     assert audio.forward == model._encode_audio_features
-    assert vision.captured_modules == ("encoder", "post_layernorm")
+    assert (
+        vision.captured_modules
+        == llm.VISION_CAPTURED_MODULES
+        == (
+            "vpm.embeddings.patch_embedding",
+            "vpm.embeddings.position_embedding",
+            "vpm.encoder",
+            "vpm.post_layernorm",
+            "resampler",
+        )
+    )
     assert audio.captured_modules == ("apm", "audio_projection_layer", "audio_avg_pooler")
 
 
 def test_real_adapter_on_cpu_runs_eagerly_and_counts_ineligible(vllm_configs):
-    model = tiny_audio_model()
-    model.vpm = tiny_vpm()
+    model = tiny_audio_model(vision_batch_size=16)
+    vision = tiny_vision_model()
+    model.vpm, model.resampler = vision.vpm, vision.resampler
     model._init_encoder_cuda_graphs(vllm_configs["graphs"])
     data = audio_batch()
     with torch.no_grad():
@@ -406,9 +451,10 @@ def test_real_adapter_on_cpu_runs_eagerly_and_counts_ineligible(vllm_configs):
     stats = model._audio_encoder_graph.get_cumulative_stats()
     assert stats["ineligible_misses"] == 1 and stats["num_graphs"] == 0
 
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE), (2, 3)])
+    data = vision_data([(SIDE, SIDE), (2, 3)])
     with torch.no_grad():
-        model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+        out = model.get_vision_hidden_states(data)
+    torch.testing.assert_close(out, _eager_vision(model, data), rtol=0, atol=0)
     assert model.vpm._encoder_graph.get_cumulative_stats()["ineligible_misses"] == 1
 
 
@@ -544,23 +590,52 @@ def test_lora_config_keeps_both_encoders_eager_with_one_log_line(vllm_configs, l
     assert not hasattr(Model, "get_mm_mapping")  # the fact the reason rests on, on this lane's vllm-omni
 
 
+def test_connector_lora_keeps_the_vision_graph_eager(vllm_configs, log_records):
+    """The resampler (vLLM's "connector" of a MiniCPM-V mapping) is inside the vision graph now, so
+    LoRA that may reach it keeps vision eager even when the SigLIP tower itself is not opened."""
+    import copy
+
+    from vllm.config import LoRAConfig
+    from vllm.model_executor.models.module_mapping import MultiModelKeys
+
+    class ConnectorMapped(Model):
+        def get_mm_mapping(self):
+            return MultiModelKeys.from_string_field(
+                language_model="llm", connector="resampler", tower_model=[]
+            )
+
+    vllm_config = copy.copy(vllm_configs["graphs"])
+    object.__setattr__(vllm_config, "lora_config", LoRAConfig(enable_tower_connector_lora=True))
+    model = bare_model(SimpleNamespace())
+    model.__class__ = ConnectorMapped
+    records = log_records(llm.logger)
+    model._init_encoder_cuda_graphs(vllm_config)
+    assert model.vpm._encoder_graph is None and model._audio_encoder_graph is not None
+    assert "vision=off (LoRA with enable_tower_connector_lora may target resampler;" in startup_line(records)
+
+
 def test_hooks_are_looked_for_in_the_real_captured_regions(vllm_configs, cpu_backend):
-    model = tiny_audio_model()
-    model.vpm = tiny_vpm()
+    model = tiny_audio_model(vision_batch_size=16)
+    vision_model = tiny_vision_model()
+    model.vpm, model.resampler = vision_model.vpm, vision_model.resampler
     model._init_encoder_cuda_graphs(vllm_configs["graphs"])
     vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
     vision.backend, audio.backend = cpu_backend(), cpu_backend()
-    model.vpm.embeddings.register_forward_hook(lambda *args: None)  # outside the region: harmless
+    # vpm and vpm.embeddings themselves are never called by the image path: harmless
+    model.vpm.register_forward_hook(lambda *args: None)
+    model.vpm.embeddings.register_forward_hook(lambda *args: None)
     model.vpm.encoder.layers[1].mlp.fc2.register_forward_hook(lambda *args: None)
+    model.resampler.kv_proj.register_forward_pre_hook(lambda *args: None)
     model.audio_projection_layer.register_forward_pre_hook(lambda *args: None)
-    pixels, mask, tgt = vision_batch([(SIDE, SIDE)])
+    pixels = vision_data([(SIDE, SIDE)])
     data = audio_batch()
     with torch.no_grad():
         for _ in range(2):
-            model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+            model.get_vision_hidden_states(pixels)
             model.get_audio_hidden_states(data)
     assert vision.eager_reason == (
-        "module hooks in the captured region: SiglipVisionTransformer.encoder.layers.1.mlp.fc2 (forward hook)"
+        f"module hooks in the captured region: {Model.__name__}.vpm.encoder.layers.1.mlp.fc2 (forward hook), "
+        f"{Model.__name__}.resampler.kv_proj (forward_pre hook)"
     )
     assert audio.eager_reason == (
         f"module hooks in the captured region: {Model.__name__}.audio_projection_layer (forward_pre hook)"

@@ -310,6 +310,14 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
+    HfOverrideKey(
+        name="vision_attn_implementation",
+        kind="choice",
+        choices=("sdpa", "eager", "flash_attention_2"),
+        default="sdpa",
+        doc='SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
+        'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)',
+    ),
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.

@@ -1,0 +1,331 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU tests of the image path without host reads (vllm-omni patch 0006), on the *installed*
+(patched) model file.
+
+- SigLIP position ids on the device: the table against the model's host mapping for every grid
+  side and every patch grid the image slicer emits; resampler positions against its 2-D cache.
+- ``get_vision_hidden_states`` with eager attention: bitwise the unpatched model's output (the
+  unpatched file is rebuilt from the installed one by the patch tool), and no tensor value read
+  on the host (a ``TorchFunctionMode`` watches ``item``/``tolist``/``__bool__``/...).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
+
+if not hasattr(llm.SiglipVisionEmbeddings, "position_ids_from_tgt_sizes"):
+    pytest.fail(
+        f"{llm.__file__} lacks vllm-omni patch 0006: run 'minicpmo-cg-patch apply' first",
+        pytrace=False,
+    )
+
+MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
+PATCH = 14
+SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid
+
+#: Slice grids (h, w): a real photo's single slice (chelsea through MiniCPM-o's slicer), then the
+#: layouts of real multi-slice calls at a quarter of the sides (CPU time), and thin grids whose
+#: sides exceed the 70x70 position grid or round differently on a device formula.
+GRID_SETS = {
+    "one_slice": [(26, 39)],
+    "three_padded": [(8, 8), (6, 11), (6, 11)],
+    "ten_padded": [(7, 8)] * 5 + [(8, 8), (6, 11), (6, 11), (6, 10), (7, 9)],
+    "ten_full": [(8, 8)] * 10,
+    "thin_sides": [(1, 100), (100, 1), (25, 4), (49, 2), (55, 1), (50, 2)],
+}
+#: (grid set, vision_batch_size): chunking (3 or 2 slices per SigLIP call) where there are chunks.
+EAGER_CASES = [
+    ("one_slice", 16),
+    ("three_padded", 16),
+    ("ten_padded", 16),
+    ("ten_padded", 3),
+    ("ten_full", 3),
+    ("thin_sides", 2),
+]
+
+
+@pytest.fixture
+def single_thread():
+    """The host mapping's bucketize goes parallel above 200 elements; on a busy host that is slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+def siglip_config(mod, attn: str, *, hidden=64, heads=4, layers=2, intermediate=128):
+    config = mod.SiglipVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        image_size=SIDE * PATCH,
+        patch_size=PATCH,
+    )
+    config._attn_implementation = attn
+    return config
+
+
+def vision_model(mod, attn: str = "eager", *, dtype=torch.float32, vision_batch_size=16, seed=0):
+    """A bare thinker holding what get_vision_hidden_states reads: vpm, resampler, config."""
+    torch.manual_seed(seed)
+    model = object.__new__(mod.MiniCPMO45OmniLLMForConditionalGeneration)
+    nn.Module.__init__(model)
+    model.config = SimpleNamespace(vision_batch_size=vision_batch_size)
+    model.vpm = mod.SiglipVisionTransformer(siglip_config(mod, attn))
+    model.resampler = mod.Resampler(num_queries=8, embed_dim=128, num_heads=2, kv_dim=64, adaptive=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.resampler.parameters():  # the query starts at zero: make attention matter
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model.eval().to(dtype)
+
+
+def vision_data(grids, *, dtype=torch.float32, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    pixels = [torch.randn(3, PATCH, h * w * PATCH, generator=generator).to(dtype) for h, w in grids]
+    return {"pixel_values": pixels, "tgt_sizes": torch.tensor(grids, dtype=torch.int32)}
+
+
+def padded_valid(lengths, n):
+    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
+    from minicpmo_cg.patchtool import ToolError, build_plan, discover_installation
+
+    try:
+        source = build_plan(discover_installation()).revert_contents[MODEL_REL]
+    except (ToolError, KeyError) as exc:
+        pytest.skip(f"cannot rebuild the unpatched model file with minicpmo-cg-patch: {exc}")
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="pristine-minicpmo-")) / "pristine_minicpmo_4_5_omni_llm.py"
+    path.write_bytes(source)  # transformers' docstring decorators read the source with inspect
+    name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_minicpmo_4_5_omni_llm"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    assert not hasattr(module.SiglipVisionEmbeddings, "position_ids_from_tgt_sizes")
+    yield module
+    sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------------
+# Position ids and resampler positions on the device
+# ---------------------------------------------------------------------------
+
+
+def slicer_grids(processor, width: int, height: int, max_slice_nums: int) -> list[tuple[int, int]]:
+    """(h, w) patch grids MiniCPMVImageProcessor.slice_image gives an image, without the pixels."""
+    scale, patch = processor.scale_resolution, processor.patch_size
+    grid = processor.get_sliced_grid((width, height), max_slice_nums)
+    if grid is None:
+        sizes = [processor.find_best_resize((width, height), scale, patch, allow_upscale=True)]
+    else:
+        refine = processor.get_refine_size((width, height), grid, scale, patch, allow_upscale=True)
+        source = processor.find_best_resize((width, height), scale, patch)
+        sizes = [source, (refine[0] // grid[0], refine[1] // grid[1])]
+    return [(h // patch, w // patch) for w, h in sizes]
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return llm.MiniCPMVImageProcessor(max_slice_nums=9, scale_resolution=448, patch_size=PATCH)
+
+
+@pytest.fixture(scope="module")
+def all_slicer_grids(processor):
+    """Every grid the slicer gives images of 8..4100 px a side (step 12) and very thin images."""
+    sizes = [(w, h) for w in range(8, 4100, 12) for h in range(8, 4100, 12)]
+    sizes += [(w, h) for h in range(1, 64) for w in range(1000, 30001, 250)]
+    sizes += [(h, w) for w, h in sizes]
+    return sorted({g for n in (1, 2, 9) for w, h in sizes for g in slicer_grids(processor, w, h, n)})
+
+
+def test_slicer_geometry_matches_the_processor(processor):
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(5)
+    for width, height in torch.randint(14, 1400, (8, 2), generator=generator).tolist() + [[9000, 12]]:
+        for max_slice_nums in (1, 2, 9):
+            out = processor.preprocess([Image.new("RGB", (width, height))], max_slice_nums=max_slice_nums)
+            got = {tuple(int(v) for v in row) for row in out["tgt_sizes"][0]}
+            assert got == set(slicer_grids(processor, width, height, max_slice_nums)), (width, height)
+
+
+def host_position_ids(embeddings, grids, n):
+    """The model's own host mapping for slices packed as get_vision_hidden_states packs them."""
+    mask = padded_valid([h * w for h, w in grids], n)
+    return embeddings._create_position_ids(mask, torch.tensor(grids), device=torch.device("cpu"))
+
+
+def test_bucket_table_matches_the_host_mapping_for_every_side(single_thread, all_slicer_grids):
+    embeddings = llm.SiglipVisionEmbeddings(siglip_config(llm, "eager"))
+    max_side = max(max(g) for g in all_slicer_grids)
+    assert max_side > 5000  # thin images give one-patch-high grids of thousands of patches
+    for start in reversed(range(1, max_side + 1, 256)):  # largest first: the table is built once
+        sides = range(start, min(start + 256, max_side + 1))
+        for grids in ([(s, 1) for s in sides], [(1, s) for s in sides]):
+            n = max(sides)
+            got = embeddings.position_ids_from_tgt_sizes(torch.tensor(grids), n)
+            assert torch.equal(got, host_position_ids(embeddings, grids, n)), (start, grids[0])
+
+
+def test_position_ids_match_the_host_mapping_for_every_slicer_grid(single_thread, all_slicer_grids):
+    embeddings = llm.SiglipVisionEmbeddings(siglip_config(llm, "eager"))
+    grids = sorted(all_slicer_grids, key=lambda g: g[0] * g[1])
+    assert len(grids) > 3000
+    for start in range(0, len(grids), 64):
+        batch = grids[start : start + 64]
+        n = max(h * w for h, w in batch)
+        want = host_position_ids(embeddings, batch, n)
+        for tgt_sizes in (torch.tensor(batch, dtype=torch.int32), torch.tensor(batch, dtype=torch.int64)):
+            got = embeddings.position_ids_from_tgt_sizes(tgt_sizes, n)
+            assert got.dtype == torch.int64 and torch.equal(got, want), batch[0]
+
+
+def test_position_ids_where_a_division_formula_rounds_differently():
+    # fraction = k / side (vLLM's on-device Idefics2 ids) lands in another bucket than the host's
+    # arange(0, 1 - 1e-6, 1 / side) for some rows of these sides; the table follows the host.
+    embeddings = llm.SiglipVisionEmbeddings(siglip_config(llm, "eager"))
+    boundaries = torch.arange(1 / SIDE, 1.0, 1 / SIDE)
+    for side in (25, 49, 50, 55):
+        grids = [(side, 1), (1, side), (side, 7)]
+        n = 7 * side
+        want = host_position_ids(embeddings, grids, n)
+        assert torch.equal(embeddings.position_ids_from_tgt_sizes(torch.tensor(grids), n), want)
+        divided = torch.bucketize(torch.arange(side) / side, boundaries, right=True)
+        assert not torch.equal(divided, want[0, :side] // SIDE), side
+
+
+def test_bucket_table_grows_and_keeps_the_replaced_table():
+    embeddings = llm.SiglipVisionEmbeddings(siglip_config(llm, "eager"))
+    cpu = torch.device("cpu")
+    small = embeddings.position_bucket_table(100, cpu)
+    assert small.dtype == torch.int16 and small.numel() == 256 * 257 // 2
+    assert embeddings.position_bucket_table(256, cpu) is small  # no rebuild within the rows held
+    large = embeddings.position_bucket_table(300, cpu)
+    assert large.numel() == 512 * 513 // 2 and torch.equal(large[: small.numel()], small)
+    assert any(t is small for t in embeddings._bucket_tables._replaced)  # graphs may still read it
+
+
+@pytest.mark.parametrize("embed_dim, cache", [(4096, (70, 70)), (256, (90, 130))])
+def test_resampler_rows_rebuild_the_2d_sincos_cache_bitwise(embed_dim, cache):
+    resampler = llm.Resampler(num_queries=4, embed_dim=embed_dim, num_heads=2, kv_dim=64, adaptive=True)
+    want = torch.from_numpy(llm.get_2d_sincos_pos_embed(embed_dim, cache)).float()
+    rows = resampler._pos_embed_rows(max(cache))
+    assert rows.shape == (max(cache) + 1, embed_dim // 2) and float(rows[-1].abs().max()) == 0.0
+    r, c = torch.meshgrid(torch.arange(cache[0]), torch.arange(cache[1]), indexing="ij")
+    assert torch.equal(torch.cat((rows[c], rows[r]), dim=-1), want)
+
+
+# ---------------------------------------------------------------------------
+# get_vision_hidden_states: unchanged eager numerics, no host reads
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, vision_batch_size", EAGER_CASES, ids=[f"{n}-vbs{b}" for n, b in EAGER_CASES])
+def test_eager_output_is_bitwise_the_unpatched_output(pristine, name, vision_batch_size, dtype):
+    grids = GRID_SETS[name]
+    before = vision_model(pristine, dtype=dtype, vision_batch_size=vision_batch_size)
+    after = vision_model(llm, dtype=dtype, vision_batch_size=vision_batch_size)
+    after.load_state_dict(before.state_dict())
+    data = vision_data(grids, dtype=dtype)
+    with torch.no_grad():
+        want = before.get_vision_hidden_states(data)
+        got = after.get_vision_hidden_states(data)
+        # the other layouts the call site accepts: one stacked tensor, tgt_sizes as int64
+        if len({h * w for h, w in grids}) == 1:
+            stacked = {
+                "pixel_values": torch.stack(data["pixel_values"]),
+                "tgt_sizes": data["tgt_sizes"].long(),
+            }
+            assert torch.equal(after.get_vision_hidden_states(stacked), want)
+    assert got.shape == (len(grids), 8, 128) and got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that hands a tensor's values to Python."""
+
+    READS: ClassVar[set] = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(
+    "grids", [GRID_SETS["one_slice"], GRID_SETS["ten_padded"]], ids=["one", "ten_padded"]
+)
+def test_call_path_reads_no_tensor_value_on_the_host(pristine, grids, attn):
+    data = vision_data(grids)
+    with torch.no_grad(), HostReads() as watch:
+        vision_model(llm, attn, vision_batch_size=4).get_vision_hidden_states(data)  # builds the tables
+    assert watch.reads == []
+    with torch.no_grad(), HostReads() as watch:
+        vision_model(pristine, vision_batch_size=4).get_vision_hidden_states(data)
+    assert {"item", "tolist", "__bool__"} <= set(watch.reads)  # what the former call site read
+
+
+def test_tables_built_in_inference_mode_serve_no_grad_calls():
+    """The engine calls under inference_mode, vllm-omni's duplex stage under no_grad."""
+    model = vision_model(llm)
+    data = vision_data(GRID_SETS["three_padded"])
+    with torch.inference_mode():
+        first = model.get_vision_hidden_states(data)
+    tables = [*model.vpm.embeddings._bucket_tables._tables.values()]
+    tables += [*model.resampler._pos_embed_tables._tables.values()]
+    assert len(tables) == 2 and not any(table.is_inference() for _, table in tables)
+    with torch.no_grad():
+        second = model.get_vision_hidden_states(data)
+    assert torch.equal(first, second) and first.is_inference() and not second.is_inference()
+
+
+def test_resampler_accepts_more_patches_than_any_slice_has():
+    model = vision_model(llm)
+    x = torch.randn(2, 30, 64, generator=torch.Generator().manual_seed(6))
+    tgt_sizes = torch.tensor([[4, 5], [3, 3]])
+    with torch.no_grad():
+        wide = model.resampler(x, tgt_sizes)
+        narrow = model.resampler(x[:, :20], tgt_sizes)
+    torch.testing.assert_close(wide, narrow, rtol=1e-5, atol=1e-5)  # padding keys are masked out
+    assert math.isfinite(float(wide.abs().max()))
