@@ -36,6 +36,9 @@ _BUILTIN_MARKS = frozenset(
 _VENDORED_PACKAGES = {"minicpmo_cg": "minicpmo_cg", "helpers": "tests/helpers"}
 _VENDOR_PREFIX = {"minicpmo_cg": "minicpmo45_cg_", "helpers": "minicpmo45_cg_helpers_"}
 _MENTION = re.compile(r"minicpmo[_-]cg", re.IGNORECASE)
+#: This project's tooling, never vendored into vllm-omni's tests: a test that needs it imports it
+#: with ``pytest.importorskip("minicpmo_cg.patchtool")`` and skips in vllm-omni's tree.
+NOT_VENDORED = ("minicpmo_cg.patchtool", "minicpmo_cg.export", "minicpmo_cg.offline_gpu")
 
 
 class ExportError(RuntimeError):
@@ -162,6 +165,16 @@ def _module_source(repo: Path, package: str, dotted: str) -> tuple[str, Path]:
     raise ExportError(f"the exported tests import {package}.{dotted}, which is not in {repo}")
 
 
+def _check_vendorable(package: str, dotted: str, importer: str) -> None:
+    full = f"{package}.{dotted}"
+    for tool in NOT_VENDORED:
+        if full == tool or full.startswith(tool + "."):
+            raise ExportError(
+                f"{importer}: imports {full}, this project's tooling, which does not go into vllm-omni; "
+                f'import it with pytest.importorskip("{tool}") so the test skips in vllm-omni\'s tree'
+            )
+
+
 def vendor_tests(repo: Path, tests: dict[str, Path]) -> Vendored:
     """Export ``tests`` (relpath -> file) and copy every project module they need beside them.
 
@@ -178,6 +191,7 @@ def vendor_tests(repo: Path, tests: dict[str, Path]) -> Vendored:
         text, used = export_test_source(path.read_text(encoding="utf-8"), rel)
         out.files[rel] = text
         for package, dotted in sorted(used):
+            _check_vendorable(package, dotted, rel)
             source_rel, source = _module_source(repo, package, dotted)
             target = f"{folder}/{_vendor_name(package, dotted)}.py"
             out.vendored.setdefault(target, source_rel)

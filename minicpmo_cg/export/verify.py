@@ -28,7 +28,8 @@ from minicpmo_cg.export.gitseries import Identity, git
 
 __all__ = ["VerifyReport", "apply_series", "run_exported_tests", "verify"]
 
-_BLOCKER = 'raise ImportError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
+#: As in vllm-omni's tree, where this project's package is not installed (``importorskip`` skips).
+_BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
 
 
 @dataclass

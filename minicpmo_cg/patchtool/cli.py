@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minicpmo_cg import resources
-from minicpmo_cg.export import cli as export_cli
 from minicpmo_cg.patchtool import commands, index
 from minicpmo_cg.patchtool.errors import EXIT_CODES_HELP, EXIT_CONFLICT, EXIT_OK, PROG, ToolError
 from minicpmo_cg.patchtool.install import discover_installation
@@ -94,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--check", action="store_true", help="exit 1 when DIR/INDEX.md is not what --write writes"
     )
+    from minicpmo_cg.export import cli as export_cli  # lazy: the export imports the patch tool
+
     export_cli.add_parser(sub)
     return parser
 
@@ -117,6 +118,7 @@ def _run_index(args: argparse.Namespace) -> tuple[int, str, str]:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from minicpmo_cg.export import cli as export_cli
     from minicpmo_cg.export.fetch import FetchError
     from minicpmo_cg.export.transform import ExportError
     from minicpmo_cg.export.upstream_edits import EditError

@@ -39,6 +39,28 @@ def test_import_forms_without_a_vendored_equivalent_are_refused(line):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    from minicpmo_cg.patchtool import build_plan",
+        "from minicpmo_cg import patchtool",
+        "from minicpmo_cg.export.build import export",
+    ],
+)
+def test_the_projects_tooling_is_never_vendored(tmp_path, line):
+    test = tmp_path / "tests" / "test_x.py"
+    test.parent.mkdir()
+    test.write_text(f"import pytest\n\npytestmark = [pytest.mark.core_model]\n\n\ndef f():\n{line}\n")
+    with pytest.raises(
+        transform.ExportError, match=r"tests/test_x.py: imports minicpmo_cg\.(patchtool|export)"
+    ):
+        transform.vendor_tests(tmp_path, {"tests/test_x.py": test})
+    skipping = 'tool = pytest.importorskip("minicpmo_cg.patchtool")'
+    test.write_text(test.read_text().replace(line.strip(), skipping))
+    assert transform.vendor_tests(tmp_path, {"tests/test_x.py": test}).vendored == {}
+
+
+@pytest.mark.cpu
 def test_markers_unknown_to_vllm_omni_are_dropped_or_refused():
     text = (
         "pytestmark = [\n    pytest.mark.core_model,\n    pytest.mark.cuda,\n    pytest.mark.multi_gpu,\n]\n"
@@ -141,3 +163,16 @@ def test_nav_line_is_cloned_next_to_the_sibling_page():
     assert upstream_edits.clone_nav_line(index, "p.md", "P", "i").splitlines()[1] == "- [P](p.md)"
     with pytest.raises(upstream_edits.EditError, match="minicpm_o45_mrv2_performance"):
         upstream_edits.clone_nav_line("nav: []\n", "p.md", "P", "nav")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("module", ["verify", "build", "changeset", "cli"])
+def test_each_export_module_imports_first_in_a_fresh_interpreter(module):
+    """The export and the patch tool import each other's modules: no import order may be circular."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import minicpmo_cg.export.{module}"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
