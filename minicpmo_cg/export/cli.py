@@ -49,6 +49,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="with --verify: also run the exported CPU tests from the resulting vllm-omni tree",
     )
     parser.add_argument(
+        "--marks",
+        default="core_model and cpu",
+        help="with --run-tests: pytest -m expression for the exported tests (default: 'core_model and cpu'; "
+        "on a GPU host: 'core_model and cuda')",
+    )
+    parser.add_argument(
         "--checkout",
         type=Path,
         metavar="DIR",
@@ -149,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
     extra: list[str] = []
     ok = result.lint.ok
     if args.verify or args.run_tests:
-        report = verify.verify(args.out, repo, run_tests=args.run_tests)
+        report = verify.verify(args.out, repo, run_tests=args.run_tests, marks=args.marks)
         extra += [f"verify: {p}" for p in report.problems] + [f"verify note: {n}" for n in report.lint_notes]
         extra.append(
-            f"verify: {'ok' if report.ok else 'FAILED'}; exported CPU tests: {report.tests_summary or 'not run'}"
+            f"verify: {'ok' if report.ok else 'FAILED'}; exported tests (-m {args.marks!r}): "
+            f"{report.tests_summary or 'not run'}"
         )
         if report.tests_summary and report.ok:
-            build.rewrite_pr(args.out, result, report.tests_summary)
+            build.rewrite_pr(args.out, result, verify.result_line(args.marks, report.tests_summary))
         ok = ok and report.ok
     if args.checkout:
         extra += _to_checkout(args, result, identity)

@@ -155,7 +155,10 @@ def _test_plan(inp: PrInputs) -> list[str]:
 def _test_result(inp: PrInputs) -> list[str]:
     out = [conv.PR_TEMPLATE_HEADINGS[2], ""]
     if inp.cpu_result:
-        out += [f"CPU tests of this PR's tree (the 0.30.0 release + this series): `{inp.cpu_result}`", ""]
+        out += [
+            f"Unit tests of this PR's tree (the v{inp.omni_version} release + this series): {inp.cpu_result}",
+            "",
+        ]
     if not inp.results_text:
         inp.notes.append("no results page: the Test Result section has no GPU measurements")
         return out

@@ -26,7 +26,7 @@ from minicpmo_cg.export import fetch, lint
 from minicpmo_cg.export.changeset import read_change_set
 from minicpmo_cg.export.gitseries import Identity, git
 
-__all__ = ["VerifyReport", "apply_series", "run_exported_tests", "verify"]
+__all__ = ["VerifyReport", "apply_series", "result_line", "run_exported_tests", "verify"]
 
 #: As in vllm-omni's tree, where this project's package is not installed (``importorskip`` skips).
 _BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
@@ -99,6 +99,11 @@ def run_exported_tests(tree: Path, tests: list[str], marks: str, work: Path) -> 
 def _summary(output: str) -> str | None:
     lines = [l.strip("= ").strip() for l in output.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
     return re.sub(r"\s+in [\d.]+s.*$", "", lines[-1]) if lines else None
+
+
+def result_line(marks: str, summary: str) -> str:
+    """The Test Result line of the PR text for the exported tests run with ``-m marks``."""
+    return f"`pytest -m '{marks}'`: `{summary}`"
 
 
 def _check_vllm(out: Path, repo: Path, manifest: dict, identity: Identity, work: Path) -> list[str]:

@@ -37,5 +37,5 @@ def exported(tmp_path_factory, current_lane_only):
     result = build.export(build.ExportOptions(repo=REPO, out=out, author=Identity(AUTHOR)))
     report = verify.verify(out, REPO, run_tests=True)
     if report.tests_summary:
-        build.rewrite_pr(out, result, report.tests_summary)
+        build.rewrite_pr(out, result, verify.result_line("core_model and cpu", report.tests_summary))
     return out, json.loads((out / "export.json").read_text()), report

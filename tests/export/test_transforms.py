@@ -173,6 +173,9 @@ def test_each_export_module_imports_first_in_a_fresh_interpreter(module):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-c", f"import minicpmo_cg.export.{module}"], capture_output=True, text=True
+        [sys.executable, "-c", f"import minicpmo_cg.export.{module}"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
