@@ -759,7 +759,10 @@ def test_interleaved_duplex_sessions_replay_bitwise_equal_to_their_own_eager_run
     assert stats["ineligible_misses"] == stats["capacity_misses"] == stats["memory_misses"] == 0
     # one arena (two sides) for the device and stream; each graph owns only the mel buffer
     ((key, arena),) = model._streaming_audio_arenas.items()
-    assert key == (torch.device("cuda", torch.cuda.current_device()), torch.cuda.current_stream().cuda_stream)
+    assert key == (
+        torch.device("cuda", torch.accelerator.current_device_index()),
+        torch.cuda.current_stream().cuda_stream,
+    )
     assert arena.kv.shape == (2, LAYERS, 2, HEADS * POSITIONS * (D_MODEL // HEADS))
     for manager in graph.graphs.values():
         for graph_set in manager.budget_graphs.values():
@@ -821,7 +824,7 @@ def test_the_eager_sdpa_kernel_gives_the_same_bits_without_the_zero_mask_on_cuda
         config=SimpleNamespace(encoder_attention_heads=heads, d_model=heads * head_dim),
         conv1=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
     )
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.accelerator.current_device_index())
     g = torch.Generator(device=device).manual_seed(0)
     for total in sorted({n + past for past in past_lengths(30)} | {200, 1000}):
         plan = llm._zero_mask_plan("sdpa", lambda t=total: llm._eager_sdpa_choice(apm, device, n, t))
