@@ -51,7 +51,8 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     29, 58, 87, 116), eager vs graphed in one run (cold session, warm session, two interleaved
     sessions of audio), every graphed chunk and frame bitwise against eager. Per-chunk and
     per-frame median and p90, session encoder time (frames + chunks), graph memory in total and per
-    session. ``--only duplex`` runs it alone.
+    session; on a GPU, where a graphed chunk's time goes (:mod:`.duplex_breakdown`: per-phase CUDA
+    events, the replay against the past length, attention alone). ``--only duplex`` runs it alone.
 ``offline`` (:mod:`.offline`)
     Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats.
 

@@ -18,9 +18,11 @@ Every graphed chunk and frame must equal the eager one of the same session bitwi
 options' defaults rest on); a difference is a problem (exit status 1). Reported: per-chunk and
 per-frame median, p90 and max, session encoder time (frames + chunks, and chunks alone), both
 adapters' stats, graph memory in total (K/V arena + static buffers + graph pool, and the frame's
-vision graph) and per session (the session's own cache, on either path), and what the design with
-per-graph cache copies would hold. Targets: graphed median <= 3 ms per 1 s chunk, warm session
-encoder time (frames + chunks) >= 3x lower than eager.
+vision graph) and per session (the session's own cache, on either path), what the design with
+per-graph cache copies would hold, and on a GPU where a graphed chunk's time goes
+(:mod:`minicpmo_cg.bench.duplex_breakdown`: per-phase CUDA events of one more warm session, the
+replay against the past length, attention alone). Targets: graphed median <= 3 ms per 1 s chunk,
+warm session encoder time (frames + chunks) >= 3x lower than eager.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from minicpmo_cg import duplex, standalone
 from minicpmo_cg import inputs as mi
+from minicpmo_cg.bench import duplex_breakdown
 from minicpmo_cg.bench.context import TARGETS, Ctx, log
 from minicpmo_cg.bench.memory import graph_memory, mem_state, mib, release_memory
 from minicpmo_cg.measure import summary
@@ -164,6 +167,11 @@ def _graphed(
         memory = _memory(ctx, adapter, len(main), after["reserved"] - before["reserved"])
         cap, admission = adapter.options.max_graphs, adapter.get_detailed_stats()["admission"]
         vision_stats = {**vision.get_cumulative_stats(), **vision.get_detailed_stats()}
+        log("duplex: breakdown (one more warm session, CUDA events; attention alone) ...")
+        breakdown = {
+            "phases": duplex_breakdown.phases(ctx, model, adapter, main),
+            "attention": duplex_breakdown.attention(ctx, model),
+        }
     finally:
         standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)  # drop the graphs
         release_memory()
@@ -176,6 +184,7 @@ def _graphed(
         "cap": cap,
         "admission": admission,
         "vision": vision_stats,
+        "breakdown": breakdown,
     }
 
 
@@ -257,6 +266,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "graphed": graphed["warm"]["cache_peak_bytes"],
         },
         "bitwise": bitwise,
+        "breakdown": graphed["breakdown"],
     }
 
 
@@ -320,6 +330,8 @@ def format_section(s: dict[str, Any]) -> list[str]:
         ),
         "bitwise vs eager: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in s["bitwise"].items()),
     ]
+    breakdown = s.get("breakdown") or {}
+    lines += duplex_breakdown.format_lines(breakdown.get("phases"), breakdown.get("attention"))
     goal_ms, goal_x = TARGETS["duplex_chunk_ms"], TARGETS["duplex_session_speedup"]
     med, speedup = s["graphed_warm"]["median"], s["session_speedup"] or 0.0
     lines.append(

@@ -28,6 +28,7 @@ COMMANDS = {
     "revert": "restore every file apply changed, byte-identical (all-or-nothing, crash-safe)",
     "base": "write the starting file of a new or refreshed patch (the file with the earlier patches applied)",
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
+    "export": "export the lane's change set as a vllm-omni pull request (series + PR text; see CONTRIBUTING)",
 }
 
 
@@ -62,12 +63,12 @@ def _common(verbose: bool = True) -> argparse.ArgumentParser:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} {{apply,check,status,revert,base,index}} [--site-packages DIR] [--json] ...",
+        usage=f"{PROG} {{apply,check,status,revert,base,index,export}} [--site-packages DIR] [--json] ...",
         description="Install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.",
         epilog=EXIT_CODES_HELP,
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{apply,check,status,revert,base,index}"
+        dest="command", required=True, metavar="{apply,check,status,revert,base,index,export}"
     )
     for name in ("apply", "check", "status", "revert"):
         sub.add_parser(
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--check", action="store_true", help="exit 1 when DIR/INDEX.md is not what --write writes"
     )
+    from minicpmo_cg.export import cli as export_cli  # lazy: the export imports the patch tool
+
+    export_cli.add_parser(sub)
     return parser
 
 
@@ -111,6 +115,26 @@ def _run_index(args: argparse.Namespace) -> tuple[int, str, str]:
             return EXIT_CONFLICT, "", f"{PROG}: {path} is out of date; run `{PROG} index --write`\n"
         return EXIT_OK, f"index: {path} is up to date\n", ""
     return EXIT_OK, text, ""
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from minicpmo_cg.export import cli as export_cli
+    from minicpmo_cg.export.fetch import FetchError
+    from minicpmo_cg.export.transform import ExportError
+    from minicpmo_cg.export.upstream_edits import EditError
+
+    try:
+        return export_cli.run(args)
+    except (
+        ExportError,
+        EditError,
+        FetchError,
+        FileExistsError,
+        FileNotFoundError,
+        ValueError,
+        RuntimeError,
+    ) as exc:
+        raise ToolError(f"{PROG}: export: {exc}") from None
 
 
 def _execute(args: argparse.Namespace) -> tuple[commands.Outcome, object]:
@@ -178,6 +202,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code instead of exiting (tests call this)."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "export":
+            return _run_export(args)
         if args.command == "index":
             code, out, err = _run_index(args)
             _emit(out, "stdout")

@@ -49,7 +49,7 @@ def test_reduced_bench_counts_new_misses_and_accounts_graph_bytes(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
-def test_reduced_bench_vision_path_and_duplex_frames_match_eager(tmp_path):
+def test_reduced_bench_vision_path_and_duplex_match_eager_with_a_chunk_breakdown(tmp_path):
     proc, res = run_module(
         "minicpmo_cg.bench",
         *("--quick", "--reduced", "--device", "cuda", "--only", "vision_path,duplex"),
@@ -69,3 +69,16 @@ def test_reduced_bench_vision_path_and_duplex_frames_match_eager(tmp_path):
     vision = dx["vision"]
     assert vision["num_graphs"] <= 1 and vision["capture_failures"] == 0
     assert vision["graph_hits"] + vision["graph_misses"] == 2 * dx["seconds"]  # cold and warm sessions
+    # where a graphed chunk's time goes (one more warm session, CUDA events; attention alone)
+    phases = dx["breakdown"]["phases"]
+    assert phases["chunks"] == dx["seconds"]  # every chunk of the extra warm session replayed
+    assert all(phases[p]["median"] >= 0 for p in ("prep", "adapter", "output", "after"))
+    assert phases["replay"]["median"] > 0
+    # the phases tile the call: their sum is a chunk's latency, as the timed warm session saw it
+    assert 0.5 < phases["total"]["median"] / dx["graphed_warm"]["median"] < 2.0
+    fit = phases["replay_vs_past"]
+    assert set(fit["at_past"]) == {"0", "700", "1400"} and fit["intercept_ms"] > 0
+    rows = dx["breakdown"]["attention"]["rows"]
+    assert [r["total"] for r in rows] == [50, 750, 1450]
+    assert all(r["masked_ms"] > 0 and r["graph_ms"] > 0 and r["concat_ms"] > 0 for r in rows)
+    assert "breakdown per graphed chunk" in proc.stdout and "attention alone" in proc.stdout

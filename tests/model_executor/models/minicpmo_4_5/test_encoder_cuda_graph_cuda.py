@@ -130,7 +130,7 @@ def test_two_replay_streams_never_share_buffers(ecg, vllm_config):
                 if rep == 3:
                     inputs[i].copy_(rand(3, 64))
                 outs[(rep, i)] = (graph(inputs[i]), inputs[i].clone())
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
     assert len(graph.graphs) == 2
     assert {key[0] for key in graph.graphs} == {s.stream_id for s in streams}
     a, b = managers(graph)
@@ -150,7 +150,7 @@ def test_shared_pools_are_per_encoder_and_replay_stream(ecg, vllm_config):
                 for rows in (2, 5):
                     x = rand(rows, 64)
                     enc(x), enc(x)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     pools = {}
     for e, enc in enumerate(encoders):
         assert len(enc.graphs) == 4
@@ -179,7 +179,7 @@ def test_interleaved_late_captures_keep_every_retained_output(ecg, vllm_config, 
         for earlier in sizes[: n + 1][::-1]:  # replay everything captured so far
             x = rand(earlier, 64)
             retained.append((graph(x), enc(x)))
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     for out, expected in retained:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     pools = {m.graph_pool for m in managers(graph)}
@@ -340,7 +340,7 @@ def test_grad_autocast_and_foreign_capture_stay_eager(ecg, vllm_config):
             static_out = graph(static_x)
         static_x.copy_(rand(2, 64))
         outer.replay()
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
         torch.testing.assert_close(static_out, enc(static_x), rtol=0, atol=0)
     stats = graph.get_cumulative_stats()
     assert stats["ineligible_misses"] == 4 and stats["num_graphs"] == 0 and not graph.admission.history
@@ -440,7 +440,7 @@ def test_eager_measurement_needs_no_host_sync_and_reads_back_later(ecg):
     enc = TinyEncoder(width=512)
     x = rand(256, 512)
     enc(x)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     torch.cuda._sleep(200_000_000)  # keep the stream busy for a while (~0.1 s)
     torch.cuda.set_sync_debug_mode("error")  # any host sync raises
     try:
@@ -452,7 +452,7 @@ def test_eager_measurement_needs_no_host_sync_and_reads_back_later(ecg):
     assert 0 < measurement.host_ms < 50
     # the eager call's peak: x @ W and its gelu are alive together (2 x 256 x 512 float32)
     assert measurement.peak_bytes >= 2 * out.numel() * out.element_size()
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     sample = measurement.sample()
     assert sample is not None and 0 < sample.gpu_ms < 100  # the call itself, not the sleep before it
     assert (sample.busy_ms, sample.hold_ms, sample.host_ms) == (None, 0.0, measurement.host_ms)
@@ -461,13 +461,13 @@ def test_eager_measurement_needs_no_host_sync_and_reads_back_later(ecg):
 
 def held_sample(backend, forward, x, hold_ms):
     """A held measurement of ``forward(x)``, taken with host syncs forbidden, then read back."""
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, measurement = backend.measure_eager(x.device, lambda: forward(x), hold_ms=hold_ms)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     return out, measurement.sample()
 
 
@@ -480,9 +480,9 @@ def test_a_held_measurement_times_the_gpu_work_behind_a_calibrated_hold(ecg):
     small, large = ManySmallKernels(), FewLargeMatmuls()
     xs, xl = rand(8, 64), rand(4096, 4096)
     small(xs), large(xl)  # warm up (kernel selection, allocator)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     _, unheld = backend.measure_eager(xs.device, lambda: small(xs))
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     span, host = unheld.sample().gpu_ms, unheld.host_ms
     out, first = held_sample(backend, small, xs, hold_ms=2 * host)  # longer than the enqueueing
     torch.testing.assert_close(out, small(xs), rtol=0, atol=0)
@@ -491,7 +491,7 @@ def test_a_held_measurement_times_the_gpu_work_behind_a_calibrated_hold(ecg):
     assert held.hold_ms == pytest.approx(2 * host, rel=0.25), (held, host)
     assert held.busy_ms < 0.8 * span, (held, span)  # 800 tiny kernels back to back: idle gaps gone
     _, unheld_large = backend.measure_eager(xl.device, lambda: large(xl))
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     large_span = unheld_large.sample().gpu_ms
     _, held_large = held_sample(backend, large, xl, hold_ms=1.0)
     assert held_large.busy_ms == pytest.approx(large_span, rel=0.2), (held_large, large_span)
@@ -510,11 +510,11 @@ def test_cost_mode_captures_launch_bound_and_declines_gpu_bound_calls(ecg, vllm_
         small(xs), large(xl)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()  # let the events complete: the decision reads them back
+    torch.accelerator.synchronize()  # let the events complete: the decision reads them back
     for _ in range(3):
         torch.testing.assert_close(small(xs), ManySmallKernels(steps)(xs), rtol=0, atol=0)
         large(xl)
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
     assert small.get_cumulative_stats()["num_graphs"] == 1
     assert small.get_cumulative_stats()["graph_hits"] == 3
     assert large.get_cumulative_stats()["num_graphs"] == 0

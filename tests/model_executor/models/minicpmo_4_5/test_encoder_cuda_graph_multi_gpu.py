@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.multi_gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        not torch.cuda.is_available() or torch.accelerator.device_count() < 2,
         reason="needs at least two CUDA devices",
     ),
 ]
@@ -44,7 +44,7 @@ def forward(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
 def test_each_device_keeps_its_own_graphs_pools_and_capture_streams(ecg, vllm_config):
     graph = counting(ecg, forward, vllm_config)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    torch.cuda.set_device(0)  # the current device stays 0 throughout
+    torch.accelerator.set_device_index(0)  # the current device stays 0 throughout
     for _ in range(3):
         for dev in devices:
             x = torch.randn(4, 32, device=dev)
@@ -83,7 +83,7 @@ def test_memory_floor_reads_the_inputs_device_not_the_current_one(ecg, vllm_conf
             return 1 << 40
 
     graph = counting(ecg, forward, vllm_config, min_free_bytes=1, backend=ReadingBackend())
-    torch.cuda.set_device(0)
+    torch.accelerator.set_device_index(0)
     x = torch.randn(2, 16, device="cuda:1")
     graph(x), graph(x)
     assert asked == [torch.device("cuda", 1)]
@@ -104,7 +104,7 @@ WORKER = textwrap.dedent(
     from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph import EncoderCudaGraph
 
     rank = int(sys.argv[1])
-    torch.cuda.set_device(rank)
+    torch.accelerator.set_device_index(rank)
     dev = torch.device("cuda", rank)
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank)).to(dev)
 

@@ -48,7 +48,7 @@ RESULT_TAG = "SCENARIO_RESULT="
 # ---------------------------------------------------------------------------
 
 
-class _ManagerBuilt(Exception):
+class _ManagerBuiltError(Exception):
     """Stops ``CudaGraphBackend.capture`` right after the manager is constructed (no CUDA on CPU)."""
 
 
@@ -62,14 +62,14 @@ def test_adapter_asks_the_manager_for_thread_local_captures(ecg, vllm_config, mo
         def __init__(self, vllm_config, device, dtype, model, *, capture_error_mode="global"):
             super().__init__(vllm_config, device, dtype, model, capture_error_mode=capture_error_mode)
             built.append((self, capture_error_mode))
-            raise _ManagerBuilt
+            raise _ManagerBuiltError
 
     monkeypatch.setattr(ec, "EncoderCudaGraphManager", RecordingManager)
     # no CUDA here: the backend's stream lookup returns a stand-in, and a given pool skips pool creation
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
     x = torch.ones(3, 8)
     encoder = ecg.ExactShapeEncoder(lambda t: t * 2, [x], x.shape)
-    with pytest.raises(_ManagerBuilt):
+    with pytest.raises(_ManagerBuiltError):
         ecg.CudaGraphBackend().capture(encoder, vllm_config, x.device, (object(), object()))
     [(manager, mode)] = built
     assert ecg.CAPTURE_ERROR_MODE == "thread_local"
@@ -133,7 +133,7 @@ class CudaChatter(threading.Thread):
             self.overlapped.set()
 
     def _loop(self) -> None:
-        torch.cuda.set_device(self.device)
+        torch.accelerator.set_device_index(self.device)
         side = torch.cuda.Stream(self.device)
         done = torch.cuda.Event()
         step = 0
@@ -176,7 +176,7 @@ class GatedEncoder:
 
 def run_scenario(ecg, vllm_config) -> dict[str, Any]:
     """Capture a new shape while a :class:`CudaChatter` runs; return what happened (JSON-able)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.accelerator.current_device_index())
     chatter = CudaChatter(device)
     enc = GatedEncoder(chatter, device)
     # the count rule: the second call captures, whatever the cost model thinks of this tiny forward
@@ -200,7 +200,7 @@ def run_scenario(ecg, vllm_config) -> dict[str, Any]:
             x2 = torch.randn_like(x)
             result["first_equal"] = bool(torch.equal(out, eager))
             result["replay_equal"] = bool(torch.equal(graph(x2), enc(x2)))
-            torch.cuda.synchronize()
+            torch.accelerator.synchronize()
     result.update(
         stats=graph.get_cumulative_stats(),
         manager_modes=[m.capture_error_mode for m in graph.graphs.values()],

@@ -51,8 +51,9 @@ AUDIO_MODULES = ("apm", "audio_projection_layer", "audio_avg_pooler")
 # ---------------------------------------------------------------------------
 
 
-def tiny_model(device="cpu", dtype=torch.float32, **config) -> Model:
-    """A model object with what the audio paths read; Whisper attention as the checkpoint runs it (sdpa)."""
+def tiny_model(device="cpu", dtype=torch.float32, attn="sdpa", **config) -> Model:
+    """A model object with what the audio paths read; Whisper attention as the checkpoint runs it (sdpa)
+    unless ``attn`` names another implementation."""
     torch.manual_seed(0)
     whisper = llm.WhisperConfig(
         d_model=D_MODEL,
@@ -62,7 +63,7 @@ def tiny_model(device="cpu", dtype=torch.float32, **config) -> Model:
         num_mel_bins=80,
         max_source_positions=POSITIONS,
     )
-    whisper._attn_implementation = "sdpa"
+    whisper._attn_implementation = attn
     model = object.__new__(Model)
     nn.Module.__init__(model)
     model.config = SimpleNamespace(audio_chunk_length=N / 50, audio_pool_step=POOL, **config)
@@ -355,17 +356,93 @@ def test_graph_keys_are_chunk_form_and_past_length_and_sessions_share_them(cpu_b
     for i, past in enumerate(past_lengths(40, POSITIONS, N)):
         prefix = 0 if i == 0 else 2
         mel = ((1, 80, 2 * N + (2 if i == 0 else 4)), torch.float32)
-        mask = ((1, 1, N, past + N), torch.float32)
-        statics = tuple((ecg.STATIC_ARG, v) for v in (arena, past, True, prefix, 2))
-        expected.add((backend.STREAM, cpu, (mel, mask, *statics, None)))
+        # the side holding the past: the session's chunks since its last reset, modulo 2
+        side = past // N % 2
+        plan = model._streaming_audio_mask_plans[(cpu, N, past + N)]
+        statics = tuple((ecg.STATIC_ARG, v) for v in (arena, side, past, N, plan, True, prefix, 2))
+        expected.add((backend.STREAM, cpu, (mel, *statics, None)))
     assert set(graph.graphs) == expected and len(expected) == KEYS
     # every key is first seen (warmup, eager) once, by whichever session gets there first
     stats = graph.get_cumulative_stats()
     assert (stats["num_graphs"], stats["warmup_misses"], stats["graph_hits"]) == (KEYS, KEYS, 80 - KEYS)
-    # the graphs' static inputs are the mel and the mask only: the cache is never a per-graph buffer
+    # the graphs' static input is the mel only: neither the cache nor the zero mask is a per-graph buffer
     for manager in graph.graphs.values():
-        assert sorted(manager.input_buffers) == ["0", "1"]
-    assert all(encoder.statics[2] is arena for encoder in backend.encoders)
+        assert sorted(manager.input_buffers) == ["0"]
+    assert all(encoder.statics[1] is arena for encoder in backend.encoders)
+    # sdpa on the CPU: SDPA's choice for the eager call is pinned and the all-zero mask left out
+    assert {p.sdpa_backend for p in model._streaming_audio_mask_plans.values()} == {
+        llm._eager_sdpa_choice(model.apm, cpu, N, N)
+    }
+    assert all(p.drop_mask for p in model._streaming_audio_mask_plans.values())
+
+
+# ---------------------------------------------------------------------------
+# The all-zero mask: dropped where the eager call's kernel can be pinned (CPU)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "attn, choice, plan",
+    [
+        ("eager", None, (True, None)),
+        ("sdpa", "EFFICIENT_ATTENTION", (True, "EFFICIENT_ATTENTION")),
+        ("sdpa", "FLASH_ATTENTION", (True, "FLASH_ATTENTION")),
+        ("sdpa", "MATH", (True, "MATH")),
+        ("sdpa", "CUDNN_ATTENTION", (False, None)),
+        ("sdpa", "OVERRIDEABLE", (False, None)),
+        ("sdpa", "ERROR", (False, None)),
+        ("flash_attention_2", None, (False, None)),
+    ],
+)
+def test_zero_mask_plan_pins_the_eager_kernel_or_keeps_the_mask(attn, choice, plan):
+    from torch.nn.attention import SDPBackend
+
+    asked = []
+
+    def sdpa_choice():
+        asked.append(attn)
+        return SDPBackend.__members__[choice]
+
+    got = llm._zero_mask_plan(attn, sdpa_choice)
+    want_backend = None if plan[1] is None else SDPBackend.__members__[plan[1]]
+    assert (got.drop_mask, got.sdpa_backend) == (plan[0], want_backend)
+    assert asked == ([attn] if attn == "sdpa" else [])  # SDPA is asked only for its own implementation
+    hash(got)  # a static argument of the adapter: part of the graph key
+
+
+def _sdpa_choice_forced(monkeypatch, name):
+    """Make SDPA's choice for every eager streaming call ``name``; returns the shapes asked."""
+    from torch.nn.attention import SDPBackend
+
+    asked = []
+
+    def choice(apm, device, positions, total):
+        asked.append((device, positions, total))
+        return SDPBackend.__members__[name]
+
+    monkeypatch.setattr(llm, "_eager_sdpa_choice", choice)
+    return asked
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("attn, forced", [("sdpa", None), ("eager", None), ("sdpa", "CUDNN_ATTENTION")])
+def test_graphed_path_equals_eager_with_the_mask_kept_or_dropped(attn, forced, cpu_backend, monkeypatch):
+    asked = _sdpa_choice_forced(monkeypatch, forced) if forced else []
+    model = wired(tiny_model(attn=attn), backend=cpu_backend())
+    runs = {"a": duplex_chunks(2 * CYCLE + 3, seed=7), "b": duplex_chunks(CYCLE, seed=8)}
+    want = {name: eager_run(model, chunks)[0] for name, chunks in runs.items()}
+    got, _ = interleaved(model, runs)
+    for name in runs:
+        assert_bitwise(got[name], want[name], f"{attn} attention, SDPA choice {forced}: session {name}")
+    plans = model._streaming_audio_mask_plans
+    # one plan per chunk shape: N positions over N, 2N, ..., CYCLE * N
+    assert sorted(total for _, _, total in plans) == [N * k for k in range(1, CYCLE + 1)]
+    assert {p.drop_mask for p in plans.values()} == {forced is None}
+    if forced:  # SDPA was asked once per shape, with the shapes of the eager call
+        assert sorted(asked, key=lambda a: a[2]) == sorted(plans, key=lambda a: a[2])
+    stats = model._streaming_audio_encoder_graph.get_cumulative_stats()
+    assert stats["num_graphs"] == KEYS and stats["graph_hits"] > 0
 
 
 # ---------------------------------------------------------------------------
@@ -448,8 +525,11 @@ def arena_and_caches():
 
 
 def write_chunk(arena, cache, value, n=3):
-    """What a graph replay does for a chunk, then the copy-out."""
-    arena.kv[:, :, :, :, cache.length : cache.length + n] = value
+    """What a graph replay does for a chunk (past and new positions to the other side), then the copy-out."""
+    side, past = arena.side(cache), cache.length
+    written = arena.positions(1 - side, past + n)
+    written[:, :, :, :past] = arena.positions(side, past)
+    written[:, :, :, past:] = value
     arena.save(cache, n)
 
 
@@ -460,20 +540,22 @@ def test_arena_copies_a_session_in_only_when_it_holds_another():
         assert not llm._StreamingAudioKVArena(
             layers=1, heads=1, head_dim=1, max_positions=1, dtype=torch.float32, device="cpu"
         ).kv.is_inference()
-    assert arena.kv.shape == (LAYERS, 2, 1, HEADS, 16, 2)
+    # two sides, each with every layer's keys and values for 16 positions
+    assert arena.kv.shape == (2, LAYERS, 2, HEADS * 16 * 2)
     arena.load(a)
     write_chunk(arena, a, 1.0)
     write_chunk(arena, a, 2.0)
-    assert a.length == 6 and arena.holds == (a.token, 6)
-    arena.kv[:, :, :, :, :6] = -1.0  # would be overwritten by a copy-in
+    assert a.length == 6 and arena.holds == (a.token, 6) and arena.side(a) == 0
+    arena.positions(0, 6).fill_(-1.0)  # would be overwritten by a copy-in
     arena.load(a)  # the same session continuing: nothing copied
-    assert (arena.kv[:, :, :, :, :6] == -1.0).all()
+    assert (arena.positions(0, 6) == -1.0).all()
     arena.load(b)  # another session: the arena now holds b's (empty) cache
     write_chunk(arena, b, 7.0, n=4)
+    assert arena.side(b) == 1 and arena.holds == (b.token, 4)
     arena.load(a)  # back to a: a's own positions, none of b's
-    assert torch.equal(arena.kv[:, :, :, :, :6], torch.cat(a.blocks, dim=4))
-    assert set(arena.kv[:, :, :, :, :3].unique().tolist()) == {1.0}
-    assert set(arena.kv[:, :, :, :, 3:6].unique().tolist()) == {2.0}
+    assert torch.equal(arena.positions(0, 6), torch.cat(a.blocks, dim=4)[:, :, 0])
+    assert set(arena.positions(0, 6)[:, :, :, :3].unique().tolist()) == {1.0}
+    assert set(arena.positions(0, 6)[:, :, :, 3:6].unique().tolist()) == {2.0}
     assert b.length == 4 and set(b.blocks[0].unique().tolist()) == {7.0}
     # blocks are copies: later writes to the arena do not reach a session's cache
     arena.kv.fill_(5.0)
@@ -481,26 +563,82 @@ def test_arena_copies_a_session_in_only_when_it_holds_another():
 
 
 @pytest.mark.cpu
-def test_arena_past_returns_what_dynamic_cache_returns_and_writes_the_arena():
+def test_arena_layout_is_the_eager_caches_per_layer():
+    arena, _, _ = arena_and_caches()
+    arena.kv.copy_(torch.arange(arena.kv.numel(), dtype=torch.float32).view_as(arena.kv))
+    for side in (0, 1):
+        for length in (0, 5, 16):
+            whole = arena.positions(side, length)
+            assert whole.shape == (LAYERS, 2, HEADS, length, 2)
+            for layer in range(LAYERS):
+                keys, values = arena.layer(side, layer, length)
+                for i, t in enumerate((keys, values)):
+                    # contiguous (1, heads, length, head_dim) at the start of the layer's row
+                    assert t.shape == (1, HEADS, length, 2) and t.is_contiguous()
+                    assert torch.equal(t[0], whole[layer, i])
+                    if length:
+                        assert t.data_ptr() == arena.kv[side, layer, i].data_ptr()
+    with pytest.raises(RuntimeError):
+        arena.positions(0, 17)  # past the rows: no silent wrap into the next tensor
+
+
+@pytest.mark.cpu
+def test_arena_past_returns_what_dynamic_cache_returns_and_never_writes_what_it_reads():
     arena, cache, _ = arena_and_caches()
     g = torch.Generator().manual_seed(0)
     past = llm.DynamicCache()
     for _ in range(3):
-        view = llm._StreamingAudioKVArenaPast(arena.kv, cache.length)
+        side = arena.side(cache)
+        read = arena.kv[side].clone()
+        view = llm._StreamingAudioKVArenaPast(arena, side, cache.length)
         assert view.get_seq_length() == llm._get_audio_cache_length(view) == cache.length
         for layer in range(LAYERS):
             k, v = torch.randn(2, 1, HEADS, 3, 2, generator=g)
             got = view.update(k, v, layer)
             want = past.update(k, v, layer)
-            for x, y in zip(got, want):
+            for i, (x, y) in enumerate(zip(got, want)):
                 assert x.is_contiguous() and torch.equal(x, y)
+                # written to the other side, where attention reads it and the next chunk finds its past
+                assert x.data_ptr() == arena.kv[1 - side, layer, i].data_ptr()
+        assert torch.equal(arena.kv[side], read)  # so a second run of the forward sees the same past
         arena.save(cache, 3)
+        assert arena.side(cache) == 1 - side
     eager = cache.to_eager()
     assert isinstance(eager, llm.EncoderDecoderCache) and llm._get_audio_cache_length(eager) == 9
     pairs = list(zip(eager.self_attention_cache, past))
     assert len(pairs) == LAYERS
     for converted, reference in pairs:
         assert torch.equal(converted[0], reference[0]) and torch.equal(converted[1], reference[1])
+
+
+@pytest.mark.cpu
+@torch.inference_mode()
+def test_the_captured_forward_can_run_twice_with_the_same_result():
+    """vLLM's manager runs the forward once on its zero buffers before capturing, and the capturing
+    call then replays it with the real inputs: a forward that overwrote its own past would replay
+    on a corrupted one."""
+    model = wired(tiny_model())
+    chunks = duplex_chunks(3, seed=6)
+    want, _ = eager_run(model, chunks)
+    session = DuplexSession()
+    session.encode(model, chunks[0])
+    session.encode(model, chunks[1])
+    cache = session.cache
+    arena = model._streaming_audio_arena(torch.device("cpu"))
+    arena.load(cache)
+    chunk = chunks[2]
+    plan = model._streaming_audio_mask_plan(torch.device("cpu"), N, cache.length + N)
+    args = (arena, arena.side(cache), cache.length, N, plan, True, chunk.prefix_extra_frames, 2, None)
+    model._encode_audio_streaming_graphed(torch.zeros_like(chunk.features), *args)  # the warm-up
+    got = model._encode_audio_streaming_graphed(chunk.features, *args)
+    assert torch.equal(got[0], want[2])
+    arena.save(cache, N)
+    assert torch.equal(cache.to_eager().self_attention_cache.layers[0].keys, eager_keys(model, chunks))
+
+
+def eager_keys(model, chunks):
+    """Layer 0's keys in the eager cache after ``chunks``."""
+    return eager_run(model, chunks)[1].self_attention_cache.layers[0].keys
 
 
 @pytest.mark.cpu
@@ -619,15 +757,18 @@ def test_interleaved_duplex_sessions_replay_bitwise_equal_to_their_own_eager_run
     stats = graph.get_cumulative_stats()
     assert (stats["num_graphs"], stats["warmup_misses"], stats["graph_hits"]) == (KEYS, KEYS, 80 - KEYS)
     assert stats["ineligible_misses"] == stats["capacity_misses"] == stats["memory_misses"] == 0
-    # one arena for the device and stream; each graph owns only the mel and mask buffers
+    # one arena (two sides) for the device and stream; each graph owns only the mel buffer
     ((key, arena),) = model._streaming_audio_arenas.items()
-    assert key == (torch.device("cuda", torch.cuda.current_device()), torch.cuda.current_stream().cuda_stream)
-    assert arena.kv.shape == (LAYERS, 2, 1, HEADS, POSITIONS, D_MODEL // HEADS)
+    assert key == (
+        torch.device("cuda", torch.accelerator.current_device_index()),
+        torch.cuda.current_stream().cuda_stream,
+    )
+    assert arena.kv.shape == (2, LAYERS, 2, HEADS * POSITIONS * (D_MODEL // HEADS))
     for manager in graph.graphs.values():
         for graph_set in manager.budget_graphs.values():
             for meta in graph_set.values():
-                assert sorted(meta.input_buffers) == ["0", "1"]
-                assert meta.input_buffers["1"].shape[-1] <= POSITIONS  # the mask, not a cache copy
+                assert sorted(meta.input_buffers) == ["0"]
+                assert meta.input_buffers["0"].shape[:2] == (1, 80)  # the mel, not a cache copy
 
 
 @pytest.mark.cuda
@@ -666,6 +807,35 @@ def test_graphs_captured_under_inference_mode_replay_under_no_grad(cuda_model):
     for name, outs in got.items():
         assert_bitwise(outs, want[name], f"session {name}")
     assert graph.get_cumulative_stats()["graph_hits"] >= 2 * CYCLE
+
+
+@pytest.mark.cuda
+@needs_cuda
+@torch.inference_mode()
+def test_the_eager_sdpa_kernel_gives_the_same_bits_without_the_zero_mask_on_cuda():
+    """What dropping the mask rests on, at Whisper-medium's attention widths in bf16: for every total
+    length a duplex session reaches (and the 8-aligned ones, where SDPA does not pad the mask), SDPA's
+    choice for the eager call drops the mask (the memory-efficient kernel on an H200), and that kernel,
+    pinned, returns the eager call's exact bits without the mask."""
+    from torch.nn.attention import sdpa_kernel
+
+    heads, head_dim, n = 16, 64, 50
+    apm = SimpleNamespace(
+        config=SimpleNamespace(encoder_attention_heads=heads, d_model=heads * head_dim),
+        conv1=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
+    )
+    device = torch.device("cuda", torch.accelerator.current_device_index())
+    g = torch.Generator(device=device).manual_seed(0)
+    for total in sorted({n + past for past in past_lengths(30)} | {200, 1000}):
+        plan = llm._zero_mask_plan("sdpa", lambda t=total: llm._eager_sdpa_choice(apm, device, n, t))
+        assert plan.drop_mask, f"SDPA picks {plan.sdpa_backend} for {total} keys: the mask is kept"
+        q = torch.randn(1, heads, n, head_dim, device=device, generator=g, dtype=torch.bfloat16)
+        k, v = torch.randn(2, 1, heads, total, head_dim, device=device, generator=g, dtype=torch.bfloat16)
+        mask = torch.zeros(1, 1, n, total, device=device, dtype=torch.bfloat16)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        with sdpa_kernel(plan.sdpa_backend):
+            got = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+        assert torch.equal(got, want), (total, plan, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.cuda

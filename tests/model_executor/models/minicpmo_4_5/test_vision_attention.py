@@ -76,7 +76,7 @@ def test_flash_attention_2_needs_the_package(monkeypatch):
     assert llm.vision_attn_implementation(hf_config) == "flash_attention_2"
 
 
-class _Stop(Exception):
+class _StopError(Exception):
     """Ends model construction right after SigLIP is built."""
 
 
@@ -104,7 +104,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
         def __init__(self, config):
             super().__init__(config)
             built.append(self)
-            raise _Stop
+            raise _StopError
 
     monkeypatch.setattr(llm, "SiglipVisionTransformer", Recording)
     vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -115,7 +115,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
         hf_config=config, multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda modality: 1)
     )
     records = log_records(llm.logger)
-    with pytest.raises(_Stop):
+    with pytest.raises(_StopError):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(vllm_config=SimpleNamespace(model_config=model_config))
     (vpm,) = built
     expected = llm.SIGLIP_ATTENTION_CLASSES[attention]

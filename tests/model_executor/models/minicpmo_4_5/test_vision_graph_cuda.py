@@ -153,7 +153,7 @@ def test_image_call_makes_the_host_wait_for_nothing(models, photo_inputs, attn):
     data = call_data(photo_inputs, CALLS["3 slices, padded"])
     for _ in range(3):  # tables built, graph captured
         model.get_vision_hidden_states(data)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -168,11 +168,11 @@ def test_image_call_makes_the_host_wait_for_nothing(models, photo_inputs, attn):
 @torch.inference_mode()
 def test_lookup_tables_are_never_built_inside_a_capture(models):
     embeddings = models["sdpa"].vpm.embeddings
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.accelerator.current_device_index())
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="before a CUDA graph capture"), torch.cuda.graph(graph):
         embeddings.position_bucket_table(8192, device)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
 
 
 @pytest.mark.cuda

@@ -68,6 +68,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import torch
+import vllm_omni.platforms as omni_platforms
 from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsEncoderCudaGraph
@@ -1210,11 +1211,12 @@ class CudaGraphBackend:
     - replay stream: the id of ``torch.cuda.current_stream(device)``, read
       without building a ``Stream`` object (``torch.cuda.current_stream``'s own
       building block), which saves about 3 us per call;
-    - free bytes: ``torch.cuda.mem_get_info(device)[0]`` (``cudaMemGetInfo``);
+    - free bytes: vllm-omni's ``current_omni_platform.get_free_memory(device)``
+      (``cudaMemGetInfo`` on CUDA);
     - measure: CUDA timing events recorded on the call's stream right before
       and after the eager call (read back later by ``cudaEventQuery``, never
       synchronising), the host's ``perf_counter`` around it, and the caching
-      allocator's peak (``torch.cuda.reset_peak_memory_stats(device)`` before
+      allocator's peak (``torch.accelerator.reset_peak_memory_stats`` before
       the call, ``max_memory_allocated`` after it, both host-side counters;
       this resets the device's peak statistics, as vLLM's own
       ``get_current_memory_usage`` does). A held measurement also runs
@@ -1258,20 +1260,20 @@ class CudaGraphBackend:
         return torch._C._cuda_getCurrentStream(device.index)[0]
 
     def free_bytes(self, device: torch.device) -> int:
-        return torch.cuda.mem_get_info(device)[0]
+        return omni_platforms.current_omni_platform.get_free_memory(device)
 
     def measure_eager(
         self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.reset_peak_memory_stats(device)
-        allocated = torch.cuda.memory_allocated(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+        allocated = torch.accelerator.memory_allocated(device)
         start.record(stream)
         held = on_hold = None
         if hold_ms > 0:
             cycles = self._spin.cycles(device, hold_ms)
-            with torch.cuda.device(device):  # _sleep runs on the current device's current stream
+            with torch.accelerator.device_index(device.index):  # _sleep uses the current device
                 _spin_kernel(cycles)
             held = torch.cuda.Event(enable_timing=True)
             held.record(stream)
@@ -1280,7 +1282,7 @@ class CudaGraphBackend:
         out = call()
         host_ms = (time.perf_counter() - t0) * 1e3
         end.record(stream)
-        peak = torch.cuda.max_memory_allocated(device) - allocated
+        peak = torch.accelerator.max_memory_allocated(device) - allocated
         return out, _CudaEagerMeasurement(start, held, end, host_ms, peak, on_hold)
 
     def capture(
@@ -1290,9 +1292,9 @@ class CudaGraphBackend:
 
         replay_stream = torch.cuda.current_stream(device)
         if pool is None:
-            with torch.cuda.device(device):
+            with torch.accelerator.device_index(device.index):
                 pool = _CudaPool(torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
-        reserved = torch.cuda.memory_reserved(device)
+        reserved = torch.accelerator.memory_reserved(device)
         manager = EncoderCudaGraphManager(
             _manager_config(vllm_config, encoder.tokens),
             device,
@@ -1301,12 +1303,12 @@ class CudaGraphBackend:
             capture_error_mode=CAPTURE_ERROR_MODE,
         )
         pool.stream.wait_stream(replay_stream)
-        with torch.cuda.device(device), torch.cuda.stream(pool.stream):
+        with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
             manager.capture(graph_pool=pool.handle)
         replay_stream.wait_stream(pool.stream)
         pool_now = _pool_reserved_bytes(device, pool.handle)
         if pool_now is None:  # segments do not name their pool: everything reserved meanwhile
-            growth = torch.cuda.memory_reserved(device) - reserved
+            growth = torch.accelerator.memory_reserved(device) - reserved
         else:
             growth, pool.reserved_bytes = pool_now - pool.reserved_bytes, pool_now
         return CapturedGraph(manager, pool, max(0, growth), encoder.static_bytes)

@@ -1,0 +1,124 @@
+"""A ``git format-patch`` series built in a scratch repository on top of the pinned release.
+
+:class:`SeriesRepo` holds a throw-away git repository whose first commit is the base (the
+released package tree); each :meth:`SeriesRepo.commit` writes files or applies a diff, lets
+:mod:`.lint` format the touched Python with vllm-omni's ruff settings, and commits with a
+``Signed-off-by`` trailer of the given identity (vllm-omni's DCO check compares it with the
+author). :meth:`SeriesRepo.format_patch` writes the mbox files ``git am`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["Identity", "SeriesRepo", "git", "wrap_body"]
+
+
+class Identity:
+    """``Name <email>`` of the author and signer of every commit."""
+
+    def __init__(self, text: str):
+        m = re.fullmatch(r"\s*([^<>]+?)\s*<([^<>\s]+@[^<>\s]+)>\s*", text)
+        if not m:
+            raise ValueError(f"--author {text!r} is not 'Full Name <email@example.com>'")
+        self.name, self.email = m.groups()
+
+    def __str__(self) -> str:
+        return f"{self.name} <{self.email}>"
+
+    def env(self) -> dict[str, str]:
+        return {
+            "GIT_AUTHOR_NAME": self.name,
+            "GIT_AUTHOR_EMAIL": self.email,
+            "GIT_COMMITTER_NAME": self.name,
+            "GIT_COMMITTER_EMAIL": self.email,
+        }
+
+
+def git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+    """Run ``git args`` in ``cwd`` with no user or system configuration; return stdout.
+
+    Raises:
+        RuntimeError: git exited non-zero and ``check`` is set (stderr in the message).
+    """
+    full_env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, **(env or {})}
+    proc = subprocess.run(
+        ["git", "-c", "core.autocrlf=false", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if check and proc.returncode:
+        raise RuntimeError(
+            f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    return proc.stdout
+
+
+def wrap_body(text: str, width: int = 72) -> str:
+    """Paragraphs (blank-line separated) re-wrapped to ``width`` columns for a commit message."""
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+    return "\n\n".join(
+        textwrap.fill(p, width, break_on_hyphens=False, break_long_words=False) for p in paragraphs
+    )
+
+
+class SeriesRepo:
+    """A scratch repository: ``base`` committed, then the series' commits on top."""
+
+    def __init__(self, root: Path, identity: Identity, formatter: Callable[[Path, list[str]], None]):
+        self.root = root
+        self.identity = identity
+        self.formatter = formatter
+        self.titles: list[str] = []
+        self.files: list[list[str]] = []
+        git(root, "init", "-q", "-b", "export")
+        git(root, "add", "-A")
+        git(root, "commit", "-q", "--allow-empty", "--no-verify", "-m", "base", env=identity.env())
+        self.base = git(root, "rev-parse", "HEAD").strip()
+
+    def commit(
+        self,
+        title: str,
+        body: str,
+        files: dict[str, str] | None = None,
+        diff: str | None = None,
+        format_paths: list[str] | None = None,
+    ) -> list[str]:
+        """Write ``files`` and/or apply ``diff`` (``a/``/``b/`` paths), format, commit; return the paths.
+
+        Raises:
+            RuntimeError: the diff does not apply (git's message), or nothing changed.
+        """
+        for rel, text in (files or {}).items():
+            path = self.root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        if diff is not None:
+            patch = self.root.parent / f".{self.root.name}.diff"
+            patch.write_text(diff, encoding="utf-8")
+            git(self.root, "apply", "--whitespace=nowarn", str(patch))
+            patch.unlink()
+        self.formatter(self.root, [p for p in (format_paths or list(files or {})) if p.endswith(".py")])
+        git(self.root, "add", "-A")
+        changed = git(self.root, "diff", "--cached", "--name-only").split()
+        if not changed:
+            raise RuntimeError(f"commit {title!r} changes nothing")
+        message = f"{title}\n\n{body}" if body else title
+        git(self.root, "commit", "-q", "-s", "--no-verify", "-m", message, env=self.identity.env())
+        self.titles.append(title)
+        self.files.append(changed)
+        return changed
+
+    def format_patch(self, out: Path) -> list[Path]:
+        """Write the series (every commit after the base) as numbered mbox patches into ``out``."""
+        out.mkdir(parents=True, exist_ok=True)
+        listed = git(self.root, "format-patch", "--no-signature", "-o", str(out), f"{self.base}..HEAD")
+        return [Path(line) for line in listed.split()] or sorted(out.glob("*.patch"))

@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The export's mechanical rewrites, its lint checks and its anchored upstream edits, on small inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from minicpmo_cg.export import conventions as conv
+from minicpmo_cg.export import lint, prtext, transform, upstream_edits
+
+pytestmark = [pytest.mark.core_model]
+
+
+@pytest.mark.cpu
+def test_imports_of_the_project_point_at_vendored_modules():
+    text = (
+        "from minicpmo_cg.duplex import DuplexChunk\n"
+        "    from minicpmo_cg import duplex, standalone as sa\n"
+        "from helpers import serve_smoke as smoke\n"
+        "import minicpmo_cg.vllm_config as vc\n"
+    )
+    out, used = transform.rewrite_imports(text, "t.py")
+    assert out.splitlines() == [
+        "from minicpmo45_cg_duplex import DuplexChunk",
+        "    import minicpmo45_cg_duplex as duplex",
+        "    import minicpmo45_cg_standalone as sa",
+        "import minicpmo45_cg_helpers_serve_smoke as smoke",
+        "import minicpmo45_cg_vllm_config as vc",
+    ]
+    assert used == {("minicpmo_cg", "duplex"), ("minicpmo_cg", "standalone"), ("helpers", "serve_smoke"),
+                    ("minicpmo_cg", "vllm_config")}  # fmt: skip
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("line", ["import minicpmo_cg.duplex", "from minicpmo_cg import (duplex,"])
+def test_import_forms_without_a_vendored_equivalent_are_refused(line):
+    with pytest.raises(transform.ExportError, match="t.py:1"):
+        transform.rewrite_imports(line + "\n", "t.py")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    from minicpmo_cg.patchtool import build_plan",
+        "from minicpmo_cg import patchtool",
+        "from minicpmo_cg.export.build import export",
+    ],
+)
+def test_the_projects_tooling_is_never_vendored(tmp_path, line):
+    test = tmp_path / "tests" / "test_x.py"
+    test.parent.mkdir()
+    test.write_text(f"import pytest\n\npytestmark = [pytest.mark.core_model]\n\n\ndef f():\n{line}\n")
+    with pytest.raises(
+        transform.ExportError, match=r"tests/test_x.py: imports minicpmo_cg\.(patchtool|export)"
+    ):
+        transform.vendor_tests(tmp_path, {"tests/test_x.py": test})
+    skipping = 'tool = pytest.importorskip("minicpmo_cg.patchtool")'
+    test.write_text(test.read_text().replace(line.strip(), skipping))
+    assert transform.vendor_tests(tmp_path, {"tests/test_x.py": test}).vendored == {}
+
+
+@pytest.mark.cpu
+def test_markers_unknown_to_vllm_omni_are_dropped_or_refused():
+    text = (
+        "pytestmark = [\n    pytest.mark.core_model,\n    pytest.mark.cuda,\n    pytest.mark.multi_gpu,\n]\n"
+    )
+    out, _ = transform.export_test_source(text, "tests/x/test_a.py")
+    assert "multi_gpu" not in out and "pytest.mark.cuda" in out
+    assert out.splitlines()[:2] == list(conv.SPDX_LINES)
+    with pytest.raises(transform.ExportError, match="legacy_lane"):
+        transform.export_test_source(
+            "pytestmark = [pytest.mark.core_model, pytest.mark.legacy_lane]\n", "t.py"
+        )
+
+
+@pytest.mark.cpu
+def test_level_mark_is_added_to_e2e_modules_only():
+    e2e, _ = transform.export_test_source(
+        "import pytest\n\n\ndef test_a():\n    pass\n", "tests/e2e/x/test_a.py"
+    )
+    assert f"pytestmark = [pytest.mark.{conv.E2E_DEFAULT_LEVEL}]" in e2e
+    with pytest.raises(transform.ExportError, match="no level mark"):
+        transform.export_test_source("import pytest\n", "tests/model_executor/test_a.py")
+
+
+@pytest.mark.cpu
+def test_links_to_files_outside_the_export_become_text():
+    text = "See [the results](../results/README.md), [limits](#known-limits), [vLLM](https://x.org) and [me](a.md)."
+    out = transform.strip_dead_links(text, "docs/design/p.md", {"docs/design/a.md"})
+    assert out == "See the results, [limits](#known-limits), [vLLM](https://x.org) and [me](a.md)."
+
+
+@pytest.mark.cpu
+def test_tables_need_a_separator_row():
+    body = "| a | b |\n|---|---|\n| 1 | 2 |\n\n|x − y| = 0 on each).\n"
+    assert prtext.tables(body) == ["| a | b |\n|---|---|\n| 1 | 2 |"]
+
+
+@pytest.mark.cpu
+def test_lint_flags_vllm_omni_rules(tmp_path):
+    from minicpmo_cg.export import fetch
+
+    ruff = fetch.ruff_binary(conv.RUFF_VERSION)
+    config = lint.ruff_config(tmp_path / "ruff.toml")
+    (tmp_path / "vllm_omni").mkdir()
+    (tmp_path / "vllm_omni/a.py").write_text(
+        "\n".join(
+            [
+                *conv.SPDX_LINES,
+                "import re",
+                "",
+                "import torch",
+                "",
+                "x = torch.cuda.mem_get_info(0)",
+                "re.compile('a')",
+                "",
+            ]
+        )
+    )
+    (tmp_path / "vllm_omni/b.py").write_text("import torch\n\ntorch.cuda.synchronize()\n")
+    report = lint.check_tree(ruff, config, tmp_path, ["vllm_omni/a.py", "vllm_omni/b.py"])
+    joined = "\n".join(report.problems)
+    assert "a.py:7: check-torch-cuda-call" in joined
+    assert "a.py:3: check-forbidden-imports: re" in joined
+    assert "b.py:1: check-spdx-header" in joined
+    assert "b.py:3:1: TID251" in joined
+
+
+@pytest.mark.cpu
+def test_buildkite_step_is_cloned_from_its_sibling_or_refused():
+    text = (
+        "steps:\n"
+        '  - group: "E2E Test"\n'
+        "    steps:\n"
+        '      - label: "Omni · MiniCPM-o 4.5 Online Test"\n'
+        "        key: minicpmo-online\n"
+        "        commands:\n"
+        "          - export X=1\n"
+        "          - pytest -sv tests/e2e/online_serving/test_minicpmo_4_5.py\n"
+        "  - label: next\n"
+    )
+    out = upstream_edits.clone_step(text, "pytest -sv tests/e2e/t.py")
+    lines = out.splitlines()
+    at = lines.index(f'      - label: "{upstream_edits.step_label()}"')
+    assert lines[at + 1 : at + 5] == [
+        "        key: minicpmo-4-5-encoder-cuda-graph",
+        "        commands:",
+        "          - export X=1",
+        "          - pytest -sv tests/e2e/t.py",
+    ]
+    assert lines[-1] == "  - label: next"
+    with pytest.raises(upstream_edits.EditError, match="E2E Test"):
+        upstream_edits.clone_step("steps: []\n", "pytest x")
+
+
+@pytest.mark.cpu
+def test_nav_line_is_cloned_next_to_the_sibling_page():
+    nav = "  - MRv2: design/minicpm_o45_mrv2_performance.md\n"
+    out = upstream_edits.clone_nav_line(nav, "design/p.md", "P", "nav")
+    assert out.splitlines()[1] == "  - P: design/p.md"
+    index = "- [MRv2](minicpm_o45_mrv2_performance.md)\n"
+    assert upstream_edits.clone_nav_line(index, "p.md", "P", "i").splitlines()[1] == "- [P](p.md)"
+    with pytest.raises(upstream_edits.EditError, match="minicpm_o45_mrv2_performance"):
+        upstream_edits.clone_nav_line("nav: []\n", "p.md", "P", "nav")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("module", ["verify", "build", "changeset", "cli"])
+def test_each_export_module_imports_first_in_a_fresh_interpreter(module):
+    """The export and the patch tool import each other's modules: no import order may be circular."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import minicpmo_cg.export.{module}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
