@@ -7,6 +7,9 @@
 - ``get_vision_hidden_states`` with eager attention: bitwise the unpatched model's output (the
   unpatched file is rebuilt from the installed one by the patch tool), and no tensor value read
   on the host (a ``TorchFunctionMode`` watches ``item``/``tolist``/``__bool__``/...).
+- SigLIP's hidden states are contiguous in every encoder layer: no layer copies its input
+  before a LayerNorm (operators counted per layer with ``torch.profiler``), and the layout does
+  not change a bit of the output with either attention.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile, record_function
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
@@ -334,3 +338,115 @@ def test_resampler_accepts_more_patches_than_any_slice_has():
         narrow = model.resampler(x[:, :20], tgt_sizes)
     torch.testing.assert_close(wide, narrow, rtol=1e-5, atol=1e-5)  # padding keys are masked out
     assert math.isfinite(float(wide.abs().max()))
+
+
+# ---------------------------------------------------------------------------
+# SigLIP's layout: contiguous hidden states, no per-layer copies
+# ---------------------------------------------------------------------------
+
+LAYOUT_GRIDS = {"one": GRID_SETS["one_slice"], "three_padded": GRID_SETS["three_padded"]}
+
+
+def encoder_inputs(model, data) -> list[tuple[str, torch.Tensor]]:
+    """(module, hidden states) entering each SigLIP encoder layer and the post layernorm."""
+    seen = []
+    modules = [*model.vpm.encoder.layers, model.vpm.post_layernorm]
+    names = [f"layer{i}" for i in range(len(modules) - 1)] + ["post_layernorm"]
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args, name=name: seen.append((name, args[0])))
+        for name, module in zip(names, modules)
+    ]
+    try:
+        with torch.no_grad():
+            model.get_vision_hidden_states(data)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("grids", LAYOUT_GRIDS.values(), ids=LAYOUT_GRIDS.keys())
+def test_encoder_hidden_states_are_contiguous_in_every_layer(attn, grids):
+    """A transposed layout (the conv output's) would make every residual add strided."""
+    seen = encoder_inputs(
+        vision_model(llm, attn, dtype=torch.bfloat16), vision_data(grids, dtype=torch.bfloat16)
+    )
+    assert len(seen) == 3
+    assert [(name, tuple(h.stride())) for name, h in seen if not h.is_contiguous()] == []
+
+
+def hidden_state_copies(model, data) -> dict[str, int]:
+    """Copies of a ``(B, N, hidden)`` tensor (``aten::clone``: ``.contiguous()`` of a strided
+    tensor, as LayerNorm makes of its input) under each SigLIP encoder layer and the post
+    layernorm during one call, counted with ``torch.profiler``."""
+    modules = {f"layer{i}": layer for i, layer in enumerate(model.vpm.encoder.layers)}
+    modules["post_layernorm"] = model.vpm.post_layernorm
+    open_ranges: dict[str, record_function] = {}
+
+    def enter(name):
+        open_ranges[name] = record_function(f"region:{name}")
+        open_ranges[name].__enter__()
+
+    hooks = []
+    for name, module in modules.items():
+        hooks.append(module.register_forward_pre_hook(lambda _m, _a, name=name: enter(name)))
+        hooks.append(
+            module.register_forward_hook(
+                lambda _m, _a, _o, name=name: open_ranges.pop(name).__exit__(None, None, None)
+            )
+        )
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            model.get_vision_hidden_states(data)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    hidden_size = model.vpm.config.hidden_size
+    counts = dict.fromkeys(modules, 0)
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("region:"):
+            parent = parent.cpu_parent
+        shape = event.input_shapes[0] if event.input_shapes else []
+        if (
+            parent is not None
+            and event.name == "aten::clone"
+            and len(shape) == 3
+            and shape[-1] == hidden_size
+        ):
+            counts[parent.name.removeprefix("region:")] += 1
+    return counts
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("grids", LAYOUT_GRIDS.values(), ids=LAYOUT_GRIDS.keys())
+def test_encoder_layers_copy_no_hidden_states(attn, grids):
+    """Before, each layer copied its transposed hidden states in front of both LayerNorms, and
+    the post layernorm once more: 2 * layers + 1 copies per call (53 at the checkpoint's 26
+    layers), each a strided kernel on the GPU, as were both residual adds of every layer."""
+    model = vision_model(llm, attn, dtype=torch.bfloat16)
+    counts = hidden_state_copies(model, vision_data(grids, dtype=torch.bfloat16))
+    assert counts == {"layer0": 0, "layer1": 0, "post_layernorm": 0}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("grids", LAYOUT_GRIDS.values(), ids=LAYOUT_GRIDS.keys())
+def test_layout_changes_no_bit_of_the_encoder_output(attn, grids):
+    """The contiguous sum gives the bits of the former transposed one, with both attentions."""
+    model = vision_model(llm, attn, dtype=torch.bfloat16)
+    data = vision_data(grids, dtype=torch.bfloat16)
+    vpm = model.vpm
+    pixels, padded = llm._pad_vision_slices(data["pixel_values"])
+    tgt_sizes = data["tgt_sizes"]
+    num_patches = pixels.shape[-1] // PATCH
+    valid = padded_valid([h * w for h, w in grids], num_patches) if padded else None
+    with torch.no_grad():
+        got = vpm.encode_packed_slices(pixels, tgt_sizes, valid)
+        embeddings = vpm.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        position_ids = vpm.embeddings.position_ids_from_tgt_sizes(tgt_sizes, num_patches)
+        transposed = embeddings + vpm.embeddings.position_embedding(position_ids)  # the former sum
+        mask = None if valid is None else vpm._encoder_attention_mask(valid, transposed.dtype)
+        want = vpm._encode_last_hidden_state(transposed, mask)
+    assert not transposed.is_contiguous()  # the layout the former code ran the encoder in
+    assert torch.equal(got, want)
