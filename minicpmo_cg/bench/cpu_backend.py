@@ -23,8 +23,10 @@ from minicpmo_cg.standalone import ADAPTER_MODULE
 #: Scripted host time of an eager encoder call (ms): on an H200 each encoder enqueues any of its
 #: shapes in about 8 ms, as the kernel count does not depend on the batch.
 HOST_MS = 8.0
+#: Scripted GPU busy time per batch item (ms): an H200 keeps a 448x448 SigLIP slice busy 6.7 ms.
+BUSY_MS_PER_ITEM = 6.5
 #: Scripted fixed part of a capture (ms): manager construction, graph instantiation, synchronisation.
-CAPTURE_FIXED_MS = 5.0
+CAPTURE_FIXED_MS = 3.0
 
 
 class _EagerGraph:
@@ -40,17 +42,17 @@ class _EagerGraph:
 
 
 class _ScriptedMeasurement:
-    """An eager call's measurement with scripted times (ms); the GPU time is ready at once."""
+    """An eager call's measurement with a scripted sample, read back at once."""
 
-    __slots__ = ("_gpu_ms", "host_ms", "peak_bytes")
+    __slots__ = ("_sample", "host_ms", "peak_bytes")
 
-    def __init__(self, host_ms: float, gpu_ms: float) -> None:
-        self.host_ms = host_ms
+    def __init__(self, sample: Any) -> None:
+        self.host_ms = sample.host_ms
         self.peak_bytes = 0
-        self._gpu_ms = gpu_ms
+        self._sample = sample
 
-    def gpu_ms(self) -> float:
-        return self._gpu_ms
+    def sample(self) -> Any:
+        return self._sample
 
 
 class CpuGraphBackend:
@@ -58,34 +60,38 @@ class CpuGraphBackend:
 
     A CPU has no GPU time to measure, and its host times (hundreds of ms for the dry run's tiny
     encoders) say nothing about a GPU, so every measured eager call reports scripted times
-    instead: the host enqueues it in ``host_ms``, and the GPU is busy ``gpu_ms_per_item`` per
-    batch item (the output's first dimension: image slices, audio clips). With the defaults a
-    single item is launch-bound (GPU time = host time, launch-bound share 1) and is captured
-    once it recurs, while a batch of ``B`` items has a share of ``1/B``, as the H200's
-    multi-slice batches do, and is declined unless it recurs often. A capture takes (sleeps) what
-    one takes on a GPU, an eager run and a recorded run of the scripted GPU time plus
-    :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate with the measured
-    capture times. Peak bytes and pool growth are 0; graph bytes are the static buffers.
+    instead, as the CUDA backend measures them: the host enqueues the call in ``host_ms``; the
+    GPU is busy ``busy_ms_per_item`` per batch item (the output's first dimension: image slices,
+    audio clips) and waits for the host otherwise, so the call's GPU span is the longer of the
+    two. An unheld call shows its span only; a call held ``hold`` ms shows ``max(busy, span -
+    hold)`` (the GPU's work, or the host's pace once the GPU has caught up). With the defaults a
+    single item idles 1.5 of its 8 ms (as a SigLIP slice does on an H200): recurring every call
+    it pays even with the least saving and is captured at its second call; recurring less often
+    it is held once, and captured if its idle time pays; a batch of 2 or more keeps the GPU busy
+    and is declined. A capture takes (sleeps) what one takes on a GPU, an eager run and a
+    recorded run plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate
+    with the measured capture times. Peak bytes and pool growth are 0; graph bytes are the
+    static buffers.
 
     Args:
         free_bytes: the free-memory reading the memory floor sees (default: plenty).
         host_ms: scripted host time of every measured eager call (ms, > 0).
-        gpu_ms_per_item: scripted GPU time per batch item (ms, > 0).
+        busy_ms_per_item: scripted GPU busy time per batch item (ms, > 0).
 
     Raises:
         ValueError: a time that is not > 0.
     """
 
     def __init__(
-        self, free_bytes: int = 1 << 62, host_ms: float = HOST_MS, gpu_ms_per_item: float = HOST_MS
+        self, free_bytes: int = 1 << 62, host_ms: float = HOST_MS, busy_ms_per_item: float = BUSY_MS_PER_ITEM
     ) -> None:
-        if not (host_ms > 0 and gpu_ms_per_item > 0):
+        if not (host_ms > 0 and busy_ms_per_item > 0):
             raise ValueError(
-                f"scripted times must be > 0 ms, got host_ms={host_ms}, gpu_ms_per_item={gpu_ms_per_item}"
+                f"scripted times must be > 0 ms, got host_ms={host_ms}, busy_ms_per_item={busy_ms_per_item}"
             )
         self._free_bytes = free_bytes
         self.host_ms = host_ms
-        self.gpu_ms_per_item = gpu_ms_per_item
+        self.busy_ms_per_item = busy_ms_per_item
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         tensors = [x for x in inputs if torch.is_tensor(x)]  # None and static arguments do not count
@@ -100,20 +106,26 @@ class CpuGraphBackend:
     def free_bytes(self, device: torch.device) -> int:
         return self._free_bytes
 
-    def scripted_ms(self, output_shape: Sequence[int]) -> tuple[float, float]:
-        """``(host_ms, gpu_ms)`` of an eager call whose output has ``output_shape``."""
+    def scripted_ms(self, output_shape: Sequence[int]) -> tuple[float, float, float]:
+        """``(host_ms, span_ms, busy_ms)`` of an eager call whose output has ``output_shape``."""
         items = output_shape[0] if len(output_shape) else 1
-        return self.host_ms, self.gpu_ms_per_item * items
+        busy = self.busy_ms_per_item * items
+        return self.host_ms, max(self.host_ms, busy), busy
 
     def capture_ms(self, output_shape: Sequence[int]) -> float:
         """Scripted duration of a capture whose output has ``output_shape`` (ms)."""
-        return 2 * max(self.scripted_ms(output_shape)) + CAPTURE_FIXED_MS
+        host, span, _ = self.scripted_ms(output_shape)
+        return host + span + CAPTURE_FIXED_MS
 
     def measure_eager(
-        self, device: torch.device, call: Callable[[], torch.Tensor]
+        self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
     ) -> tuple[torch.Tensor, Any]:
         out = call()
-        return out, _ScriptedMeasurement(*self.scripted_ms(out.shape))
+        host, span, busy = self.scripted_ms(out.shape)
+        sample = importlib.import_module(ADAPTER_MODULE).EagerCallSample
+        if hold_ms > 0:
+            return out, _ScriptedMeasurement(sample(host, None, max(busy, span - hold_ms), hold_ms))
+        return out, _ScriptedMeasurement(sample(host, span))
 
     def capture(self, encoder: Any, vllm_config: Any, device: torch.device, pool: Any | None) -> Any:
         captured = importlib.import_module(ADAPTER_MODULE).CapturedGraph

@@ -61,7 +61,8 @@ def graph_results(adapters: dict[str, Any], at_warmup: dict[str, dict[str, Any]]
         ``stats`` and ``detail`` per encoder (the adapters' two stats methods), ``hit_rate``,
         ``hit_rate_after_warmup`` (None without a warm-up or calls after it), ``graphs``,
         ``graph_bytes`` (the adapters' own accounts, ``get_detailed_stats``), ``misses`` by kind
-        (:data:`MISS_KINDS`, summed over encoders) and ``memory`` (the allocator's view:
+        (:data:`MISS_KINDS`, summed over encoders), ``held_calls`` (warmup calls the cost rule
+        measured behind a hold, summed) and ``memory`` (the allocator's view:
         :func:`~minicpmo_cg.bench.memory.graph_memory`).
     """
     stats = {k: a.get_cumulative_stats() for k, a in adapters.items()}
@@ -81,6 +82,7 @@ def graph_results(adapters: dict[str, Any], at_warmup: dict[str, dict[str, Any]]
         "misses": {
             kind: sum({**stats[k], **detail[k]}[f"{kind}_misses"] for k in adapters) for kind in MISS_KINDS
         },
+        "held_calls": sum(d["held_calls"] for d in detail.values()),
         "memory": graph_memory(list(adapters.values())),
     }
 
@@ -198,7 +200,11 @@ def _run_row(r: dict[str, Any]) -> str:
         return row
     mem = r["memory"]
     alloc = None if mem["pool_bytes"] is None else mem["pool_bytes"] + mem["static_bytes"]
-    other = ", ".join(f"{k} {n}" for k, n in r["misses"].items() if n and k != "declined")
+    other = ", ".join(
+        f"{k} {n}" + (f" ({r['held_calls']} held)" if k == "warmup" and r.get("held_calls") else "")
+        for k, n in r["misses"].items()
+        if n and k != "declined"
+    )
     return row + (
         f" {_pct(r['hit_rate']):>8s} {_pct(r['hit_rate_after_warmup']):>13s} {r['graphs']:6d} "
         f"{mib(r['graph_bytes']):>9s} {mib(alloc):>9s} {r['misses']['declined']:8d}  {other or 'none'}"

@@ -226,6 +226,8 @@ def _check_offline(s: dict) -> None:
     assert count["graphs"] == 4 and count["misses"]["declined"] == 0
     assert 1 <= cost["graphs"] < count["graphs"] and cost["misses"]["declined"] >= 1
     assert cost["graph_bytes"] < count["graph_bytes"]
+    # the recurring single slice is held once before its capture; count never measures
+    assert cost["held_calls"] >= 1 and count["held_calls"] == 0
     assert cost["graph_bytes"] == sum(g["bytes"] for g in cost["detail"]["vision"]["graphs"])
     assert (
         cost["detail"]["vision"]["admission"] == "cost" and count["detail"]["vision"]["admission"] == "count"
@@ -265,15 +267,21 @@ def _check_duplex(dx: dict) -> None:
 
 @pytest.mark.cpu
 def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -> None:
-    backend = CpuGraphBackend(host_ms=8.0, gpu_ms_per_item=8.0)
-    assert backend.scripted_ms((1, 1024, 1152)) == (8.0, 8.0)
-    assert backend.scripted_ms((3, 1024, 1152)) == (8.0, 24.0)
-    assert backend.capture_ms((3, 16, 4)) == 2 * 24.0 + CAPTURE_FIXED_MS
+    backend = CpuGraphBackend(host_ms=8.0, busy_ms_per_item=6.5)
+    assert backend.scripted_ms((1, 1024, 1152)) == (8.0, 8.0, 6.5)  # the GPU idles 1.5 ms
+    assert backend.scripted_ms((3, 1024, 1152)) == (8.0, 19.5, 19.5)  # GPU-bound: never idle
+    assert backend.capture_ms((3, 16, 4)) == 8.0 + 19.5 + CAPTURE_FIXED_MS
     out, measurement = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(2, 5))
-    assert out.shape == (2, 5) and (measurement.host_ms, measurement.gpu_ms()) == (8.0, 16.0)
+    sample = measurement.sample()
+    assert out.shape == (2, 5) and (measurement.host_ms, sample.gpu_ms, sample.busy_ms) == (8.0, 13.0, None)
     assert measurement.peak_bytes == 0
-    with pytest.raises(ValueError, match="gpu_ms_per_item=0"):
-        CpuGraphBackend(gpu_ms_per_item=0)
+    # held: the GPU starts after the hold and shows its work, or the host's pace once caught up
+    _, held = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(1, 5), hold_ms=1.0)
+    assert (held.sample().gpu_ms, held.sample().busy_ms, held.sample().hold_ms) == (None, 7.0, 1.0)
+    _, held = backend.measure_eager(torch.device("cpu"), lambda: torch.zeros(1, 5), hold_ms=4.0)
+    assert held.sample().busy_ms == 6.5
+    with pytest.raises(ValueError, match="busy_ms_per_item=0"):
+        CpuGraphBackend(busy_ms_per_item=0)
 
 
 @pytest.mark.cpu
@@ -281,8 +289,9 @@ def test_cpu_backend_scripts_launch_bound_single_items_and_gpu_bound_batches() -
     not patched_model_available(), reason="needs vLLM + a patched vllm-omni (minicpmo-cg-patch apply)"
 )
 def test_cpu_backend_timings_drive_the_cost_rule_both_ways() -> None:
-    """Through the unmodified adapter: a recurring single item is captured at its 2nd call, a
-    3-item batch seen every third call is declined (its launch-bound share is 1/3)."""
+    """Through the unmodified adapter: a recurring single item is captured at its 2nd call (cheap
+    enough to pay even with the least saving), a 3-item batch seen every third call is declined
+    (GPU-bound: its capture would need more of the host time than a held call could show)."""
     mod = importlib.import_module(ADAPTER_MODULE)
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
@@ -370,8 +379,8 @@ def test_session_section_puts_the_runs_side_by_side_with_their_targets() -> None
 @pytest.mark.cpu
 def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
     class Adapter:
-        def __init__(self, hits: int, misses: int, declined: int) -> None:
-            self.hits, self.misses, self.declined = hits, misses, declined
+        def __init__(self, hits: int, misses: int, declined: int, held: int = 0) -> None:
+            self.hits, self.misses, self.declined, self.held = hits, misses, declined, held
             self.graphs: dict = {}
 
         def get_cumulative_stats(self) -> dict:
@@ -383,6 +392,7 @@ def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
         def get_detailed_stats(self) -> dict:
             return {
                 "declined_misses": self.declined,
+                "held_calls": self.held,
                 "budget_misses": 0,
                 "profile_misses": 0,
                 "graph_bytes": 5,
@@ -392,10 +402,11 @@ def test_graph_results_hit_rate_after_warmup_counts_only_later_calls() -> None:
         "vision": {"graph_hits": 8, "graph_misses": 2},
         "audio": {"graph_hits": 9, "graph_misses": 1},
     }
-    res = session.graph_results({"vision": Adapter(98, 2, 1), "audio": Adapter(108, 2, 0)}, at_warmup)
+    res = session.graph_results({"vision": Adapter(98, 2, 1, 1), "audio": Adapter(108, 2, 0, 2)}, at_warmup)
     assert res["hit_rate"] == 206 / 210
     assert res["hit_rate_after_warmup"] == (206 - 17) / (210 - 20)  # one miss after the warm-up
     assert (res["graphs"], res["graph_bytes"], res["misses"]["declined"]) == (2, 10, 1)
+    assert res["held_calls"] == 3
     assert session.graph_results({"vision": Adapter(1, 1, 0)}, None)["hit_rate_after_warmup"] is None
 
 

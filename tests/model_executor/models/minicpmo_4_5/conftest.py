@@ -93,16 +93,19 @@ class StaticBufferGraph:
 
 
 class CpuMeasurement:
-    """A scripted eager-call measurement; ``gpu_ms()`` is None while ``backend.ready`` is False."""
+    """A scripted eager-call measurement; ``sample()`` is None while ``backend.ready`` is False."""
 
-    def __init__(self, backend, host_ms, gpu_ms, peak_bytes):
+    def __init__(self, backend, host_ms, gpu_ms, busy_ms, hold_ms, peak_bytes):
         self.backend = backend
         self.host_ms = host_ms
-        self._gpu_ms = gpu_ms
         self.peak_bytes = peak_bytes
+        self._times = (gpu_ms, busy_ms, hold_ms)
 
-    def gpu_ms(self):
-        return self._gpu_ms if self.backend.ready else None
+    def sample(self):
+        if not self.backend.ready:
+            return None
+        gpu_ms, busy_ms, hold_ms = self._times
+        return importlib.import_module(MODULE).EagerCallSample(self.host_ms, gpu_ms, busy_ms, hold_ms)
 
 
 class CpuGraphBackend:
@@ -110,14 +113,21 @@ class CpuGraphBackend:
 
     Records every capture as ``(output shape, [input shape or None])`` in ``captures``
     (and the captured ``ExactShapeEncoder`` in ``encoders``), every device asked for free
-    memory in ``devices_asked`` and the output shape of every measured eager call in
-    ``measured``. Only tensor inputs count for eligibility (None and static arguments do not).
+    memory in ``devices_asked``, the output shape of every measured eager call in
+    ``measured`` and the hold of every held one in ``holds``. Only tensor inputs count for
+    eligibility (None and static arguments do not).
 
     Args:
         free: free bytes reported, or a callable returning them (default: plenty).
         fail_with: an exception every capture raises.
-        timing: ``(host_ms, gpu_ms)`` of every measured eager call, or a callable
-            ``timing(output) -> (host_ms, gpu_ms)``; default a launch-bound 10 ms call.
+        timing: ``(host_ms, gpu_ms[, busy_ms])`` of every measured eager call, or a callable
+            ``timing(output)`` returning one; default a launch-bound 10 ms call. Without
+            ``busy_ms`` the GPU idles while the host enqueues and works the rest of the span:
+            ``busy_ms = max(0, gpu_ms - host_ms)``.
+        busy_needs_hold: False: every measurement shows the busy time (a backend that times the
+            GPU's work). True: as on CUDA, an unheld call shows its span only, and a call held
+            ``hold`` ms shows ``busy_ms = max(busy, gpu_ms - hold)`` (the GPU catches up with
+            the host when the hold is shorter than its idle time) and no span.
         peak_bytes: peak allocation delta reported per measured call, or ``peak_bytes(output)``.
         pool_bytes: pool growth reported per capture, or ``pool_bytes(encoder)``.
         ready: whether GPU times can be read back (settable later: ``backend.ready = True``).
@@ -126,7 +136,14 @@ class CpuGraphBackend:
     STREAM = 7
 
     def __init__(
-        self, free=None, fail_with=None, timing=(10.0, 10.0), peak_bytes=0, pool_bytes=0, ready=True
+        self,
+        free=None,
+        fail_with=None,
+        timing=(10.0, 10.0),
+        peak_bytes=0,
+        pool_bytes=0,
+        ready=True,
+        busy_needs_hold=False,
     ):
         self.free = free
         self.fail_with = fail_with
@@ -134,10 +151,12 @@ class CpuGraphBackend:
         self.peak_bytes = peak_bytes
         self.pool_bytes = pool_bytes
         self.ready = ready
+        self.busy_needs_hold = busy_needs_hold
         self.captures = []
         self.encoders = []
         self.devices_asked = []
         self.measured = []
+        self.holds = []
         self.pools = []
 
     def eligible_device(self, inputs):
@@ -156,12 +175,22 @@ class CpuGraphBackend:
             return self.free()
         return 1 << 62 if self.free is None else self.free
 
-    def measure_eager(self, device, call):
+    def scripted(self, out):
+        """``(host_ms, gpu_ms, busy_ms)`` of an eager call with output ``out``."""
+        host_ms, gpu_ms, *busy = self.timing(out) if callable(self.timing) else self.timing
+        return host_ms, gpu_ms, busy[0] if busy else max(0.0, gpu_ms - host_ms)
+
+    def measure_eager(self, device, call, hold_ms=0.0):
         out = call()
         self.measured.append(tuple(out.shape))
-        host_ms, gpu_ms = self.timing(out) if callable(self.timing) else self.timing
+        host_ms, gpu_ms, busy_ms = self.scripted(out)
         peak = self.peak_bytes(out) if callable(self.peak_bytes) else self.peak_bytes
-        return out, CpuMeasurement(self, host_ms, gpu_ms, peak)
+        if hold_ms > 0:
+            self.holds.append(hold_ms)
+            times = (None, max(busy_ms, gpu_ms - hold_ms), hold_ms)
+        else:
+            times = (gpu_ms, None if self.busy_needs_hold else busy_ms, 0.0)
+        return out, CpuMeasurement(self, host_ms, *times, peak)
 
     def capture(self, encoder, vllm_config, device, pool):
         shapes = [None if t is None else tuple(t[0]) for t in encoder.templates]

@@ -55,8 +55,10 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import inspect
 import json
+import logging
 import math
 import statistics
 import time
@@ -264,7 +266,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         kind="int",
         minimum=2,
         default=2,
-        doc="calls with the same input shapes, dtype, device and stream before capture",
+        doc="calls with the same input shapes, dtype, device and stream before a capture may happen",
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_min_free_bytes",
@@ -600,17 +602,29 @@ _GIB = float(1 << 30)
 
 @dataclass(frozen=True)
 class EagerCallSample:
-    """One measured eager call of a key: the input of :class:`CaptureCostModel`.
+    """One measured eager call of a key: the input of :class:`CaptureCostModel` (all times in ms).
+
+    A backend measures a call either *unheld* (as it runs in service) or *held*: the call's
+    stream first runs a spin kernel for ``hold_ms``, so the host enqueues (part of) the call
+    before the GPU starts it, and the GPU time after the hold shows how busy the GPU is.
 
     Attributes:
-        host_ms: host time the call took to enqueue its work (ms, ``perf_counter``).
-        gpu_ms: GPU time between events recorded on the replay stream right
-            before and right after the call (ms); when the host is slower than
-            the GPU this span follows the host, otherwise the GPU's own work.
+        host_ms: host time the call took to enqueue its work (``perf_counter``).
+        gpu_ms: an unheld call's GPU span: between events recorded on its stream right before
+            and right after it. When the host is slower than the GPU this span follows the
+            host (the GPU idles between launches), otherwise the GPU's own work. None for a
+            held call.
+        busy_ms: the GPU's busy time for the call, or an upper bound of it; None when the
+            measurement does not show it (an unheld call on CUDA). For a held call, the GPU
+            time from the hold's end to the call's end: the busy time when the hold outlasted
+            the host's enqueueing, more (the GPU caught up and idled again) when it did not.
+        hold_ms: how long the GPU held the stream before the call (0: not held).
     """
 
     host_ms: float
-    gpu_ms: float
+    gpu_ms: float | None
+    busy_ms: float | None = None
+    hold_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -618,9 +632,8 @@ class CostVerdict:
     """What :meth:`CaptureCostModel.decide` concluded for one key (all times in ms)."""
 
     capture: bool
-    #: ``min(1, host / gpu)``: how much of the GPU span waited on the host
-    launch_share: float
-    #: expected latency saved per replay
+    #: latency a replay saves per call; while ``busy_ms`` is unknown, the least it saves when
+    #: ``capture``, else the most it can save
     saving_ms: float
     #: replays expected over the horizon
     expected_replays: float
@@ -628,14 +641,27 @@ class CostVerdict:
     capture_ms: float
     #: charge for the bytes the graph will hold
     memory_ms: float
+    #: median GPU span of the key's unheld eager calls
+    span_ms: float = 0.0
+    #: median GPU busy time of the key's eager calls (None: not measured)
+    busy_ms: float | None = None
+    #: > 0: the verdict is open until a call held this long (GPU ms) shows the busy time
+    hold_ms: float = 0.0
 
     def describe(self) -> str:
-        """``saving 7.70 ms x 32.0 replays = 246.4 ms vs capture 21.6 ms + memory 20.9 ms``."""
-        return (
-            f"launch-bound share {self.launch_share:.2f}, saving {self.saving_ms:.2f} ms x "
-            f"{self.expected_replays:.1f} replays = {self.saving_ms * self.expected_replays:.1f} ms vs "
-            f"capture {self.capture_ms:.1f} ms + memory {self.memory_ms:.1f} ms"
+        """E.g. ``eager 8.30 ms, GPU busy 6.70 ms: saving 1.55 ms x 32.0 replays = 49.6 ms vs
+        capture 19.6 ms + memory 20.9 ms``."""
+        pays = (
+            f"{self.saving_ms:.2f} ms x {self.expected_replays:.1f} replays = "
+            f"{self.saving_ms * self.expected_replays:.1f} ms vs capture {self.capture_ms:.1f} ms + "
+            f"memory {self.memory_ms:.1f} ms"
         )
+        if self.busy_ms is not None:
+            return f"eager {self.span_ms:.2f} ms, GPU busy {self.busy_ms:.2f} ms: saving {pays}"
+        if self.capture:
+            return f"eager {self.span_ms:.2f} ms, GPU busy not measured: saving at least {pays}"
+        then = f"; measuring it with a {self.hold_ms:.2f} ms hold" if self.hold_ms else ""
+        return f"eager {self.span_ms:.2f} ms, GPU busy not measured: saving at most {pays}{then}"
 
 
 class CaptureCostModel:
@@ -643,21 +669,33 @@ class CaptureCostModel:
 
     Pure arithmetic on measurements, testable on CPU; the adapter feeds it the
     key's measured eager calls (:class:`EagerCallSample`), its sightings and
-    the bytes the graph would hold. With ``h`` and ``g`` the medians of the
-    samples' host and GPU times (ms)::
+    the bytes the graph would hold. With ``h`` the median host time, ``g`` the
+    median GPU span of the unheld samples and ``b`` the median GPU busy time
+    (all ms)::
 
-        launch share   L = min(1, h / g)
-        saving         S = max(0, L * min(h, g) - REPLAY_HOST_MS)       per replay
+        saving         S = max(0, g - b - REPLAY_HOST_MS)                per replay
         replays        R = rate * max(MIN_HORIZON_CALLS, calls)
         rate             = (sightings - 1) / (last_call - first_call)
-        capture        C = scale * (CAPTURE_SPANS * max(h, g) + CAPTURE_FIXED_MS)
+        capture        C = scale * (h + g + CAPTURE_FIXED_MS)
         memory         M = MEMORY_MS_PER_GIB * bytes / 2**30
         capture iff    R * S >= C + M
 
-    A replay removes the host's launch work from the critical path; ``min(h,
-    g)`` bounds what that can save, and ``L`` discounts calls where the GPU,
-    not the host, sets the latency (large batches, which replay only 1.1-1.2x
-    faster). The rate is the key's recurrence per encoder call since its first
+    A replay's GPU time is about the eager call's busy time ``b`` (a graph
+    launch removes the idle gaps between kernels, not the kernels), so it saves
+    ``g - b``. A held sample shows at most its hold, so its ``g - b`` counts up
+    to ``hold_ms``. While ``b`` is unknown (no sample shows it), ``S`` lies
+    between ``MIN_SAVING_SHARE`` and all of ``min(h, g)`` (the GPU can only wait
+    for the host while the host enqueues, and every shape measured saved at
+    least that share): a key that pays at the low end is captured; one that
+    would not pay even at the high end, or only with more than
+    ``HOLD_MIN_SHARE`` of it, is declined; the others get a verdict with
+    ``hold_ms`` = ``HOLD_MARGIN`` times the saving they need (at most ``h``),
+    which the adapter applies to the key's current eager call. Since a hold
+    only delays the GPU into time it would otherwise spend waiting for the
+    host, it costs that call nothing when the key pays and at most the hold
+    when it does not.
+
+    The rate is the key's recurrence per encoder call since its first
     sighting; the horizon assumes traffic lasts about as long again as it has
     so far (``calls``: this encoder's eligible calls), but at least
     ``MIN_HORIZON_CALLS``. ``scale`` calibrates the capture estimate with this
@@ -665,18 +703,25 @@ class CaptureCostModel:
     the constants' sources.
     """
 
-    #: host time of a replay: input copy, graph launch, output clone, bookkeeping (ms)
+    #: host time of a replay before its graph reaches the GPU: input copy, launch, bookkeeping (ms)
     REPLAY_HOST_MS = 0.05
-    #: a capture runs the forward eagerly once and records it once (vLLM's manager)
-    CAPTURE_SPANS = 2.0
-    #: manager construction, graph instantiation and synchronisation (ms)
-    CAPTURE_FIXED_MS = 5.0
+    #: a capture runs the forward eagerly once (~g) and records it at host speed (~h), plus manager
+    #: construction, graph instantiation and synchronisation (ms)
+    CAPTURE_FIXED_MS = 3.0
     #: encoder calls a new server is assumed to serve at least
     MIN_HORIZON_CALLS = 32
     #: latency a graph must save to justify holding one GiB for the model's lifetime (ms)
     MEMORY_MS_PER_GIB = 100.0
     #: captures kept for the calibration of the capture estimate
     CALIBRATION_WINDOW = 8
+    #: the least share of ``min(h, g)`` a replay saved on any shape measured (30 s audio chunk:
+    #: 0.8 of 8 ms); a key that pays with it is captured without measuring its busy time
+    MIN_SAVING_SHARE = 0.1
+    #: a key is measured with a hold only if it would pay with this share of ``min(h, g)``
+    HOLD_MIN_SHARE = 0.25
+    #: the hold is this many times the saving the key needs (noise between calls up to half of it
+    #: does not turn a paying key down)
+    HOLD_MARGIN = 2.0
 
     def __init__(self) -> None:
         self._ratios: deque[float] = deque(maxlen=self.CALIBRATION_WINDOW)
@@ -688,7 +733,7 @@ class CaptureCostModel:
 
     def capture_estimate_ms(self, host_ms: float, gpu_ms: float) -> float:
         """Estimated capture time (ms) of a key whose eager call takes ``host_ms`` / ``gpu_ms``."""
-        return self.capture_scale * (self.CAPTURE_SPANS * max(host_ms, gpu_ms) + self.CAPTURE_FIXED_MS)
+        return self.capture_scale * (host_ms + gpu_ms + self.CAPTURE_FIXED_MS)
 
     def record_capture(self, estimated_ms: float, measured_ms: float) -> None:
         """Calibrate later estimates with a capture's measured time (both in ms, > 0)."""
@@ -708,34 +753,51 @@ class CaptureCostModel:
         """Whether capturing a key pays, from its measured eager calls.
 
         Args:
-            samples: measured eager calls of the key (at least one).
+            samples: measured eager calls of the key, at least one unheld (with ``gpu_ms``).
             sightings: calls with the key so far, >= 2.
             first_call, last_call: this encoder's call index (1-based, eligible
                 calls) at the key's first and latest sighting.
             calls: this encoder's eligible calls so far.
             graph_bytes: estimated bytes the graph would hold.
 
+        Returns:
+            The verdict; ``capture`` False with ``hold_ms > 0`` means: measure a held call first.
+
         Raises:
-            ValueError: no samples, or fewer than two sightings.
+            ValueError: no unheld sample, or fewer than two sightings.
         """
-        if not samples or sightings < 2 or last_call <= first_call:
-            raise ValueError("a cost decision needs at least one sample and two sightings")
+        spans = [s.gpu_ms for s in samples if s.gpu_ms is not None]
+        if not spans or sightings < 2 or last_call <= first_call:
+            raise ValueError("a cost decision needs at least one sample of an unheld call and two sightings")
         h = statistics.median(s.host_ms for s in samples)
-        g = statistics.median(s.gpu_ms for s in samples)
-        share = min(1.0, h / g) if g > 0 else 1.0
-        saving = max(0.0, share * min(h, g) - self.REPLAY_HOST_MS)
-        rate = (sightings - 1) / (last_call - first_call)
-        replays = rate * max(self.MIN_HORIZON_CALLS, calls)
-        capture_ms = self.capture_estimate_ms(h, g)
-        memory_ms = self.MEMORY_MS_PER_GIB * graph_bytes / _GIB
-        return CostVerdict(
-            capture=replays * saving >= capture_ms + memory_ms,
-            launch_share=share,
-            saving_ms=saving,
-            expected_replays=replays,
-            capture_ms=capture_ms,
-            memory_ms=memory_ms,
-        )
+        g = statistics.median(spans)
+        replays = (sightings - 1) / (last_call - first_call) * max(self.MIN_HORIZON_CALLS, calls)
+        costs = {
+            "expected_replays": replays,
+            "capture_ms": self.capture_estimate_ms(h, g),
+            "memory_ms": self.MEMORY_MS_PER_GIB * graph_bytes / _GIB,
+            "span_ms": g,
+        }
+        price = costs["capture_ms"] + costs["memory_ms"]
+        shown = [_shown_saving(g, s) for s in samples if s.busy_ms is not None]
+        if shown:
+            saving = max(0.0, statistics.median(shown) - self.REPLAY_HOST_MS)
+            busy = statistics.median(s.busy_ms for s in samples if s.busy_ms is not None)
+            return CostVerdict(replays * saving >= price, saving, busy_ms=busy, **costs)
+        bound = max(0.0, min(h, g) - self.REPLAY_HOST_MS)
+        need = price / replays
+        if need <= self.MIN_SAVING_SHARE * bound:  # pays even if a replay saves the least ever seen
+            return CostVerdict(True, self.MIN_SAVING_SHARE * bound, **costs)
+        hold = 0.0
+        if need <= self.HOLD_MIN_SHARE * bound:
+            hold = min(self.HOLD_MARGIN * (need + self.REPLAY_HOST_MS), h)
+        return CostVerdict(False, bound, hold_ms=hold, **costs)
+
+
+def _shown_saving(span_ms: float, sample: EagerCallSample) -> float:
+    """``g - b`` of a sample that shows the busy time; a held sample shows at most its hold."""
+    saving = span_ms - sample.busy_ms
+    return min(saving, sample.hold_ms) if sample.hold_ms > 0 else saving
 
 
 # ---------------------------------------------------------------------------
@@ -743,9 +805,10 @@ class CaptureCostModel:
 # ---------------------------------------------------------------------------
 
 
-def _copy_exact(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Replay padding logic: copy in place. Shapes are equal by construction of the key."""
-    dst.copy_(src)
+#: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
+#: construction of the key). The unbound tensor method itself, so a replay runs no Python frame of
+#: ours per input.
+_copy_exact = torch.Tensor.copy_
 
 
 class ExactShapeEncoder(SupportsEncoderCudaGraph):
@@ -790,6 +853,8 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
         self.dtype = next(x.dtype for x, t in zip(inputs, tensors) if t)
         self.output_dtype = self.dtype if output_dtype is None else output_dtype
+        # built once: the manager asks for the item specs twice per replay and only reads them
+        self._item_specs = [EncoderItemSpec(input_size=self.tokens, output_tokens=self.tokens)]
 
     @property
     def static_bytes(self) -> int:
@@ -823,12 +888,17 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         return self.tokens, self.tokens
 
     def get_encoder_cudagraph_item_specs(self, mm_kwargs: dict[str, Any]) -> list[EncoderItemSpec]:
-        return [EncoderItemSpec(input_size=self.tokens, output_tokens=self.tokens)]
+        return self._item_specs
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        if list(indices) != [0]:
+        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call).
+
+        vLLM's manager pops its reserved capture-axis entry from the returned dict, which a call
+        of this adapter never has, so nothing of the caller's changes.
+        """
+        if indices != [0] and list(indices) != [0]:
             raise AssertionError(f"exact-shape encoder graphs hold one item, got indices {indices}")
-        return dict(mm_kwargs)
+        return mm_kwargs
 
     def prepare_encoder_cudagraph_capture_inputs(
         self,
@@ -860,7 +930,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     def prepare_encoder_cudagraph_replay_buffers(
         self, mm_kwargs: dict[str, Any], max_batch_size: int, max_frames_per_batch: int, path: str = "default"
     ) -> EncoderCudaGraphReplayBuffers:
-        return EncoderCudaGraphReplayBuffers(values=dict(mm_kwargs))
+        return EncoderCudaGraphReplayBuffers(values=mm_kwargs)  # read only (copied into the buffers)
 
     def encoder_cudagraph_forward(
         self, inputs: dict[str, torch.Tensor], path: str = "default"
@@ -908,16 +978,16 @@ class ReplayableGraph(Protocol):
 class EagerMeasurement(Protocol):
     """One measured eager call, returned by :meth:`EncoderGraphBackend.measure_eager`.
 
-    ``host_ms`` and ``peak_bytes`` are known when the call returns;
-    ``gpu_ms()`` is read back later without blocking (None until the device
-    has finished the call).
+    ``host_ms`` and ``peak_bytes`` are known when the call returns; ``sample()``
+    is read back later without blocking (None until the device has finished the
+    call), and then stays the same.
     """
 
     host_ms: float
     #: peak allocation during the call minus the allocation before it (bytes)
     peak_bytes: int
 
-    def gpu_ms(self) -> float | None: ...
+    def sample(self) -> EagerCallSample | None: ...
 
 
 class CapturedGraph(NamedTuple):
@@ -964,13 +1034,20 @@ class EncoderGraphBackend(Protocol):
         ...
 
     def measure_eager(
-        self, device: torch.device, call: Callable[[], torch.Tensor]
+        self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
 
         ``call`` takes no arguments: it closes over the call's inputs, static
         arguments included, so a backend measures a call with static arguments
         like any other.
+
+        Args:
+            hold_ms: 0 measures the call as it runs (its sample has ``gpu_ms``; a
+                backend that can also tell the GPU's busy time gives ``busy_ms``).
+                > 0: hold the call's stream about this long (GPU ms) before the
+                call, and report the GPU time after the hold as ``busy_ms`` and the
+                hold as ``hold_ms`` (``gpu_ms`` None); see :class:`EagerCallSample`.
 
         Returns:
             ``(output, measurement)``.
@@ -1007,21 +1084,93 @@ def _manager_config(vllm_config: Any, tokens: int) -> Any:
 
 
 class _CudaEagerMeasurement:
-    """Events recorded around one eager call on its stream; read back with a non-blocking query."""
+    """Events recorded around one eager call on its stream; read back with a non-blocking query.
 
-    __slots__ = ("_end", "_gpu_ms", "_start", "host_ms", "peak_bytes")
+    ``held`` is the event recorded after the hold's spin kernel (None for an unheld call);
+    ``on_hold(ms)`` receives the hold's measured length once read back.
+    """
 
-    def __init__(self, start: Any, end: Any, host_ms: float, peak_bytes: int) -> None:
-        self._start, self._end = start, end
+    __slots__ = ("_end", "_held", "_on_hold", "_sample", "_start", "host_ms", "peak_bytes")
+
+    def __init__(
+        self,
+        start: Any,
+        held: Any | None,
+        end: Any,
+        host_ms: float,
+        peak_bytes: int,
+        on_hold: Callable[[float], None] | None = None,
+    ) -> None:
+        self._start, self._held, self._end, self._on_hold = start, held, end, on_hold
         self.host_ms = host_ms
         self.peak_bytes = peak_bytes
-        self._gpu_ms: float | None = None
+        self._sample: EagerCallSample | None = None
 
-    def gpu_ms(self) -> float | None:
-        if self._gpu_ms is None and self._end.query():  # cudaEventQuery: never blocks
-            self._gpu_ms = self._start.elapsed_time(self._end)
-            self._start = self._end = None
-        return self._gpu_ms
+    def sample(self) -> EagerCallSample | None:
+        if self._sample is None and self._end.query():  # cudaEventQuery: never blocks
+            if self._held is None:
+                self._sample = EagerCallSample(self.host_ms, self._start.elapsed_time(self._end))
+            else:
+                hold = self._start.elapsed_time(self._held)
+                busy = self._held.elapsed_time(self._end)
+                self._sample = EagerCallSample(self.host_ms, None, busy_ms=busy, hold_ms=hold)
+                if self._on_hold is not None:
+                    self._on_hold(hold)
+            self._start = self._held = self._end = self._on_hold = None
+        return self._sample
+
+
+class _SpinClock:
+    """How many cycles of ``torch.cuda._sleep`` make one GPU millisecond, per device index.
+
+    ``torch.cuda._sleep(cycles)`` runs a one-thread kernel that spins on the SM
+    clock (``clock64``). The first hold on a device assumes its SM clock rate
+    (``nominal(device)``: the device properties' ``clock_rate`` in kHz, which is
+    cycles per ms; :attr:`DEFAULT_CYCLES_PER_MS` where a torch build does not
+    report it); each held call's events then give the actual rate (cycles /
+    measured hold), and later holds use the mean of the last
+    :attr:`WINDOW`. A hold longer than asked costs that one call some latency;
+    a shorter one only makes the busy time look larger (a more conservative
+    verdict), so an uncalibrated clock is safe.
+
+    Args:
+        nominal: ``nominal(device) -> cycles per ms`` before any calibration.
+    """
+
+    #: cycles per ms assumed when the device reports no clock rate (2 GHz)
+    DEFAULT_CYCLES_PER_MS = 2.0e6
+    WINDOW = 4
+
+    def __init__(self, nominal: Callable[[torch.device], float] | None = None) -> None:
+        self._nominal = nominal if nominal is not None else _nominal_cycles_per_ms
+        self._rates: dict[int | None, deque[float]] = {}
+
+    def cycles_per_ms(self, device: torch.device) -> float:
+        rates = self._rates.get(device.index)
+        return sum(rates) / len(rates) if rates else self._nominal(device)
+
+    def cycles(self, device: torch.device, hold_ms: float) -> int:
+        """Cycles for a hold of ``hold_ms`` GPU ms on ``device`` (at least 1)."""
+        return max(1, round(hold_ms * self.cycles_per_ms(device)))
+
+    def calibrate(self, index: int | None, cycles: int, held_ms: float) -> None:
+        """A hold of ``cycles`` on device ``index`` measured ``held_ms``: refine that device's rate."""
+        if held_ms > 0:
+            self._rates.setdefault(index, deque(maxlen=self.WINDOW)).append(cycles / held_ms)
+
+
+def _spin_kernel(cycles: int) -> None:
+    """``torch.cuda._sleep(cycles)`` on the current stream; nothing where a torch build lacks it
+    (the hold is then about 0 ms, which the events show: the verdict stays conservative)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(cycles)
+
+
+def _nominal_cycles_per_ms(device: torch.device) -> float:
+    """The device's SM clock in cycles per ms (``clock_rate``, kHz), or the default when not reported."""
+    rate = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+    return float(rate) if rate and rate > 0 else _SpinClock.DEFAULT_CYCLES_PER_MS
 
 
 @dataclass
@@ -1057,7 +1206,8 @@ class CudaGraphBackend:
 
     - eligible: at least one tensor input, every tensor input on one CUDA
       device (None and static arguments are skipped), CUDA autocast off, and
-      the current stream not being captured by someone else;
+      the current stream not being captured by someone else (both read through
+      torch's C functions directly);
     - replay stream: the id of ``torch.cuda.current_stream(device)``, read
       without building a ``Stream`` object (``torch.cuda.current_stream``'s own
       building block), which saves about 3 us per call;
@@ -1069,7 +1219,10 @@ class CudaGraphBackend:
       allocator's peak (``torch.accelerator.reset_peak_memory_stats`` before
       the call, ``max_memory_allocated`` after it, both host-side counters;
       this resets the device's peak statistics, as vLLM's own
-      ``get_current_memory_usage`` does);
+      ``get_current_memory_usage`` does). A held measurement also runs
+      ``torch.cuda._sleep`` on the call's stream between the first event and
+      a third one, sized by a per-device spin clock (:class:`_SpinClock`) that
+      each held call's events calibrate;
     - capture: one manager per shape, built from a shallow copy of the engine
       config (one token budget, one item, TP 1; the engine's config is never
       mutated), captured with ``manager.capture(graph_pool=...)`` on a capture
@@ -1082,6 +1235,9 @@ class CudaGraphBackend:
       not name pools), plus the static input and output buffers.
     """
 
+    def __init__(self) -> None:
+        self._spin = _SpinClock()
+
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         device = None
         for x in inputs:
@@ -1093,30 +1249,41 @@ class CudaGraphBackend:
                 device = x.device
             elif x.device != device:
                 return None
-        if device is None or torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
+        # torch.is_autocast_enabled() without a device type is CUDA's (torch's own overload, no
+        # string to parse); the capturing check is torch.cuda.is_current_stream_capturing's C call
+        if device is None or torch.is_autocast_enabled() or _stream_capturing():
             return None
         return device
 
     def replay_stream(self, device: torch.device) -> int:
-        return _current_stream_id(device.index)
+        # torch.cuda.current_stream(device).stream_id without constructing a Stream
+        return torch._C._cuda_getCurrentStream(device.index)[0]
 
     def free_bytes(self, device: torch.device) -> int:
         return omni_platforms.current_omni_platform.get_free_memory(device)
 
     def measure_eager(
-        self, device: torch.device, call: Callable[[], torch.Tensor]
+        self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.accelerator.reset_peak_memory_stats(device)
         allocated = torch.accelerator.memory_allocated(device)
         start.record(stream)
+        held = on_hold = None
+        if hold_ms > 0:
+            cycles = self._spin.cycles(device, hold_ms)
+            with torch.accelerator.device_index(device.index):  # _sleep uses the current device
+                _spin_kernel(cycles)
+            held = torch.cuda.Event(enable_timing=True)
+            held.record(stream)
+            on_hold = functools.partial(self._spin.calibrate, device.index, cycles)
         t0 = time.perf_counter()
         out = call()
         host_ms = (time.perf_counter() - t0) * 1e3
         end.record(stream)
         peak = torch.accelerator.max_memory_allocated(device) - allocated
-        return out, _CudaEagerMeasurement(start, end, host_ms, peak)
+        return out, _CudaEagerMeasurement(start, held, end, host_ms, peak, on_hold)
 
     def capture(
         self, encoder: ExactShapeEncoder, vllm_config: Any, device: torch.device, pool: Any | None
@@ -1147,9 +1314,11 @@ class CudaGraphBackend:
         return CapturedGraph(manager, pool, max(0, growth), encoder.static_bytes)
 
 
-def _current_stream_id(device_index: int) -> int:
-    """``torch.cuda.current_stream(device_index).stream_id`` without constructing a ``Stream``."""
-    return torch._C._cuda_getCurrentStream(device_index)[0]
+#: ``torch.cuda.is_current_stream_capturing``'s C function (torch defines a stand-in on builds without
+#: CUDA), called without the Python wrapper around it.
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
 
 
 # ---------------------------------------------------------------------------
@@ -1201,8 +1370,21 @@ class _KeyRecord:
     sightings: int = 0
     #: (shape, dtype) of the eager output
     output: tuple[torch.Size, torch.dtype] | None = None
+    #: unheld measurements (at most ``EncoderCudaGraph.MAX_SAMPLES``)
     measurements: list[EagerMeasurement] = dataclasses.field(default_factory=list)
+    #: the one held measurement, once the cost rule asked for it
+    held: EagerMeasurement | None = None
+    #: > 0: the hold (GPU ms) the key's next eager call makes
+    hold_ms: float = 0.0
     verdict: CostVerdict | None = None
+
+    def taken(self) -> list[EagerMeasurement]:
+        """Every measurement of the key, the held one last."""
+        return self.measurements if self.held is None else [*self.measurements, self.held]
+
+    def samples(self) -> list[EagerCallSample]:
+        """The measurements read back so far (never blocks)."""
+        return [sample for m in self.taken() if (sample := m.sample()) is not None]
 
 
 #: Granularity of the CUDA caching allocator's segments (its small-segment size and large-size rounding).
@@ -1369,6 +1551,7 @@ class EncoderCudaGraph:
         self._cap_logged = False
         self._profiling_over = False
         self._calls = 0  # eligible calls: the clock of the cost rule's rates
+        self._held_calls = 0
         self._measure = admission == "cost" or max_bytes > 0
         self._log_interval = float(log_interval_s)
         self._next_log = time.monotonic() + self._log_interval
@@ -1453,6 +1636,7 @@ class EncoderCudaGraph:
         Returns:
             dict with ``admission`` (``"cost"`` or ``"count"``),
             ``declined_misses`` (eager calls of keys the cost rule declined),
+            ``held_calls`` (warmup calls the cost rule measured behind a hold),
             ``budget_misses`` (captures deferred by ``max_bytes``),
             ``profile_misses`` (calls during vLLM's start-up profiling),
             ``graph_bytes`` (int, bytes held by all graphs), ``max_bytes`` (the
@@ -1478,6 +1662,7 @@ class EncoderCudaGraph:
         return {
             "admission": self.options.admission,
             "declined_misses": m["declined"],
+            "held_calls": self._held_calls,
             "budget_misses": m["budget"],
             "profile_misses": m["profile"],
             "graph_bytes": self.graph_bytes,
@@ -1553,8 +1738,15 @@ class EncoderCudaGraph:
         return record
 
     def _run_eager(self, record: _KeyRecord, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """The eager forward, measured while the key has fewer than :attr:`MAX_SAMPLES` samples."""
-        if self._measure and len(record.measurements) < self.MAX_SAMPLES:
+        """The eager forward: held once when the cost rule asked for it, else measured while the key
+        has fewer than :attr:`MAX_SAMPLES` unheld samples."""
+        if record.hold_ms > 0:
+            self._held_calls += 1
+            out, record.held = self.backend.measure_eager(
+                device, lambda: self.forward(*inputs), record.hold_ms
+            )
+            record.hold_ms = 0.0
+        elif self._measure and len(record.measurements) < self.MAX_SAMPLES:
             out, measurement = self.backend.measure_eager(device, lambda: self.forward(*inputs))
             record.measurements.append(measurement)
         else:
@@ -1566,16 +1758,21 @@ class EncoderCudaGraph:
     def _deferral(self, key: GraphKey, record: _KeyRecord, device: torch.device) -> str | None:
         """Why a key at its capture threshold is not captured on this call (a miss kind), or None."""
         if self.options.admission == "cost":
-            record.verdict = self._cost_verdict(key, record)
-            if record.verdict is None:
+            verdict = record.verdict = self._cost_verdict(key, record)
+            if verdict is None:
                 return "warmup"  # no measurement read back yet
-            if not record.verdict.capture:
-                logger.debug(
-                    "%s encoder CUDA graph for inputs %s declined: %s",
-                    self.name,
-                    _describe(key),
-                    record.verdict.describe(),
-                )
+            if not verdict.capture:
+                if verdict.hold_ms > 0:  # the rule needs the GPU's busy time: hold this call once
+                    if record.held is None:
+                        record.hold_ms = verdict.hold_ms
+                    return "warmup"
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "%s encoder CUDA graph for inputs %s declined: %s",
+                        self.name,
+                        _describe(key),
+                        verdict.describe(),
+                    )
                 return "declined"
         if self.options.max_bytes and self._over_budget(key, record):
             return "budget"
@@ -1584,10 +1781,8 @@ class EncoderCudaGraph:
         return None
 
     def _cost_verdict(self, key: GraphKey, record: _KeyRecord) -> CostVerdict | None:
-        samples = [
-            EagerCallSample(m.host_ms, g) for m in record.measurements if (g := m.gpu_ms()) is not None
-        ]
-        if not samples:
+        samples = record.samples()
+        if not any(s.gpu_ms is not None for s in samples):
             return None
         return self.cost_model.decide(
             samples,
@@ -1611,7 +1806,7 @@ class EncoderCudaGraph:
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
         static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))
-        peak = max((m.peak_bytes for m in record.measurements), default=0)
+        peak = max((m.peak_bytes for m in record.taken()), default=0)
         return -(-peak // _SEGMENT_BYTES) * _SEGMENT_BYTES + static
 
     def _over_budget(self, key: GraphKey, record: _KeyRecord) -> bool:
