@@ -68,6 +68,8 @@ from minicpmo_cg.measure import (
 )
 
 PROG = "minicpmo-cg-demo"
+#: How a user of this repository installs the patch set the demo needs.
+APPLY_HINT = "run `minicpmo-cg-patch apply` first"
 #: ``encoder_cuda_graph_max_graphs`` for the graphed pass: room for every input's shapes
 #: (the full input set needs 8 vision + 4 audio keys per encoder at most).
 MAX_GRAPHS = 16
@@ -204,7 +206,7 @@ def check_patched() -> None:
     if problems:
         raise UsageError(
             f"the encoder CUDA graph patch set is not applied to {install.site} ({'; '.join(problems)}); "
-            "run `minicpmo-cg-patch apply` first"
+            f"{APPLY_HINT}"
         )
 
 
@@ -435,7 +437,7 @@ def build(demo: Demo) -> None:
     if not callable(
         getattr(mod.MiniCPMO45OmniLLMForConditionalGeneration, "_init_encoder_cuda_graphs", None)
     ):
-        raise UsageError(f"{standalone.PATCH_HINT} (model file: {mod.__file__})")
+        raise UsageError(f"{standalone.WIRING_MISSING} (model file: {mod.__file__}); {APPLY_HINT}")
     _progress(f"imports done in {time.perf_counter() - t_import:.1f} s")
     if demo.cuda:
         torch.cuda.set_device(demo.device)

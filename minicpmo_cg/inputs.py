@@ -1,4 +1,4 @@
-"""Real inputs for the demo and the benchmark: photos and speech, through MiniCPM-o's own preprocessing.
+"""Real inputs, photos and speech, through MiniCPM-o's own preprocessing (tests, demo, benchmark).
 
 Photos come from scikit-image's bundled sample data (``skimage.data``; the files ship inside
 the wheel, so nothing is downloaded) and go through vllm-omni's ``MiniCPMVImageProcessor``
@@ -154,8 +154,7 @@ def load_photo(name: str) -> Any:
         import skimage.data
     except ImportError as exc:
         raise RuntimeError(
-            "minicpmo_cg.inputs needs scikit-image for its sample photos "
-            "(pip install 'scikit-image==0.26.0', pinned in lanes/*.txt)"
+            "the sample photos need scikit-image (pip install 'scikit-image==0.26.0')"
         ) from exc
     loader = getattr(skimage.data, name, None)
     if loader is None:

@@ -39,13 +39,12 @@ import torch
 from torch import nn
 
 MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
-#: The adapter as the patch tool installs it beside the model file.
+#: The adapter, installed beside the model file.
 ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 
-PATCH_HINT = (
-    "the installed vllm-omni model file is not patched for encoder CUDA graphs "
-    "(MiniCPMO45OmniLLMForConditionalGeneration has no _init_encoder_cuda_graphs); "
-    "run `minicpmo-cg-patch apply` first"
+WIRING_MISSING = (
+    "the installed vllm-omni model file has no encoder CUDA graph wiring "
+    "(MiniCPMO45OmniLLMForConditionalGeneration has no _init_encoder_cuda_graphs)"
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ class PatchMissingError(RuntimeError):
 
 
 def _progress(msg: str) -> None:
-    print(f"[minicpmo-cg] {msg}", file=sys.stderr, flush=True)
+    print(f"[encoder-graphs] {msg}", file=sys.stderr, flush=True)
 
 
 def model_module() -> Any:
@@ -238,7 +237,7 @@ def build_thinker_encoders(
         ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
             ``"flash_attention_2"`` without the flash-attn 2 package, from the model file.
         PatchMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
-            SDPA patch (vllm-omni patch 0005).
+            SDPA attention for SigLIP (no ``vision_attn_implementation``).
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -278,11 +277,11 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
         PatchMissingError: see :func:`build_thinker_encoders`.
     """
     resolve = getattr(model_module(), "vision_attn_implementation", None)
-    if resolve is None:  # a model file without vllm-omni patch 0005: SigLIP's eager attention only
+    if resolve is None:  # a model file without SigLIP's SDPA attention: its eager attention only
         if vision_attn != "eager":
             raise PatchMissingError(
-                f"minicpmo_cg: vision_attn={vision_attn!r} needs vllm-omni patch 0005 (SDPA attention for "
-                "SigLIP); run `minicpmo-cg-patch apply` first"
+                f"vision_attn={vision_attn!r} needs a model file with SDPA attention for SigLIP "
+                "(vision_attn_implementation); the installed one runs SigLIP's eager attention only"
             )
         return "eager"
     config.vision_attn_implementation = vision_attn
@@ -351,8 +350,8 @@ def wire_encoder_graphs(
     The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
     model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
     only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
-    reads them and sets ``model.vpm._encoder_graph``, ``model._audio_encoder_graph`` and (vllm-omni
-    patch 0004) ``model._streaming_audio_encoder_graph`` (None when graphs are off).
+    reads them and sets ``model.vpm._encoder_graph``, ``model._audio_encoder_graph`` and
+    ``model._streaming_audio_encoder_graph`` (None when graphs are off).
 
     Args:
         model: from :func:`build_thinker_encoders`.
@@ -365,13 +364,13 @@ def wire_encoder_graphs(
             ``encoder_cuda_graph_streaming_audio``.
 
     Raises:
-        PatchMissingError: the installed model file is not patched (run ``minicpmo-cg-patch apply``).
+        PatchMissingError: the installed model file has no encoder CUDA graph wiring.
         ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
         TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
     if not has_graph_wiring(model):
-        raise PatchMissingError(f"minicpmo_cg: {PATCH_HINT}")
+        raise PatchMissingError(WIRING_MISSING)
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
     options_cls(**values)  # validates; raises before model.config changes
@@ -385,7 +384,7 @@ def wire_encoder_graphs(
             adapter.backend = backend  # before the first call, as the adapter allows
     if not enabled and any(adapter is not None for adapter in adapters):
         raise RuntimeError(
-            "minicpmo_cg: _init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
+            "_init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
             "is false; the patched model file does not honour the switch"
         )
 

@@ -117,7 +117,7 @@ def make_context(args: argparse.Namespace, mode: str) -> Ctx:
     build_args = {"device": device, "dtype": dtype, "reduced": reduced, "seed": args.seed, "progress": True}
     model = standalone.build_thinker_encoders(**build_args)
     if not standalone.has_graph_wiring(model):
-        raise UsageError(standalone.PATCH_HINT)
+        raise UsageError(f"{standalone.WIRING_MISSING}; run `minicpmo-cg-patch apply` first")
     return Ctx(
         device=device,
         dtype=dtype,

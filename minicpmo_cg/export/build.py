@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import fetch, lint, prtext, transform, upstream_edits
 from minicpmo_cg.export.changeset import ChangeSet, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
+from minicpmo_cg.lanes import all_lanes
 
 __all__ = ["ExportOptions", "ExportResult", "export", "rewrite_pr"]
 
@@ -75,16 +77,32 @@ def _prepare_out(out: Path) -> None:
 
 
 def _commit_owned(repo: SeriesRepo, cs: ChangeSet) -> None:
-    files = {rel: transform.add_spdx(path.read_text(encoding="utf-8")) for rel, path in cs.owned.items()}
+    files = {
+        rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
+        for rel, path in cs.owned.items()
+    }
     names = ", ".join(Path(rel).name for rel in files)
-    body = [f"New {'module' if len(files) == 1 else 'modules'} beside the MiniCPM-o 4.5 model: {names}."]
+    body = []
     for rel, text in files.items():
-        summary = prtext.first_paragraph(_docstring(text))
-        if summary:
-            body.append(f"{Path(rel).name}: {summary}")
+        body += _module_overview(Path(rel).name, _docstring(text))
+    body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
     repo.commit(
         f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files
     )
+
+
+def _module_overview(name: str, doc: str, paragraphs: int = 2) -> list[str]:
+    """A commit body's paragraphs on a new module: its docstring's summary, then its first
+    ``paragraphs`` prose paragraphs (a list or a paragraph introducing one ends the overview)."""
+    blocks = [b.strip() for b in re.split(r"\n\s*\n", doc.strip()) if b.strip()]
+    if not blocks:
+        return []
+    out = [f"{name}, new beside the MiniCPM-o 4.5 model file: {blocks[0]}"]
+    for block in blocks[1 : 1 + paragraphs]:
+        if block.startswith(("-", "*", "::")) or block.rstrip().endswith(":"):
+            break
+        out.append(block)
+    return out
 
 
 def _docstring(text: str) -> str:
@@ -107,12 +125,12 @@ def _commit_patches(repo: SeriesRepo, cs: ChangeSet) -> None:
 
 def _commit_tests(repo: SeriesRepo, cs: ChangeSet) -> transform.Vendored:
     vendored = transform.vendor_tests(cs.repo, cs.tests)
-    body = [
-        "Tests in vllm-omni's layout and markers (module level mark, cpu or cuda per test).",
-        "Support modules they share with the patch set are vendored beside them: "
-        + ", ".join(f"{Path(t).name} (from {s})" for t, s in sorted(vendored.vendored.items()))
-        + ".",
-    ]
+    body = ["Tests in vllm-omni's layout and markers (module level mark, cpu or cuda per test)."]
+    if vendored.vendored:
+        body.append("Helper modules beside them, shared by several tests:")
+        for target in sorted(vendored.vendored):
+            summary = prtext.first_paragraph(_docstring(vendored.files[target]))
+            body.append(f"{Path(target).name}: {summary}" if summary else Path(target).name)
     title = f"{conv.TITLE_PREFIX_TEST} {conv.MODEL_TITLE}: tests of the input encoder CUDA graphs"
     repo.commit(title, wrap_body("\n\n".join(body)), vendored.files)
     return vendored
@@ -120,7 +138,9 @@ def _commit_tests(repo: SeriesRepo, cs: ChangeSet) -> transform.Vendored:
 
 def _commit_docs(repo: SeriesRepo, cs: ChangeSet, known: set[str]) -> None:
     files = {
-        rel: transform.strip_dead_links(path.read_text(encoding="utf-8"), rel, known)
+        rel: transform.strip_dead_links(
+            transform.drop_project_only(path.read_text(encoding="utf-8"), rel), rel, known
+        )
         for rel, path in cs.design_pages.items()
     }
     body = "The design page of the input encoder CUDA graphs: " + ", ".join(files) + "."
@@ -133,9 +153,9 @@ def _tree_files(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and ".git" not in p.parts}
 
 
-def _vllm_series(cs: ChangeSet, work: Path, opts: ExportOptions) -> tuple[list[Path], list[str]]:
+def _vllm_series(cs: ChangeSet, work: Path, opts: ExportOptions) -> tuple[list[Path], list[str], list[str]]:
     if not cs.vllm_patches:
-        return [], []
+        return [], [], []
     from minicpmo_cg.export.vllm_base import pristine_files
 
     base = work / "vllm"
@@ -147,7 +167,7 @@ def _vllm_series(cs: ChangeSet, work: Path, opts: ExportOptions) -> tuple[list[P
     for patch in cs.vllm_patches:
         repo.commit(prtext.vllm_pr(patch, cs.lane.vllm, "")[0], wrap_body(patch.why), diff=patch.diff)
     series = repo.format_patch(opts.out / "vllm")
-    return series, repo.titles
+    return series, repo.titles, repo.messages
 
 
 def _build_omni(cs: ChangeSet, work: Path, opts: ExportOptions, ruff: Path) -> tuple[SeriesRepo, dict]:
@@ -179,6 +199,7 @@ def export(opts: ExportOptions) -> ExportResult:
         transform.ExportError: a file cannot be exported as it is (the message says why).
         RuntimeError: a patch does not apply to the release (git's message).
     """
+    opts.out = opts.out.resolve()  # git writes the series from inside the scratch repository
     cs = read_change_set(opts.repo, opts.lane)
     if not cs.omni_patches:
         raise transform.ExportError(
@@ -193,9 +214,10 @@ def export(opts: ExportOptions) -> ExportResult:
         files = sorted({f for changed in repo.files for f in changed})
         report = lint.check_tree(ruff, info["config"], repo.root, files)
         omni_series = repo.format_patch(opts.out / "vllm-omni")
-        vllm_series, vllm_titles = _vllm_series(cs, work, opts)
+        vllm_series, vllm_titles, vllm_messages = _vllm_series(cs, work, opts)
         texts = {rel: (repo.root / rel).read_text(encoding="utf-8") for rel in files}
-    warnings = [f"mentions this project: {m}" for m in transform.leftover_mentions(texts)]
+    messages = {f"vllm-omni commit {i}": m for i, m in enumerate(repo.messages, 1)}
+    messages |= {f"vllm commit {i}": m for i, m in enumerate(vllm_messages, 1)}
     result = ExportResult(
         out=opts.out,
         title=prtext.title(cs.design_pages[next(iter(cs.design_pages))].read_text(encoding="utf-8")),
@@ -205,10 +227,32 @@ def export(opts: ExportOptions) -> ExportResult:
         files=files,
         vendored=info["vendored"],
         lint=report,
-        warnings=warnings,
     )
     _write_texts(cs, opts, result, info, vllm_titles)
+    _refuse_project_mentions(texts | messages, opts.out)
     return result
+
+
+def _refuse_project_mentions(exported: dict[str, str], out: Path) -> None:
+    """Fail when an exported file, commit message or pull request text names this project.
+
+    Raises:
+        transform.ExportError: every such line, ``where:line: text`` (see
+            :data:`conventions.PROJECT_WORDS`); reword it at its source, mark it project-only, or
+            teach :mod:`.transform` the rewrite.
+    """
+    found = transform.project_mentions(exported)
+    pr_texts = {
+        p.name: p.read_text(encoding="utf-8") for p in [out / "PR.md", *sorted(out.glob("vllm-PR-*.md"))]
+    }
+    pr_texts["PR-title.txt"] = (out / "PR-title.txt").read_text(encoding="utf-8")
+    found += transform.project_mentions({"PR.md": pr_texts.pop("PR.md")}, conv.PR_SOURCE_NOTE_PREFIX)
+    found += transform.project_mentions(pr_texts)
+    if found:
+        raise transform.ExportError(
+            f"the export names this project in {len(found)} place(s); vllm-omni must see a self-contained "
+            "change:\n  " + "\n  ".join(found)
+        )
 
 
 def _test_commands(files: list[str]) -> list[str]:
@@ -244,6 +288,8 @@ def _write_texts(
         vllm_series=[f"vllm/{p.name}" for p in result.vllm_series],
         test_commands=_test_commands(result.files),
         cpu_result=opts.cpu_result,
+        lane=cs.lane.name,
+        lanes=tuple(lane.name for lane in all_lanes(cs.repo / "lanes")),
     )
     result.pr_inputs = inputs
     (opts.out / "PR.md").write_text(prtext.omni_pr(inputs), encoding="utf-8")

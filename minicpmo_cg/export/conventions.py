@@ -136,3 +136,36 @@ BUILDKITE_E2E_GROUP = "E2E Test"
 #: page is listed next to in the docs navigation.
 BUILDKITE_SIBLING_STEP = "MiniCPM-o 4.5 Online Test"
 NAV_SIBLING_PAGE = "minicpm_o45_mrv2_performance.md"
+
+#: What names this project, its tooling or its layout, as case-insensitive regular expressions: the
+#: single word list of the export's check. None may remain in an exported file, commit message or
+#: pull request text (the export fails, naming each place); the exported text must read as a
+#: self-contained vllm-omni (or vLLM) change.
+PROJECT_WORDS = (
+    r"minicpmo[_-]cg",  # the package, its console scripts, its environment variables
+    r"\bpatch(?:es)?[ -]set\b",
+    r"\blanes?\b",
+    r"\bpatches/",  # patches/vllm/NNNN-*.patch, patches/vllm-omni/...
+    r"\bpatch[ -]?tool\b",
+    r"\bpatch(?:es)? \d{4}\b",  # patch 0004, patches 0001 and 0006
+    r"\btools/(?:test|setup_lane)\.sh\b",
+)
+#: The one line of ``PR.md`` that may name this project: where the measurements come from.
+PR_SOURCE_NOTE_PREFIX = "> **Where the measurements come from:**"
+PR_SOURCE_NOTE = (
+    "the standalone demo and benchmark of `minicpmo_cg`, the out-of-tree patch set this change was "
+    "developed in, with this series applied to the pinned vLLM and vllm-omni releases."
+)
+
+#: Names with this project's prefix that the exported files carry under a vllm-omni name:
+#: old -> new, replaced as whole words (the test environment variables, the served model name).
+UPSTREAM_RENAMES = {
+    "MINICPMO_CG_E2E_": "MINICPMO45_E2E_",
+    "minicpmo-cg-e2e": "minicpmo45-e2e",
+}
+#: Markers around lines that exist for this project only (its tooling, its lanes): the export
+#: drops them with everything between. Python: whole-line comments; Markdown: HTML comments.
+PROJECT_ONLY_MARKERS = {
+    ".py": ("# project-only", "# /project-only"),
+    ".md": ("<!-- project-only -->", "<!-- /project-only -->"),
+}

@@ -78,6 +78,7 @@ class SeriesRepo:
         self.identity = identity
         self.formatter = formatter
         self.titles: list[str] = []
+        self.messages: list[str] = []
         self.files: list[list[str]] = []
         git(root, "init", "-q", "-b", "export")
         git(root, "add", "-A")
@@ -114,6 +115,7 @@ class SeriesRepo:
         message = f"{title}\n\n{body}" if body else title
         git(self.root, "commit", "-q", "-s", "--no-verify", "-m", message, env=self.identity.env())
         self.titles.append(title)
+        self.messages.append(message)
         self.files.append(changed)
         return changed
 

@@ -11,9 +11,19 @@ import re
 from dataclasses import dataclass, field
 
 from minicpmo_cg.export import conventions as conv
+from minicpmo_cg.export import transform
 from minicpmo_cg.patchtool.series import Patch
 
-__all__ = ["PrInputs", "markdown_sections", "omni_pr", "plain_links", "title", "vllm_pr"]
+__all__ = [
+    "PrInputs",
+    "heading_for_upstream",
+    "lane_view",
+    "markdown_sections",
+    "omni_pr",
+    "plain_links",
+    "title",
+    "vllm_pr",
+]
 
 
 def markdown_sections(text: str) -> list[tuple[int, str, str]]:
@@ -95,6 +105,9 @@ class PrInputs:
     test_commands: list[str]
     cpu_result: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: The exported lane's name and every lane's name, in the order the results page lists them.
+    lane: str = "current"
+    lanes: tuple[str, ...] = ("current",)
 
 
 def title(design_text: str) -> str:
@@ -152,6 +165,68 @@ def _test_plan(inp: PrInputs) -> list[str]:
     return out + ["```bash", *inp.test_commands, "```", ""]
 
 
+def _split_cell(cell: str, index: int, count: int) -> str:
+    """Part ``index`` of a cell holding ``count`` values joined by `` / `` (bold kept), else the cell."""
+    text = cell.strip()
+    bold = text.startswith("**") and text.endswith("**") and len(text) > 4
+    inner = text[2:-2] if bold else text
+    parts = inner.split(" / ")
+    if len(parts) != count:
+        return cell
+    return f" **{parts[index]}** " if bold else f" {parts[index]} "
+
+
+def _lane_order(header: list[str], lanes: tuple[str, ...]) -> tuple[str, ...] | None:
+    for cell in header:
+        for m in re.finditer(r"\w+(?: / \w+)+", cell):
+            names = tuple(m.group(0).split(" / "))
+            if set(names) <= set(lanes):
+                return names
+    return None
+
+
+def lane_view(table: str, lane: str, lanes: tuple[str, ...]) -> str:
+    """A results table as measured on ``lane`` alone, for a reader who knows only the versions.
+
+    - A table whose first column is ``lane``: only the rows of ``lane``, its first cell the
+      versions in its parentheses (``current (vLLM 0.30.0 + vllm-omni 0.30.0)`` ->
+      ``vLLM 0.30.0 + vllm-omni 0.30.0``), the column named ``versions``.
+    - A table whose header names the lanes as ``a / b``: in each cell of that many `` / ``-joined
+      values, ``lane``'s value; the lane names leave the header.
+    Other tables are returned unchanged.
+    """
+    rows = [re.split(r"(?<!\\)\|", line.strip()[1:-1]) for line in table.splitlines()]
+    header = [c.strip() for c in rows[0]]
+    if header[0] == "lane":
+        kept = [rows[0], rows[1]]
+        for row in rows[2:]:
+            first = row[0].strip()
+            if first.split(" ", 1)[0] == lane:
+                versions = re.search(r"\(([^)]*)\)", first)
+                kept.append([f" {versions.group(1) if versions else first} ", *row[1:]])
+        kept[0] = [" versions ", *rows[0][1:]]
+        rows = kept
+    elif (order := _lane_order(header, lanes)) and lane in order:
+        at, count = order.index(lane), len(order)
+        joined = re.escape(" / ".join(order))
+        rows[0] = [re.sub(rf",?\s*{joined}", "", c) for c in rows[0]]
+        rows = [rows[0], rows[1]] + [[_split_cell(c, at, count) for c in row] for row in rows[2:]]
+    else:
+        return table
+    return "\n".join("|" + "|".join(row) + "|" for row in rows)
+
+
+def heading_for_upstream(heading: str) -> str:
+    """``heading`` without the parenthesised items that name this project or a lane:
+    ``Demo (`minicpmo-cg-demo`, current lane, full size)`` -> ``Demo (full size)``."""
+
+    def keep(m: re.Match[str]) -> str:
+        items = [i for i in m.group(1).split(", ") if not transform.project_mentions({"": i})]
+        return f" ({', '.join(items)})" if items else ""
+
+    return re.sub(r"\s*\(([^()]*)\)", keep, heading)
+
+
 def _test_result(inp: PrInputs) -> list[str]:
     out = [conv.PR_TEMPLATE_HEADINGS[2], ""]
     if inp.cpu_result:
@@ -164,12 +239,14 @@ def _test_result(inp: PrInputs) -> list[str]:
         return out
     setup = section(inp.results_text, "Setup")
     if setup:
-        out += ["### Setup", "", plain_links(lead(setup)), ""]
+        out += ["### Setup", "", plain_links(first_paragraph(setup)), ""]
+    out += [f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}", ""]
     for level, heading, _ in markdown_sections(inp.results_text):
         body = section(inp.results_text, heading) if level == 2 else None
-        found = tables(body) if body else []
+        found = [lane_view(t, inp.lane, inp.lanes) for t in tables(body)] if body else []
         if found:
-            out += [f"### {plain_links(heading)}", "", *[plain_links(t) + "\n" for t in found]]
+            out += [f"### {heading_for_upstream(plain_links(heading))}", ""]
+            out += [plain_links(t) + "\n" for t in found]
     return out
 
 

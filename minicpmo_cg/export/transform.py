@@ -6,6 +6,10 @@
   skip); a level mark for an end-to-end module that has none. Formatting is ruff's (:mod:`.lint`).
 - Markdown: relative links to files the export does not carry become plain text (vllm-omni's
   docs build fails on warnings).
+- Both: lines between project-only markers (:data:`conventions.PROJECT_ONLY_MARKERS`) are dropped,
+  names with this project's prefix renamed (:data:`conventions.UPSTREAM_RENAMES`), and references
+  to vendored modules (``minicpmo_cg.inputs.VisionInput``) point at the vendored copy.
+  :func:`project_mentions` finds what still names this project (:data:`conventions.PROJECT_WORDS`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import ast
 import posixpath
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 
@@ -22,8 +26,10 @@ __all__ = [
     "ExportError",
     "Vendored",
     "add_spdx",
+    "drop_project_only",
     "export_test_source",
-    "leftover_mentions",
+    "project_mentions",
+    "rename_project_names",
     "strip_dead_links",
     "vendor_tests",
 ]
@@ -35,10 +41,13 @@ _BUILTIN_MARKS = frozenset(
 #: Packages of this project the tests may import, and the folder their modules are read from.
 _VENDORED_PACKAGES = {"minicpmo_cg": "minicpmo_cg", "helpers": "tests/helpers"}
 _VENDOR_PREFIX = {"minicpmo_cg": "minicpmo45_cg_", "helpers": "minicpmo45_cg_helpers_"}
-_MENTION = re.compile(r"minicpmo[_-]cg", re.IGNORECASE)
-#: This project's tooling, never vendored into vllm-omni's tests: a test that needs it imports it
-#: with ``pytest.importorskip("minicpmo_cg.patchtool")`` and skips in vllm-omni's tree.
+_MENTION = re.compile("|".join(f"(?:{w})" for w in conv.PROJECT_WORDS), re.IGNORECASE)
+#: This project's tooling, never vendored into vllm-omni's tests: a test that needs it is marked
+#: project-only (:func:`drop_project_only`) and left out of the export.
 NOT_VENDORED = ("minicpmo_cg.patchtool", "minicpmo_cg.export", "minicpmo_cg.offline_gpu")
+
+
+_PY_MARKERS = conv.PROJECT_ONLY_MARKERS[".py"]
 
 
 class ExportError(RuntimeError):
@@ -140,8 +149,50 @@ def _ensure_level(text: str, relpath: str) -> str:
     return "\n".join(lines)
 
 
+def drop_project_only(text: str, relpath: str) -> str:
+    """``text`` without its project-only blocks: the marker lines and every line between them.
+
+    The markers (:data:`conventions.PROJECT_ONLY_MARKERS`, by file suffix) stand alone on their
+    lines, indented or not. Files of other suffixes are returned unchanged.
+
+    Raises:
+        ExportError: a block opened inside another, a closing marker without an opening one, or
+            a block left open at the end of the file (the message names the line).
+    """
+    markers = conv.PROJECT_ONLY_MARKERS.get(PurePosixPath(relpath).suffix)
+    if markers is None:
+        return text
+    begin, end = markers
+    kept: list[str] = []
+    opened: int | None = None
+    for n, line in enumerate(text.splitlines(keepends=True), 1):
+        stripped = line.strip()
+        if stripped == begin:
+            if opened is not None:
+                raise ExportError(f"{relpath}:{n}: {begin!r} inside the block opened at line {opened}")
+            opened = n
+        elif stripped == end:
+            if opened is None:
+                raise ExportError(f"{relpath}:{n}: {end!r} without {begin!r} before it")
+            opened = None
+        elif opened is None:
+            kept.append(line)
+    if opened is not None:
+        raise ExportError(f"{relpath}:{opened}: {begin!r} is never closed by {end!r}")
+    return "".join(kept)
+
+
+def rename_project_names(text: str) -> str:
+    """``text`` with each name of :data:`conventions.UPSTREAM_RENAMES` replaced (whole words)."""
+    for old, new in conv.UPSTREAM_RENAMES.items():
+        text = re.sub(rf"(?<![\w-]){re.escape(old)}", new, text)
+    return text
+
+
 def export_test_source(text: str, relpath: str) -> tuple[str, set[tuple[str, str]]]:
-    """A test module or test helper as exported: SPDX, vendored imports, markers, level mark."""
+    """A test module or test helper as exported: project-only blocks dropped, names renamed,
+    SPDX, vendored imports, markers, level mark."""
+    text = rename_project_names(drop_project_only(text, relpath))
     text, used = rewrite_imports(text, relpath)
     text = _drop_markers(text)
     _check_markers(text, relpath)
@@ -171,7 +222,7 @@ def _check_vendorable(package: str, dotted: str, importer: str) -> None:
         if full == tool or full.startswith(tool + "."):
             raise ExportError(
                 f"{importer}: imports {full}, this project's tooling, which does not go into vllm-omni; "
-                f'import it with pytest.importorskip("{tool}") so the test skips in vllm-omni\'s tree'
+                f"put the code that needs it between {_PY_MARKERS[0]!r} and {_PY_MARKERS[1]!r} lines"
             )
 
 
@@ -196,7 +247,26 @@ def vendor_tests(repo: Path, tests: dict[str, Path]) -> Vendored:
             target = f"{folder}/{_vendor_name(package, dotted)}.py"
             out.vendored.setdefault(target, source_rel)
             queue.append((target, source, folder))
+    out.files = {rel: point_references_at_vendored(text, out.vendored) for rel, text in out.files.items()}
     return out
+
+
+def point_references_at_vendored(text: str, vendored: dict[str, str]) -> str:
+    """References in prose to a vendored module name its copy; others stay as they are.
+
+    ``vendored`` maps each copy's relpath to its source's (``tests/x/minicpmo45_cg_inputs.py`` ->
+    ``minicpmo_cg/inputs.py``): the source path becomes the copy's path, a dotted reference
+    (``minicpmo_cg.inputs.VisionInput``) the copy's module name (``minicpmo45_cg_inputs.VisionInput``).
+    """
+    modules = {PurePosixPath(target).stem for target in vendored}
+    for target, source in sorted(vendored.items()):
+        text = re.sub(rf"(?<![\w/.]){re.escape(source)}\b", target, text)
+
+    def dotted(m: re.Match[str]) -> str:
+        name = _vendor_name("minicpmo_cg", m.group(1))
+        return name if name in modules else m.group(0)
+
+    return re.sub(r"\bminicpmo_cg\.([a-z_]\w*)", dotted, text)
 
 
 _LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
@@ -216,11 +286,20 @@ def strip_dead_links(text: str, doc_relpath: str, exported: set[str]) -> str:
     return _LINK.sub(keep_or_strip, text)
 
 
-def leftover_mentions(files: dict[str, str]) -> list[str]:
-    """``relpath:line: text`` of every mention of this project's package or tools left in ``files``."""
+def project_mentions(files: dict[str, str], allowed_prefix: str | None = None) -> list[str]:
+    """``name:line: text`` of every line of ``files`` (name -> text) that names this project.
+
+    What names it is :data:`conventions.PROJECT_WORDS`. A line starting with ``allowed_prefix``
+    (the pull request's note on where its measurements come from) is allowed once per file.
+    """
     found = []
     for rel, text in sorted(files.items()):
+        allowed = allowed_prefix
         for n, line in enumerate(text.splitlines(), 1):
-            if _MENTION.search(line):
-                found.append(f"{rel}:{n}: {line.strip()[:100]}")
+            if not _MENTION.search(line):
+                continue
+            if allowed and line.startswith(allowed):
+                allowed = None
+                continue
+            found.append(f"{rel}:{n}: {line.strip()[:120]}")
     return found

@@ -100,18 +100,20 @@ def test_builder_takes_the_vision_attention_as_the_model_resolves_it(monkeypatch
     monkeypatch.setattr(mod, "is_flash_attn_2_available", lambda: False)
     with pytest.raises(ValueError, match="flash-attn 2"):
         standalone.build_thinker_encoders(reduced=True, vision_attn="flash_attention_2")
-    monkeypatch.delattr(mod, "vision_attn_implementation")  # a model file without patch 0005
-    with pytest.raises(standalone.PatchMissingError, match="patch 0005"):
+    monkeypatch.delattr(mod, "vision_attn_implementation")  # a model file without SigLIP's SDPA attention
+    with pytest.raises(
+        standalone.PatchMissingError, match=r"SDPA attention for SigLIP \(vision_attn_implementation\)"
+    ):
         standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "sdpa")
     assert standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "eager") == "eager"
 
 
 @pytest.mark.cpu
-def test_wiring_without_patch_names_the_patch_tool():
+def test_wiring_without_patch_names_what_is_missing():
     class Unpatched:
         config = object()
 
-    with pytest.raises(standalone.PatchMissingError, match="minicpmo-cg-patch apply"):
+    with pytest.raises(standalone.PatchMissingError, match="has no _init_encoder_cuda_graphs"):
         standalone.wire_encoder_graphs(Unpatched(), None, enabled=True)
 
 

@@ -112,8 +112,11 @@ def test_pr_text_has_the_template_sections_and_the_results_tables(exported):
     assert f"{conv.PR_FIELD_OMNI} v{manifest['vllm_omni']}" in pr
     assert report.tests_summary in pr
     results = (REPO / "docs/results/README.md").read_text()
+    from minicpmo_cg.lanes import all_lanes
+
+    lanes = tuple(lane.name for lane in all_lanes(REPO / "lanes"))
     for table in prtext.tables(results):
-        assert prtext.plain_links(table) in pr
+        assert prtext.plain_links(prtext.lane_view(table, manifest["lane"], lanes)) in pr
     assert (out / "PR-title.txt").read_text().startswith(conv.TITLE_PREFIX_MODEL)
     assert conv.MODEL_TITLE in (out / "PR-title.txt").read_text()
 
@@ -135,10 +138,11 @@ def _copy_checkout(dest: Path) -> Path:
 
 
 @pytest.mark.cpu
-def test_export_reads_the_checkout_when_it_runs(tmp_path, current_lane_only):
+def test_export_reads_the_checkout_when_it_runs(tmp_path, current_lane_only, monkeypatch):
     from minicpmo_cg.export import build
     from minicpmo_cg.export.gitseries import Identity
 
+    monkeypatch.chdir(tmp_path)  # a relative --out: the series lands there, not in the scratch repository
     repo = _copy_checkout(tmp_path / "repo")
     adapter = next(iter(read_change_set(repo, "current").owned.values()))
     adapter.write_text(adapter.read_text() + "\n\ndef _export_probe() -> int:\n    return 1\n")
@@ -146,7 +150,7 @@ def test_export_reads_the_checkout_when_it_runs(tmp_path, current_lane_only):
     results.write_text(
         results.read_text() + "\n## Export probe\n\n| probe | value |\n|---|---|\n| rerun | 42 |\n"
     )
-    out = tmp_path / "pr"
+    out = Path("pr")
     build.export(build.ExportOptions(repo=repo, out=out, author=Identity(AUTHOR)))
     assert (
         "+def _export_probe() -> int:"
@@ -154,6 +158,38 @@ def test_export_reads_the_checkout_when_it_runs(tmp_path, current_lane_only):
     )
     pr = (out / "PR.md").read_text()
     assert "### Export probe" in pr and "| rerun | 42 |" in pr
+
+
+@pytest.mark.cpu
+def test_nothing_exported_names_this_project(exported):
+    """Every patch (diffs and commit messages) and PR text, read back from the files written; the
+    PR may name the project once, in its note on where the measurements come from."""
+    from minicpmo_cg.export import transform
+
+    out, _, _ = exported
+    texts = {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.glob("*/*.patch"))}
+    texts |= {p.name: p.read_text() for p in [*out.glob("vllm-PR-*.md"), out / "PR-title.txt"]}
+    assert len(texts) > 3 and transform.project_mentions(texts) == []
+    pr = (out / "PR.md").read_text()
+    assert transform.project_mentions({"PR.md": pr}, conv.PR_SOURCE_NOTE_PREFIX) == []
+    assert [line for line in pr.splitlines() if line.startswith(conv.PR_SOURCE_NOTE_PREFIX)]
+
+
+@pytest.mark.cpu
+def test_export_fails_when_a_file_or_commit_message_names_this_project(tmp_path, current_lane_only):
+    from minicpmo_cg.export import build, transform
+    from minicpmo_cg.export.gitseries import Identity
+
+    repo = _copy_checkout(tmp_path / "repo")
+    adapter = next(iter(read_change_set(repo, "current").owned.values()))
+    adapter.write_text(adapter.read_text() + "\n# needs patches/vllm/0007 (minicpmo-cg-patch apply)\n")
+    patch = repo / "patches/vllm-omni" / _series_names(repo / "patches/vllm-omni")[0]
+    patch.write_text(patch.read_text().replace("\nWhy: ", "\nWhy: On both lanes, ", 1))
+    with pytest.raises(transform.ExportError, match=r"names this project in 2 place") as info:
+        build.export(build.ExportOptions(repo=repo, out=tmp_path / "pr", author=Identity(AUTHOR)))
+    message = str(info.value)
+    assert "encoder_cuda_graph.py:" in message and "# needs patches/vllm/0007" in message
+    assert "vllm-omni commit 2:3: On both lanes" in message
 
 
 @pytest.mark.cpu

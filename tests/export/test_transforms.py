@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from minicpmo_cg.export import conventions as conv
@@ -55,9 +57,9 @@ def test_the_projects_tooling_is_never_vendored(tmp_path, line):
         transform.ExportError, match=r"tests/test_x.py: imports minicpmo_cg\.(patchtool|export)"
     ):
         transform.vendor_tests(tmp_path, {"tests/test_x.py": test})
-    skipping = 'tool = pytest.importorskip("minicpmo_cg.patchtool")'
-    test.write_text(test.read_text().replace(line.strip(), skipping))
-    assert transform.vendor_tests(tmp_path, {"tests/test_x.py": test}).vendored == {}
+    test.write_text(test.read_text().replace(line, f"    # project-only\n{line}\n    # /project-only"))
+    out = transform.vendor_tests(tmp_path, {"tests/test_x.py": test})
+    assert out.vendored == {} and line.strip() not in out.files["tests/test_x.py"]
 
 
 @pytest.mark.cpu
@@ -179,3 +181,125 @@ def test_each_export_module_imports_first_in_a_fresh_interpreter(module):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.cpu
+def test_project_only_blocks_are_dropped_with_their_markers():
+    py = "a = 1\n    # project-only\nimport minicpmo_cg\n    # /project-only\nb = 2\n"
+    assert transform.drop_project_only(py, "t.py") == "a = 1\nb = 2\n"
+    md = "Intro.\n\n<!-- project-only -->\nRun `minicpmo-cg-patch apply`.\n<!-- /project-only -->\nEnd.\n"
+    assert transform.drop_project_only(md, "d.md") == "Intro.\n\nEnd.\n"
+    assert transform.drop_project_only(py, "t.yml") == py  # no markers for that suffix
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("# project-only\nx\n", "t.py:1: '# project-only' is never closed"),
+        ("x\n# /project-only\n", "t.py:2: '# /project-only' without"),
+        (
+            "# project-only\n# project-only\n# /project-only\n",
+            "t.py:2: '# project-only' inside the block opened at line 1",
+        ),
+    ],
+)
+def test_unbalanced_project_only_markers_are_refused(text, where):
+    with pytest.raises(transform.ExportError, match=re.escape(where)):
+        transform.drop_project_only(text, "t.py")
+
+
+@pytest.mark.cpu
+def test_names_with_the_project_prefix_are_renamed_whole():
+    text = 'ENV = "MINICPMO_CG_E2E_MODEL"\nNAME = "minicpmo-cg-e2e"\nX_MINICPMO_CG_E2E_Y = 1\n'
+    out = transform.rename_project_names(text)
+    assert 'ENV = "MINICPMO45_E2E_MODEL"' in out and 'NAME = "minicpmo45-e2e"' in out
+    assert "X_MINICPMO_CG_E2E_Y" in out  # part of another name: left alone
+
+
+@pytest.mark.cpu
+def test_references_to_vendored_modules_name_the_copies():
+    vendored = {
+        "tests/x/minicpmo45_cg_inputs.py": "minicpmo_cg/inputs.py",
+        "tests/x/minicpmo45_cg_helpers_serve_smoke.py": "tests/helpers/serve_smoke.py",
+    }
+    text = (
+        ":class:`minicpmo_cg.inputs.VisionInput` (``minicpmo_cg/inputs.py``), "
+        "``tests/helpers/serve_smoke.py``, :mod:`minicpmo_cg.bench`"
+    )
+    assert transform.point_references_at_vendored(text, vendored) == (
+        ":class:`minicpmo45_cg_inputs.VisionInput` (``tests/x/minicpmo45_cg_inputs.py``), "
+        "``tests/x/minicpmo45_cg_helpers_serve_smoke.py``, :mod:`minicpmo_cg.bench`"
+    )
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "line",
+    [
+        "run `minicpmo-cg-patch apply` first",
+        "from minicpmo_cg.inputs import x",
+        "MINICPMO_CG_E2E_MODEL",
+        "is the patch set applied?",
+        "on both lanes",
+        "the lane venv",
+        "patches/vllm/0007-encoder-cudagraph-capture-error-mode.patch",
+        "vllm-omni patch 0004",
+        "patches 0001 and 0006",
+        "rebuilt by the patch tool",
+        "tools/test.sh current -m cuda",
+    ],
+)
+def test_the_word_list_finds_each_kind_of_mention(line):
+    assert transform.project_mentions({"f.py": f"ok\n{line}\n"}) == [f"f.py:2: {line}"]
+
+
+@pytest.mark.cpu
+def test_the_word_list_leaves_upstream_words_alone():
+    text = "the patch mask\nminicpmo45_cg_inputs\nthe legacy default stream\nplane, lanes_x\npatch 14\n"
+    assert transform.project_mentions({"f.py": text}) == []
+
+
+@pytest.mark.cpu
+def test_the_pr_source_note_may_name_the_project_once():
+    note = f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}"
+    assert transform.project_mentions({"PR.md": f"a\n{note}\n"}, conv.PR_SOURCE_NOTE_PREFIX) == []
+    twice = transform.project_mentions({"PR.md": f"{note}\n{note}\n"}, conv.PR_SOURCE_NOTE_PREFIX)
+    assert [m.split(":")[1] for m in twice] == ["2"]
+    assert transform.project_mentions({"PR.md": note}) != []  # only with the prefix allowed
+
+
+@pytest.mark.cpu
+def test_results_tables_show_the_exported_lane_alone():
+    lanes = ("current", "legacy")
+    tests = (
+        "| lane | passed |\n|---|---|\n"
+        "| current (vLLM 0.30.0 + vllm-omni 0.30.0) | 33 |\n| legacy (vLLM 0.28.0 + vllm-omni 0.28.0, patched) | 31 |"
+    )
+    assert prtext.lane_view(tests, "current", lanes).splitlines() == [
+        "| versions | passed |",
+        "|---|---|",
+        "| vLLM 0.30.0 + vllm-omni 0.30.0 | 33 |",
+    ]
+    bench = (
+        "| shape | eager ms (median, current / legacy) | graphed ms | speedup current / legacy | max \\|g−e\\| |\n"
+        "|---|---|---|---|---|\n"
+        "| a 28×36 | 16.52 / 10.02 | 6.85 / 6.68 | **2.41× / 1.50×** | 0 |"
+    )
+    assert prtext.lane_view(bench, "legacy", lanes).splitlines() == [
+        "| shape | eager ms (median) | graphed ms | speedup | max \\|g−e\\| |",
+        "|---|---|---|---|---|",
+        "| a 28×36 | 10.02 | 6.68 | **1.50×** | 0 |",
+    ]
+    plain = "| input | ms |\n|---|---|\n| a / b | 1 |"
+    assert prtext.lane_view(plain, "current", lanes) == plain
+
+
+@pytest.mark.cpu
+def test_results_headings_lose_project_and_lane_parentheses():
+    assert (
+        prtext.heading_for_upstream("Demo (`minicpmo-cg-demo`, current lane, full size)")
+        == "Demo (full size)"
+    )
+    assert prtext.heading_for_upstream("Benchmark (`minicpmo-cg-bench`)") == "Benchmark"
+    assert prtext.heading_for_upstream("Tests (2 GPUs)") == "Tests (2 GPUs)"

@@ -25,8 +25,7 @@ equal-length audio windows), so the graphed server runs the first eagerly (warmu
 captures on the second and replays on the third; the group ends with the first input
 again, whose answer must equal its first (eager) answer within the same server.
 
-CLI (used by ``.buildkite/cuda/test-merge.yml``; needs the lane venv with the patch set
-applied, see ``.buildkite/scripts/lane_exec.sh``)::
+CLI (used by the Buildkite e2e steps; run it with the vllm-omni under test installed)::
 
     python tests/helpers/serve_smoke.py run --mode graphed --out out/e2e/current-graphed.json
     python tests/helpers/serve_smoke.py run --mode graphed --vision-attn eager --out out/e2e/g-eager-attn.json
@@ -86,12 +85,12 @@ DEFAULT_STARTUP_TIMEOUT_S = 1200.0
 REQUEST_TIMEOUT_S = 300.0
 MAX_TOKENS = 64
 
-#: adapter names given by the model wiring (patches/vllm-omni/0001-*.patch); each prompt
+#: adapter names given by the model file's wiring (_init_encoder_cuda_graphs); each prompt
 #: group repeats one shape three times, so the graphed server must capture every one
 CAPTURED_ENCODERS = ("vision", "audio")
 #: the adapter's INFO line per capture (encoder_cuda_graph.py, ``_capture``)
 CAPTURE_RE = re.compile(r"Captured (?P<name>.+?) encoder CUDA graph (?P<n>\d+)/(?P<cap>\d+)")
-#: the model's INFO line naming SigLIP's attention (patches/vllm-omni/0005)
+#: the model's INFO line naming SigLIP's attention (vision_attn_implementation)
 SIGLIP_ATTN_RE = re.compile(r"MiniCPM-o 4\.5 SigLIP attention: (?P<attn>\w+)")
 
 
@@ -321,7 +320,7 @@ def turn_deploy_config(directory: Path) -> Path:
 
 
 def vllm_executable() -> str:
-    """The ``vllm`` console script of the running interpreter's environment (the lane venv)."""
+    """The ``vllm`` console script of the running interpreter's environment (the venv under test)."""
     candidate = Path(sys.executable).parent / "vllm"
     if candidate.is_file():
         return str(candidate)
@@ -663,7 +662,7 @@ def check_run(record: dict[str, Any]) -> list[str]:
     if expected is not None and record.get("siglip_attention") != expected:
         problems.append(
             f"{who}: the server log names SigLIP attention {record.get('siglip_attention')!r}, expected "
-            f"{expected!r} (is the patch set applied? see {record['log']})"
+            f"{expected!r} (does the served model file read vision_attn_implementation? see {record['log']})"
         )
     for name, text in answers.items():
         if not text.strip():
@@ -680,7 +679,8 @@ def check_run(record: dict[str, Any]) -> list[str]:
         if missing:
             problems.append(
                 f"graphed: no capture of the {' and '.join(missing)} encoder; the log shows captures of "
-                f"{encoders or 'none'} (is the patch set applied? see {record['log']})"
+                f"{encoders or 'none'} (does the served model file carry the encoder CUDA graph wiring? "
+                f"see {record['log']})"
             )
     elif record["captures"]:
         problems.append(f"{who}: encoder CUDA graphs were captured ({encoders}) although disabled")

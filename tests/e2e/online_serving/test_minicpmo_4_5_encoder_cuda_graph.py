@@ -18,11 +18,10 @@ three-stage deploy (an 80 GB H100 class device) and a checkpoint, so it is not
 part of ``-m "core_model and cuda"``. Skipped unless ``MINICPMO_CG_E2E_MODEL``
 points to a local checkpoint, ``MINICPMO_CG_E2E_HUB=1`` allows the hub download,
 or the hub snapshot is already cached. ``MINICPMO_CG_E2E_ENFORCE_EAGER=1`` adds an
-``--enforce-eager`` server. Run it through the lane setup, which applies the patch
-set first::
+``--enforce-eager`` server. Run it where the vLLM and vllm-omni under test are installed::
 
-    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 tools/test.sh current -m cuda \\
-        -k test_minicpmo_4_5_encoder_cuda_graph
+    MINICPMO_CG_E2E_MODEL=/models/MiniCPM-o-4_5 python -m pytest -m cuda \\
+        tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py
 """
 
 from __future__ import annotations

@@ -27,16 +27,16 @@ def _sha(path: Path) -> str:
 def ecg():
     """The adapter module under its in-tree name.
 
-    After ``minicpmo-cg-patch apply`` this is the copy installed beside vllm-omni's model
-    file, which must equal the repository's source (a stale install fails loudly instead
-    of testing old code). Before apply, the repository's file is loaded under that name.
+    Where the adapter is installed beside vllm-omni's model file, the installed copy must equal
+    the source tree's file (a stale install fails loudly instead of testing old code); where it
+    is not installed, the source tree's file is loaded under that name.
     """
     spec = importlib.util.find_spec(MODULE)
     if spec is not None and spec.origin:
         installed = Path(spec.origin)
         if _sha(installed) != _sha(REPO_ADAPTER):
             pytest.fail(
-                f"installed adapter {installed} differs from {REPO_ADAPTER}: run `minicpmo-cg-patch apply`"
+                f"installed adapter {installed} differs from {REPO_ADAPTER}: reinstall it from the source tree"
             )
         return importlib.import_module(MODULE)
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")

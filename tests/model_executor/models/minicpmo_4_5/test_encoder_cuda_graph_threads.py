@@ -4,7 +4,8 @@
 The adapter captures lazily, in the middle of serving, where other threads of the worker
 process may be busy on the GPU (vLLM's async output copy thread calls ``event.synchronize()``;
 see the design doc, "Capturing inside a live worker"). It therefore captures in
-``thread_local`` mode (``patches/vllm/0007``), which checks only the capturing thread.
+``thread_local`` mode (vLLM's ``EncoderCudaGraphManager(capture_error_mode=...)``), which
+checks only the capturing thread.
 
 CPU: the adapter asks vLLM's manager for ``thread_local`` and refuses to be built when the
 manager cannot capture in that mode. CUDA: a real second Python thread copies pageable host
@@ -79,17 +80,19 @@ def test_adapter_asks_the_manager_for_thread_local_captures(ecg, vllm_config, mo
 
 @pytest.mark.cpu
 def test_adapter_refuses_a_manager_without_capture_error_mode(ecg, vllm_config, monkeypatch):
-    """Without patches/vllm/0007 the adapter must not silently capture in global mode."""
+    """Without the manager's capture_error_mode the adapter must not silently capture in global mode."""
     import vllm.v1.worker.encoder_cudagraph as ec
 
     class UnpatchedManager(ec.EncoderCudaGraphManager):
-        def __init__(self, vllm_config, device, dtype, model):  # the signature before 0007
+        def __init__(self, vllm_config, device, dtype, model):  # the signature without capture_error_mode
             super().__init__(vllm_config, device, dtype, model)
 
     monkeypatch.setattr(ec, "EncoderCudaGraphManager", UnpatchedManager)
     with pytest.raises(RuntimeError, match="takes no capture_error_mode") as info:
         ecg.EncoderCudaGraph(lambda x: x, vllm_config)
-    assert "0007-encoder-cudagraph-capture-error-mode.patch" in str(info.value)
+    assert "let the caller choose the capture error mode of encoder graphs" in str(
+        info.value
+    )  # the vLLM change
     assert '"encoder_cuda_graph": false' in str(info.value)
     # through the factory the model file calls: enabled fails at construction, disabled builds nothing
     with pytest.raises(RuntimeError, match="takes no capture_error_mode"):

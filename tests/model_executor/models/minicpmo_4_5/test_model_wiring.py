@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The vllm-omni wiring (patches 0001 and 0006), checked on the *installed* (patched) model file.
+"""The model file's encoder CUDA graph wiring, checked on the *installed* model file.
 
-Run after ``minicpmo-cg-patch apply``. Tiny CPU encoders stand in for the real
+Tiny CPU encoders stand in for the real
 ones; the graph slots hold recording callables that delegate to the captured
 regions, so the tests see exactly which call sites reach an adapter and with
 which tensors, and that the routed result equals the eager one.
@@ -25,7 +25,7 @@ Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
 
 if not hasattr(Model, "_encode_images"):
     pytest.fail(
-        f"{llm.__file__} is not patched: run 'minicpmo-cg-patch apply' (python -m minicpmo_cg.patchtool apply) first",
+        f"{llm.__file__} lacks the encoder CUDA graph wiring (_encode_images)",
         pytrace=False,
     )
 
@@ -53,7 +53,7 @@ class Forbidden:
 
 
 # ---------------------------------------------------------------------------
-# Vision: one graph call per image call (patch 0006)
+# Vision: one graph call per image call
 # ---------------------------------------------------------------------------
 
 PATCH = 14
@@ -587,7 +587,7 @@ def test_lora_config_keeps_both_encoders_eager_with_one_log_line(vllm_configs, l
     )
     assert f"vision={reason}" in line and f"audio={reason}" in line
     assert line.count("a replay would keep the weights live at capture") == 2
-    assert not hasattr(Model, "get_mm_mapping")  # the fact the reason rests on, on this lane's vllm-omni
+    assert not hasattr(Model, "get_mm_mapping")  # the fact the reason rests on, in this vllm-omni
 
 
 def test_connector_lora_keeps_the_vision_graph_eager(vllm_configs, log_records):

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The streaming (duplex) audio encoder through CUDA graphs: vllm-omni patch 0004, checked on the
-*installed* (patched) model file.
+"""The streaming (duplex) audio encoder through CUDA graphs, checked on the *installed* model file.
 
 A tiny Whisper (2 layers, d_model 64, 128 positions) runs duplex-style sessions: chunks of ``N`` =
 10 positions with the duplex stage's context frames (prefix 0 on a session's first chunk, else 2;
@@ -33,7 +32,7 @@ llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo
 
 if not hasattr(llm, "_StreamingAudioKVCache"):
     pytest.fail(
-        f"{llm.__file__} lacks vllm-omni patch 0004: run 'minicpmo-cg-patch apply' first", pytrace=False
+        f"{llm.__file__} lacks the streaming audio CUDA graphs (_StreamingAudioKVCache)", pytrace=False
     )
 
 Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
@@ -270,7 +269,7 @@ def test_lora_keeps_the_streaming_path_eager_with_the_reason(log_records):
 
 
 def upstream_streaming(model, chunk):
-    """vllm-omni's get_audio_embedding_streaming encoder call as shipped (before patch 0004)."""
+    """vllm-omni's get_audio_embedding_streaming encoder call as shipped (before its CUDA graphs)."""
     wavforms, prefix = chunk.features, chunk.prefix_extra_frames
     current = (wavforms.shape[-1] - 1) // 2 + 1 - (prefix + 1) // 2 * (prefix > 0) - 1
     past = model.audio_past_key_values

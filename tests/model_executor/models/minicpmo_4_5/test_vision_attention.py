@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of SigLIP's attention (vllm-omni patch 0005), on the *installed* (patched) model file.
+"""CPU tests of SigLIP's attention (``vision_attn_implementation``), on the *installed* model file.
 
 - ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated with the
   project's other keys), refuses ``flash_attention_2`` without flash-attn 2 before building anything
@@ -22,9 +22,7 @@ llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo
 adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
 
 if not hasattr(llm, "SiglipSdpaAttention"):
-    pytest.fail(
-        f"{llm.__file__} lacks vllm-omni patch 0005: run 'minicpmo-cg-patch apply' first", pytrace=False
-    )
+    pytest.fail(f"{llm.__file__} lacks SigLIP's SDPA attention (SiglipSdpaAttention)", pytrace=False)
 
 PATCH = 14
 SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid

@@ -10,7 +10,7 @@ module replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
 eager call computes. The same adapter, built with static arguments (non-tensor
 inputs keyed by value), replays the streaming Whisper chunks of full-duplex
-sessions at each KV past length (vllm-omni patch 0004).
+sessions at each KV past length.
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
@@ -150,7 +150,7 @@ def _key_entry(x: Any) -> Hashable:
 #: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
 #: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
 #: checks only the capturing thread, so their calls neither fail nor invalidate the capture (design
-#: doc, "Capturing inside a live worker"). Needs patches/vllm/0007 (checked at construction).
+#: doc, "Capturing inside a live worker"). Needs vLLM's capture_error_mode (checked at construction).
 CAPTURE_ERROR_MODE = "thread_local"
 
 
@@ -1336,8 +1336,8 @@ def in_memory_profiling(vllm_config: Any) -> bool:
     vLLM's worker profiles memory in ``determine_available_memory``, whose
     ``profile_run`` calls ``model.embed_multimodal`` on dummy inputs of the
     largest size; only afterwards does ``Worker.initialize_from_config`` set
-    ``cache_config.num_gpu_blocks`` (None until then). Both lanes (vLLM 0.28.0
-    and 0.30.0) do this, and vllm-omni's AR and generation workers inherit it
+    ``cache_config.num_gpu_blocks`` (None until then). vLLM 0.28.0
+    and 0.30.0 both do this, and vllm-omni's AR and generation workers inherit it
     (``OmniWorkerMixin.initialize_from_config`` calls vLLM's). The model's
     ``vllm_config`` shares ``cache_config`` with the worker's, also through
     ``VllmConfig.with_hf_config``. A config without ``cache_config`` is never
@@ -1492,7 +1492,7 @@ class EncoderCudaGraph:
     Raises:
         HfOverridesError: (a ``ValueError``) invalid option values.
         RuntimeError: vLLM's ``EncoderCudaGraphManager`` cannot capture in
-            :data:`CAPTURE_ERROR_MODE` (``patches/vllm/0007`` not applied).
+            :data:`CAPTURE_ERROR_MODE` (a vLLM without its ``capture_error_mode``).
     """
 
     #: A memory-floor or byte-budget deferral warns the first time and then every this many.
@@ -2011,9 +2011,10 @@ def _require_capture_error_mode() -> None:
     if "capture_error_mode" not in inspect.signature(EncoderCudaGraphManager).parameters:
         raise RuntimeError(
             "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs "
-            "would be captured in global mode, which a CUDA call of any other thread breaks: apply "
-            "patches/vllm/0007-encoder-cudagraph-capture-error-mode.patch (minicpmo-cg-patch apply), "
-            "or run the encoders eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
+            "would be captured in global mode, which a CUDA call of any other thread breaks: use a vLLM "
+            "whose EncoderCudaGraphManager takes capture_error_mode (the vLLM change 'encoder_cudagraph: "
+            "let the caller choose the capture error mode of encoder graphs'), or run the encoders "
+            "eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
         )
 
 
