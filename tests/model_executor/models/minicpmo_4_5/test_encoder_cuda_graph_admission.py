@@ -700,7 +700,7 @@ def vllm_manager_on_cpu(ecg, vllm_config, encoder):
 
 
 def test_vllm_manager_replays_the_encoder_without_per_call_copies(ecg, vllm_config):
-    """Through this lane's vLLM manager: the replay copies the call's tensors into the buffers and
+    """Through the installed vLLM's manager: the replay copies the call's tensors into the buffers and
     returns a clone of the output, while the encoder hands back its item specs, the call's dict and
     the replay values without building anything per call (the manager only reads them)."""
     x, mask = torch.randn(3, 4), torch.randn(3, 4)
