@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Whisper encoder's hidden-state layout (vllm-omni patch 0007), on the *installed* (patched) model.
+"""The Whisper encoder's hidden-state layout, on the *installed* model.
 
 The conv output ``(B, d_model, T)`` is read as ``(B, T, d_model)`` through a transposed view; a sum
 that took that layout would keep it through every layer, which would then copy its input before
@@ -97,7 +97,7 @@ def watched_modules(model) -> dict[str, nn.Module]:
 
 
 def former_layout(model):
-    """Give layer 0 the embedding sum in the conv output's transposed layout, as the unpatched
+    """Give layer 0 the embedding sum in the conv output's transposed layout, as the former
     ``inputs_embeds + embed_pos`` laid it out (the same values); returns the hook handle."""
 
     def transpose_input(_module, args):
