@@ -521,9 +521,10 @@ def test_cost_mode_captures_launch_bound_and_declines_gpu_bound_calls(ecg, vllm_
     assert large.get_detailed_stats()["declined_misses"] == 3
     (record,) = large._records.values()
     assert record.verdict is not None and not record.verdict.capture
-    # declined without a held call: microseconds of launches bound what a replay could save
+    # declined without a held call: a few launches bound what a replay could save, a small share
+    # of the call's GPU span (the absolute bound moves with the host's launch speed)
     assert record.held is None and record.verdict.hold_ms == 0.0, record.verdict.describe()
-    assert record.verdict.saving_ms < 0.2, record.verdict.describe()
+    assert record.verdict.saving_ms < 0.05 * record.verdict.span_ms, record.verdict.describe()
 
 
 def allocator_pool_bytes(handle):
