@@ -55,9 +55,12 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 # ---------------------------------------------------------------------------
 
 
-def test_round_trip_on_the_installed_lane(tmp_path, versions):
+@pytest.fixture
+def site_restored(tmp_path):
+    """The lane's target files and patch state as they were before the test, put back after it."""
     rels = target_rels()
     start = {rel: (SITE / rel).read_bytes() if (SITE / rel).is_file() else None for rel in rels}
+    start_hashes = {rel: None if b is None else hashlib.sha256(b).hexdigest() for rel, b in start.items()}
     state_backup = tmp_path / "state-backup"
     had_state = (SITE / STATE_DIR).exists()
     if had_state:
@@ -67,74 +70,77 @@ def test_round_trip_on_the_installed_lane(tmp_path, versions):
         all(p["state"] in GOOD_STATES for p in status["patches"])
         and status["adapter"]["state"] == "installed"
     )
+    yield rels
+    cli("apply" if was_applied else "revert")
+    if hashes(SITE, rels) != start_hashes:
+        # A partially applied start state: put the exact bytes back.
+        for rel, data in start.items():
+            if data is None:
+                (SITE / rel).unlink(missing_ok=True)
+            else:
+                fsops.write_file(SITE / rel, data)
+        shutil.rmtree(SITE / STATE_DIR, ignore_errors=True)
+        if had_state:
+            shutil.copytree(state_backup, SITE / STATE_DIR)
+    assert {rel: sha(SITE / rel) for rel in rels} == start_hashes
+
+
+def _revert_to_the_wheel(rels) -> dict:
+    """``revert``: every target back to the installed wheel's bytes (RECORD), the adapter gone."""
     wheel = record_hashes(SITE)
-    try:
-        assert Path(status["site_packages"]) == SITE
-        assert status["lane"] == lanes.lane_for_versions(versions["vllm"], versions["vllm-omni"]).name
+    proc = cli("revert")
+    assert proc.returncode == 0, proc.stderr
+    pristine = hashes(SITE, rels)
+    assert pristine[ADAPTER_REL] is None
+    for rel, digest in pristine.items():
+        if digest is not None:
+            assert digest == wheel[rel], f"{rel} differs from the installed wheel after revert"
+    return pristine
 
-        proc = cli("revert")
-        assert proc.returncode == 0, proc.stderr
-        pristine = hashes(SITE, rels)
-        assert pristine[ADAPTER_REL] is None
-        # Pre-apply bytes are the wheel's bytes.
-        for rel, digest in pristine.items():
-            if digest is not None:
-                assert digest == wheel[rel], f"{rel} differs from the installed wheel after revert"
 
-        code, report = cli_json("apply")
-        assert code == 0, report
-        assert (
-            report["result"] == "applied"
-            and MODEL_REL in report["changed"]
-            and ADAPTER_REL in report["changed"]
-        )
+def _apply_and_check_status(rels, pristine) -> dict:
+    """``apply`` from pristine: the wiring patched, the adapter installed, ``status`` agrees."""
+    code, report = cli_json("apply")
+    assert code == 0, report
+    assert (
+        report["result"] == "applied" and MODEL_REL in report["changed"] and ADAPTER_REL in report["changed"]
+    )
+    code, status = cli_json("status")
+    assert code == 0
+    states = {p["name"]: p["state"] for p in status["patches"]}
+    assert states[WIRING] == "applied"
+    assert set(states.values()) <= GOOD_STATES, states
+    assert status["adapter"]["state"] == "installed" and status["conflicts"] == []
+    applied = hashes(SITE, rels)
+    assert applied[MODEL_REL] != pristine[MODEL_REL]
+    assert applied[ADAPTER_REL] == sha(resources.adapter_source())
+    return applied
 
-        code, status = cli_json("status")
-        assert code == 0
-        states = {p["name"]: p["state"] for p in status["patches"]}
-        assert states[WIRING] == "applied"
-        assert set(states.values()) <= GOOD_STATES, states
-        assert status["adapter"]["state"] == "installed" and status["conflicts"] == []
-        applied = hashes(SITE, rels)
-        assert applied[MODEL_REL] != pristine[MODEL_REL]
-        assert applied[ADAPTER_REL] == sha(resources.adapter_source())
-        mtimes = {rel: (SITE / rel).stat().st_mtime_ns for rel in rels if (SITE / rel).exists()}
 
-        proc = cli("apply")
-        assert proc.returncode == 0 and "nothing to do" in proc.stdout
-        assert hashes(SITE, rels) == applied
-        assert {rel: (SITE / rel).stat().st_mtime_ns for rel in mtimes} == mtimes  # not even rewritten
+def test_round_trip_on_the_installed_lane(site_restored, versions):
+    rels = site_restored
+    _, status = cli_json("status")
+    assert Path(status["site_packages"]) == SITE
+    assert status["lane"] == lanes.lane_for_versions(versions["vllm"], versions["vllm-omni"]).name
 
-        code, check = cli_json("check")
-        assert code == 0 and check["ok"]
+    pristine = _revert_to_the_wheel(rels)
+    applied = _apply_and_check_status(rels, pristine)
 
-        code, report = cli_json("revert")
-        assert code == 0 and report["result"] == "reverted"
-        assert hashes(SITE, rels) == pristine
-        assert not (SITE / ADAPTER_REL).exists()
-        assert not (SITE / STATE_DIR).exists()
-        proc = cli("revert")
-        assert proc.returncode == 0 and "nothing to revert" in proc.stdout
-    finally:
-        if was_applied:
-            cli("apply")
-        else:
-            cli("revert")
-        if hashes(SITE, rels) != {
-            rel: None if b is None else hashlib.sha256(b).hexdigest() for rel, b in start.items()
-        }:
-            # A partially applied start state: put the exact bytes back.
-            for rel, data in start.items():
-                if data is None:
-                    (SITE / rel).unlink(missing_ok=True)
-                else:
-                    fsops.write_file(SITE / rel, data)
-            shutil.rmtree(SITE / STATE_DIR, ignore_errors=True)
-            if had_state:
-                shutil.copytree(state_backup, SITE / STATE_DIR)
-    assert {rel: sha(SITE / rel) for rel in rels} == {
-        rel: None if b is None else hashlib.sha256(b).hexdigest() for rel, b in start.items()
-    }
+    mtimes = {rel: (SITE / rel).stat().st_mtime_ns for rel in rels if (SITE / rel).exists()}
+    proc = cli("apply")
+    assert proc.returncode == 0 and "nothing to do" in proc.stdout
+    assert hashes(SITE, rels) == applied
+    assert {rel: (SITE / rel).stat().st_mtime_ns for rel in mtimes} == mtimes  # not even rewritten
+    code, check = cli_json("check")
+    assert code == 0 and check["ok"]
+
+    code, report = cli_json("revert")
+    assert code == 0 and report["result"] == "reverted"
+    assert hashes(SITE, rels) == pristine
+    assert not (SITE / ADAPTER_REL).exists()
+    assert not (SITE / STATE_DIR).exists()
+    proc = cli("revert")
+    assert proc.returncode == 0 and "nothing to revert" in proc.stdout
 
 
 def test_console_script_is_installed():
