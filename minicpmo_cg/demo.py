@@ -331,8 +331,8 @@ def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
         "input shape: slices x max patches per slice / clips x max mel frames (100 per s); * = padded mask"
     )
     lines.append(
-        "duplex: chunks x mel frames of one session through get_audio_embedding_streaming (KV cache kept, "
-        "reset before chunk 29); ms per chunk"
+        "duplex: chunks x mel frames of one session through get_audio_embedding_streaming (KV cache kept; "
+        "it resets every 29 chunks, at the 1500-position limit); ms per chunk"
     )
     lines.append("encoder CUDA graph stats (get_cumulative_stats):")
     lines += [format_stats(name, report["stats"][name]) for name in ("vision", "audio", "streaming audio")]
