@@ -18,10 +18,10 @@ CUDA graphs capture:
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.tiny_encoders import copies_per_region, tiny_audio_model
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -39,25 +39,16 @@ PATHS = ("stateless", "streaming")
 
 def tiny_model(attn: str) -> nn.Module:
     """The audio modules of MiniCPM-o 4.5 at tiny widths, bf16, with no CUDA graph adapter."""
-    torch.manual_seed(0)
-    whisper = llm.WhisperConfig(
+    model = tiny_audio_model(
+        positions=POSITIONS,
+        chunk_seconds=N / 50,
+        attn=attn,
+        layers=LAYERS,
         d_model=D_MODEL,
-        encoder_layers=LAYERS,
-        encoder_attention_heads=HEADS,
-        encoder_ffn_dim=4 * D_MODEL,
-        num_mel_bins=80,
-        max_source_positions=POSITIONS,
+        heads=HEADS,
+        embed=EMBED,
+        pool=POOL,
     )
-    whisper._attn_implementation = attn
-    model = object.__new__(llm.MiniCPMO45OmniLLMForConditionalGeneration)
-    nn.Module.__init__(model)
-    model.config = SimpleNamespace(audio_chunk_length=N / 50, audio_pool_step=POOL)
-    model.vpm = None
-    model.apm = llm.MiniCPMWhisperEncoder(whisper)
-    model.audio_projection_layer = llm.MultiModalProjector(in_dim=whisper.encoder_ffn_dim // 4, out_dim=EMBED)
-    model.audio_avg_pooler = nn.AvgPool1d(POOL, stride=POOL)
-    model.audio_encoder_layer = -1
-    model.audio_past_key_values = None
     model._audio_encoder_graph = None
     model._streaming_audio_encoder_graph = None
     return model.to(torch.bfloat16).eval().requires_grad_(False)
@@ -133,20 +124,8 @@ def run(model, path: str, former: bool = False) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
-    seen["copies"] = count_copies(prof, watched_modules(model))
+    seen["copies"] = copies_per_region(prof, watched_modules(model), D_MODEL)
     return seen
-
-
-def count_copies(prof, modules) -> dict[str, int]:
-    counts = dict.fromkeys(modules, 0)
-    for event in prof.events():
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("region:"):
-            parent = parent.cpu_parent
-        shape = event.input_shapes[0] if event.input_shapes else []
-        if parent is not None and event.name == "aten::clone" and len(shape) == 3 and shape[-1] == D_MODEL:
-            counts[parent.name.removeprefix("region:")] += 1
-    return counts
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import tiny_encoders
 from torch import nn
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -245,25 +246,15 @@ D_MODEL, EMBED, POOL = 64, 32, 2
 
 def tiny_audio_model(**config_overrides) -> Model:
     """A model object holding only what the audio paths read (apm, projection, pooler, config)."""
-    torch.manual_seed(0)
-    whisper = llm.WhisperConfig(
+    model = tiny_encoders.tiny_audio_model(
+        positions=64,
+        chunk_seconds=0.2,
+        attn="eager",
         d_model=D_MODEL,
-        encoder_layers=2,
-        encoder_attention_heads=4,
-        encoder_ffn_dim=4 * D_MODEL,
-        num_mel_bins=80,
-        max_source_positions=64,
+        embed=EMBED,
+        pool=POOL,
+        **config_overrides,
     )
-    whisper._attn_implementation = "eager"
-    model = object.__new__(Model)
-    nn.Module.__init__(model)
-    model.config = SimpleNamespace(audio_chunk_length=0.2, audio_pool_step=POOL, **config_overrides)
-    model.vpm = None
-    model.apm = llm.MiniCPMWhisperEncoder(whisper)
-    model.audio_projection_layer = llm.MultiModalProjector(in_dim=whisper.encoder_ffn_dim // 4, out_dim=EMBED)
-    model.audio_avg_pooler = nn.AvgPool1d(POOL, stride=POOL)
-    model.audio_encoder_layer = -1
-    model.audio_past_key_values = None
     return model.eval()
 
 

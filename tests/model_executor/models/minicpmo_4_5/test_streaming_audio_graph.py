@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
+from helpers.tiny_encoders import tiny_audio_model
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession, past_lengths
 
@@ -53,25 +53,17 @@ AUDIO_MODULES = ("apm", "audio_projection_layer", "audio_avg_pooler")
 def tiny_model(device="cpu", dtype=torch.float32, attn="sdpa", **config) -> Model:
     """A model object with what the audio paths read; Whisper attention as the checkpoint runs it (sdpa)
     unless ``attn`` names another implementation."""
-    torch.manual_seed(0)
-    whisper = llm.WhisperConfig(
+    model = tiny_audio_model(
+        positions=POSITIONS,
+        chunk_seconds=N / 50,
+        attn=attn,
+        layers=LAYERS,
         d_model=D_MODEL,
-        encoder_layers=LAYERS,
-        encoder_attention_heads=HEADS,
-        encoder_ffn_dim=4 * D_MODEL,
-        num_mel_bins=80,
-        max_source_positions=POSITIONS,
+        heads=HEADS,
+        embed=EMBED,
+        pool=POOL,
+        **config,
     )
-    whisper._attn_implementation = attn
-    model = object.__new__(Model)
-    nn.Module.__init__(model)
-    model.config = SimpleNamespace(audio_chunk_length=N / 50, audio_pool_step=POOL, **config)
-    model.vpm = None
-    model.apm = llm.MiniCPMWhisperEncoder(whisper)
-    model.audio_projection_layer = llm.MultiModalProjector(in_dim=whisper.encoder_ffn_dim // 4, out_dim=EMBED)
-    model.audio_avg_pooler = nn.AvgPool1d(POOL, stride=POOL)
-    model.audio_encoder_layer = -1
-    model.audio_past_key_values = None
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

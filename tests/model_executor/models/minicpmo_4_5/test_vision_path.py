@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from helpers.tiny_encoders import copies_per_region
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -421,21 +422,7 @@ def hidden_state_copies(model, data) -> dict[str, int]:
     finally:
         for hook in hooks:
             hook.remove()
-    hidden_size = model.vpm.config.hidden_size
-    counts = dict.fromkeys(modules, 0)
-    for event in prof.events():
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("region:"):
-            parent = parent.cpu_parent
-        shape = event.input_shapes[0] if event.input_shapes else []
-        if (
-            parent is not None
-            and event.name == "aten::clone"
-            and len(shape) == 3
-            and shape[-1] == hidden_size
-        ):
-            counts[parent.name.removeprefix("region:")] += 1
-    return counts
+    return copies_per_region(prof, modules, model.vpm.config.hidden_size)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
