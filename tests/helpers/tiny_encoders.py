@@ -67,3 +67,30 @@ def copies_per_region(prof: torch.profiler.profile, regions: Iterable[str], widt
         if parent is not None and event.name == "aten::clone" and len(shape) == 3 and shape[-1] == width:
             counts[parent.name.removeprefix("region:")] += 1
     return counts
+
+
+def tiny_siglip_config(llm, attn: str, *, hidden=64, heads=4, layers=2, intermediate=128, side=70, patch=14):
+    """``llm.SiglipVisionConfig`` at tiny widths with attention ``attn``; ``side`` patches of
+    ``patch`` pixels per image side (70 x 14 = 980: the checkpoint's position-bucket grid).
+    ``llm`` is the model module to take the class from (the installed one, or a rebuilt earlier one)."""
+    config = llm.SiglipVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        image_size=side * patch,
+        patch_size=patch,
+    )
+    config._attn_implementation = attn
+    return config
+
+
+class ModelConfigTripwire:
+    """A ``model_config`` whose only readable attribute is ``hf_config``: model construction that
+    reads anything else fails, which shows it went past option validation."""
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+
+    def __getattr__(self, name):
+        raise AssertionError(f"construction went past option validation: read model_config.{name}")

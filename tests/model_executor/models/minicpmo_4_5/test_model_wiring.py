@@ -485,16 +485,6 @@ def test_bad_override_fails_init_encoder_cuda_graphs(key, value, vllm_configs):
         model._init_encoder_cuda_graphs(vllm_configs["graphs"])
 
 
-class _Tripwire:
-    """A model_config whose only readable attribute is hf_config."""
-
-    def __init__(self, hf_config):
-        self.hf_config = hf_config
-
-    def __getattr__(self, name):
-        raise AssertionError(f"construction went past option validation: read model_config.{name}")
-
-
 @pytest.mark.parametrize(
     "key, value",
     [
@@ -504,7 +494,9 @@ class _Tripwire:
     ],
 )
 def test_bad_override_fails_model_construction_before_anything_heavy(key, value):
-    vllm_config = SimpleNamespace(model_config=_Tripwire(SimpleNamespace(**{key: value})))
+    vllm_config = SimpleNamespace(
+        model_config=tiny_encoders.ModelConfigTripwire(SimpleNamespace(**{key: value}))
+    )
     with pytest.raises(ValueError, match=key) as info:
         Model(vllm_config=vllm_config)
     assert json.dumps(value) in str(info.value)
@@ -513,7 +505,7 @@ def test_bad_override_fails_model_construction_before_anything_heavy(key, value)
 def test_every_bad_override_is_reported_by_model_construction():
     hf_config = SimpleNamespace(encoder_cuda_graphs=False, encoder_cuda_graph_max_graphs="4")
     with pytest.raises(adapter_mod.HfOverridesError) as info:
-        Model(vllm_config=SimpleNamespace(model_config=_Tripwire(hf_config)))
+        Model(vllm_config=SimpleNamespace(model_config=tiny_encoders.ModelConfigTripwire(hf_config)))
     assert info.value.problems == [
         'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0',
         "encoder_cuda_graphs=false: unknown key, did you mean encoder_cuda_graph?",

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.tiny_encoders import ModelConfigTripwire, tiny_siglip_config
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
@@ -29,17 +30,8 @@ SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid
 HEADS_72 = {"hidden": 288, "heads": 4}  # the checkpoint's head width (1152 / 16 = 72) at a CPU-friendly size
 
 
-def siglip_config(attn: str, *, hidden=64, heads=4, layers=2, intermediate=128):
-    config = llm.SiglipVisionConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        image_size=SIDE * PATCH,
-        patch_size=PATCH,
-    )
-    config._attn_implementation = attn
-    return config
+def siglip_config(attn: str, **sizes):
+    return tiny_siglip_config(llm, attn, side=SIDE, patch=PATCH, **sizes)
 
 
 # ---------------------------------------------------------------------------
@@ -76,16 +68,6 @@ def test_flash_attention_2_needs_the_package(monkeypatch):
 
 class _StopError(Exception):
     """Ends model construction right after SigLIP is built."""
-
-
-class _Tripwire:
-    """A model_config whose only readable attribute is hf_config."""
-
-    def __init__(self, hf_config):
-        self.hf_config = hf_config
-
-    def __getattr__(self, name):
-        raise AssertionError(f"construction went past option validation: read model_config.{name}")
 
 
 @pytest.mark.parametrize(
@@ -129,7 +111,7 @@ def test_unavailable_flash_attention_2_fails_construction_before_anything_heavy(
     hf_config = SimpleNamespace(vision_attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="vision_attn_implementation"):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(
-            vllm_config=SimpleNamespace(model_config=_Tripwire(hf_config))
+            vllm_config=SimpleNamespace(model_config=ModelConfigTripwire(hf_config))
         )
 
 
@@ -137,7 +119,7 @@ def test_bad_value_fails_construction_with_the_other_bad_keys():
     hf_config = SimpleNamespace(vision_attn_implementation="sdpa2", encoder_cuda_graph="false")
     with pytest.raises(adapter_mod.HfOverridesError) as info:
         llm.MiniCPMO45OmniLLMForConditionalGeneration(
-            vllm_config=SimpleNamespace(model_config=_Tripwire(hf_config))
+            vllm_config=SimpleNamespace(model_config=ModelConfigTripwire(hf_config))
         )
     assert [p.split("=")[0] for p in info.value.problems] == [
         "encoder_cuda_graph",

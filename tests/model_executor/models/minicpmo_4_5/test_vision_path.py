@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers.tiny_encoders import copies_per_region
+from helpers.tiny_encoders import copies_per_region, tiny_siglip_config
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -77,17 +77,8 @@ def single_thread():
 # ---------------------------------------------------------------------------
 
 
-def siglip_config(mod, attn: str, *, hidden=64, heads=4, layers=2, intermediate=128):
-    config = mod.SiglipVisionConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        image_size=SIDE * PATCH,
-        patch_size=PATCH,
-    )
-    config._attn_implementation = attn
-    return config
+def siglip_config(mod, attn: str, **sizes):
+    return tiny_siglip_config(mod, attn, side=SIDE, patch=PATCH, **sizes)
 
 
 def vision_model(mod, attn: str = "eager", *, dtype=torch.float32, vision_batch_size=16, seed=0):
