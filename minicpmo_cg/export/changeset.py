@@ -5,7 +5,7 @@
   ``Targets`` names the lane's version and whose ``Upstream-Since`` is not reached);
 - the owned files (``vllm_omni/``: the adapter and any module beside it);
 - their tests: every ``tests/<dir>/`` mirroring a folder of owned files, and the end-to-end tests
-  (``tests/e2e/``) named after an owned module;
+  (``tests/e2e/``) named after an owned module or the package it sits in;
 - the design pages (``docs/design/*.md``) and the results page (``docs/results/README.md``).
 """
 
@@ -63,12 +63,36 @@ def active_patches(folder: Path, lane: lanes.Lane) -> tuple[Patch, ...]:
     return tuple(chosen)
 
 
+#: Depth (path parts) of a model's folder, ``vllm_omni/model_executor/models/<model>``: owned modules
+#: sit there or in packages below it, and their tests mirror the model's folder.
+_MODEL_DIR_DEPTH = 4
+
+
+def _mirror(repo: Path, rel: str) -> Path | None:
+    """The test folder of an owned file: its folder's mirror under ``tests/``, or, for a file in a
+    package below the model's folder, the nearest mirrored folder above it (down to the model's)."""
+    folder = PurePosixPath(rel).parent
+    while True:
+        mirror = repo / "tests" / folder.relative_to("vllm_omni")
+        if mirror.is_dir():
+            return mirror
+        if len(folder.parts) <= _MODEL_DIR_DEPTH:
+            return None
+        folder = folder.parent
+
+
 def _tests_for(repo: Path, owned: dict[str, Path]) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    stems = {PurePosixPath(rel).stem for rel in owned if rel.endswith(".py")}
+    # a module's stem, or the name of a package below the model's folder holding owned modules
+    stems = {PurePosixPath(rel).stem for rel in owned if rel.endswith(".py")} - {"__init__"}
+    stems |= {
+        PurePosixPath(rel).parts[_MODEL_DIR_DEPTH]
+        for rel in owned
+        if len(PurePosixPath(rel).parts) > _MODEL_DIR_DEPTH + 1
+    }
     for rel in owned:
-        mirror = repo / "tests" / PurePosixPath(rel).parent.relative_to("vllm_omni")
-        for path in sorted(mirror.rglob("*.py")) if mirror.is_dir() else []:
+        mirror = _mirror(repo, rel)
+        for path in sorted(mirror.rglob("*.py")) if mirror else []:
             found[path.relative_to(repo).as_posix()] = path
     e2e = repo / "tests" / "e2e"
     for path in sorted(e2e.rglob("test_*.py")) if e2e.is_dir() else []:
