@@ -17,7 +17,8 @@ from minicpmo_cg import resources
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRA = "vllm_omni/model_executor/models/minicpmo_4_5/cg_test_extra"
+MODEL_DIR = "vllm_omni/model_executor/models/minicpmo_4_5"
+EXTRA = f"{MODEL_DIR}/cg_test_extra"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +124,13 @@ def test_every_file_of_the_owned_tree_is_installed_and_reverted(tmp_site, tmp_pa
     code, report = cli_json("apply", *args)
     assert code == 0, report
     installed = {o["path"] for o in report["owned"] if o["state"] == "installed"}
-    assert installed == {ADAPTER_REL, f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
+    shipped = {
+        path.relative_to(resources.owned_root()).as_posix()
+        for path in (resources.owned_root() / "vllm_omni").rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert ADAPTER_REL in shipped and f"{MODEL_DIR}/streaming_audio.py" in shipped  # the modules beside the model
+    assert installed == shipped | {f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
     assert (tmp_site / EXTRA / "capture.py").read_text() == "CAPTURED = True\n"
     assert not (tmp_site / EXTRA / "__pycache__").exists()
     state = json.loads((tmp_site / STATE_DIR / "state.json").read_text())
