@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The repository's Markdown: relative links resolve, and the design pages keep their shape.
 
-- Every relative link of a tracked ``*.md`` file names a file or folder of the checkout and, when
-  it carries an anchor into a Markdown file, one of that file's headings (GitHub's anchors).
+- Every relative link of the repository's Markdown (the top-level pages, ``patches/``, ``docs/``)
+  names a file or folder of the checkout and, when it carries an anchor into a Markdown file, one
+  of that file's headings (GitHub's anchors).
 - The design overview stays an overview (at most 250 lines) and links every topic page, which link
   back to it.
 - What the export carries of the design pages (project-only blocks dropped) links nowhere outside
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import posixpath
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,8 +32,10 @@ _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 
 
 def markdown_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
-    return sorted(out.stdout.split())
+    """The repository's Markdown: the top-level pages, ``patches/`` and everything under ``docs/``."""
+    found = [REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "patches").glob("*.md")]
+    found += (REPO / "docs").rglob("*.md")
+    return sorted(p.relative_to(REPO).as_posix() for p in found if p.is_file())
 
 
 def _prose_lines(text: str) -> list[str]:
