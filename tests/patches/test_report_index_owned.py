@@ -10,7 +10,17 @@ from pathlib import Path
 
 import patchkit
 import pytest
-from patchkit import ADAPTER_REL, MODEL_REL, STATE_DIR, WIRING, cli, cli_json, full_tree
+from patchkit import (
+    ADAPTER_PACKAGE_REL,
+    ADAPTER_REL,
+    MODEL_REL,
+    OWNED_RELS,
+    STATE_DIR,
+    WIRING,
+    cli,
+    cli_json,
+    full_tree,
+)
 
 from minicpmo_cg import resources
 
@@ -124,17 +134,13 @@ def test_every_file_of_the_owned_tree_is_installed_and_reverted(tmp_site, tmp_pa
     code, report = cli_json("apply", *args)
     assert code == 0, report
     installed = {o["path"] for o in report["owned"] if o["state"] == "installed"}
-    shipped = {
-        path.relative_to(resources.owned_root()).as_posix()
-        for path in (resources.owned_root() / "vllm_omni").rglob("*.py")
-        if "__pycache__" not in path.parts
-    }
-    assert ADAPTER_REL in shipped and f"{MODEL_DIR}/streaming_audio.py" in shipped  # the modules beside the model
-    assert installed == shipped | {f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
+    assert f"{MODEL_DIR}/streaming_audio.py" in OWNED_RELS  # the modules beside the model file
+    assert installed == {*OWNED_RELS, f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
     assert (tmp_site / EXTRA / "capture.py").read_text() == "CAPTURED = True\n"
     assert not (tmp_site / EXTRA / "__pycache__").exists()
     state = json.loads((tmp_site / STATE_DIR / "state.json").read_text())
-    assert state["created_dirs"] == [EXTRA] and state["files"][f"{EXTRA}/capture.py"]["role"] == "owned"
+    assert set(state["created_dirs"]) == {ADAPTER_PACKAGE_REL, EXTRA}  # the adapter is a package too
+    assert state["files"][f"{EXTRA}/capture.py"]["role"] == "owned"
     (tmp_site / EXTRA / "__pycache__").mkdir()  # as an import would leave it
     (tmp_site / EXTRA / "__pycache__" / "capture.cpython-311.pyc").write_bytes(b"bytecode")
     assert cli("revert", *args).returncode == 0
