@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, transform, upstream_edits
-from minicpmo_cg.export.changeset import ChangeSet, read_change_set
+from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
 
@@ -197,7 +197,9 @@ class _StackBuilder:
             vendored=vendored,
             lint=lint.check_tree(self.ruff, self.config, self.repo.root, files),
             size={**self.repo.shortstat(start), "bytes": sum(p.stat().st_size for p in series)},
-            page=pr.pages[0] if pr.pages else None,
+            page=next(
+                (p for p in pr.pages if PurePosixPath(p).parent.as_posix() == conv.DESIGN_DOCS_DIR), None
+            ),
             messages=self.repo.messages[first:],
         )
         result.inputs = prtext.PrInputs(
@@ -206,7 +208,8 @@ class _StackBuilder:
             title=pr.title,
             patches=list(pr.patches),
             modules=modules,
-            design=(pr.pages[0], pages[pr.pages[0]]) if pr.pages else None,
+            design=next(((p, pages[p]) for p in pr.pages if p == result.page), None),
+            pages_added=[(p, pages[p]) for p in pr.pages if p != result.page],
             sections_added=[(page, heading) for page, heading in pr.sections if page not in pr.pages],
             commits=[c["title"] for c in result.commits],
             vllm_version=self.cs.lane.vllm,
@@ -220,20 +223,28 @@ class _StackBuilder:
         return result
 
     def _commit_owned(self, pr: stack.ResolvedPr) -> list[tuple[str, str]]:
+        """Commit the PR's owned files; return ``(module name, docstring)`` of each new module (a
+        package of owned files is one module, ``name/``, introduced by its ``__init__``)."""
         if not pr.owned:
             return []
         files = {
             rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
             for rel, path in pr.owned.items()
         }
-        names = ", ".join(PurePosixPath(rel).name for rel in files)
-        modules = [(PurePosixPath(rel).name, _docstring(text)) for rel, text in files.items()]
-        body = [para for name, doc in modules for para in _module_overview(name, doc)]
+        modules: dict[str, str] = {}
+        for rel, text in files.items():
+            module = owned_module(rel, self.cs.owned)
+            name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
+            if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
+                modules[name] = _docstring(text)
+            modules.setdefault(name, "")
+        names = ", ".join(modules)
+        body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]
         body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
         self.repo.commit(
             f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files
         )
-        return modules
+        return list(modules.items())
 
     def _commit_tests(self, pr: stack.ResolvedPr) -> tuple[list[str], dict[str, str]]:
         upto = self.stack.upto(pr.key)
@@ -273,15 +284,21 @@ class _StackBuilder:
         changed = {page: text for page, text in versions.items() if self.pages.get(page) != text}
         if changed:
             added = [page for page in changed if page not in self.pages]
-            headings = [h for page, h in pr.sections if page in changed and page not in added]
-            if added:
-                what = "encoder CUDA graph design page"
-                body = "The design page of the input encoder CUDA graphs: " + ", ".join(added) + "."
-            else:
-                what = "design page: " + ", ".join(headings) if headings else "design page"
-                body = (
-                    f"{', '.join(changed)}: the parts this change adds ({', '.join(headings) or 'updates'})."
+            updated = [page for page in changed if page in self.pages]
+            if any(PurePosixPath(page).parent.as_posix() == conv.DESIGN_DOCS_DIR for page in added):
+                what = "encoder CUDA graph design pages"
+            elif added:
+                what = "design page " + ", ".join(
+                    PurePosixPath(page).stem.replace("_", " ") for page in added
                 )
+            else:
+                what = "design pages: the parts of this change"
+            parts = []
+            if added:
+                parts.append("New design pages of the input encoder CUDA graphs: " + ", ".join(added) + ".")
+            if updated:
+                parts.append("The parts of this change in " + ", ".join(updated) + ".")
+            body = " ".join(parts)
             self.repo.commit(f"{conv.TITLE_PREFIX_DOC} {conv.MODEL_TITLE}: {what}", wrap_body(body), changed)
             self.pages.update(changed)
         return versions

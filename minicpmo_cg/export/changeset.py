@@ -3,10 +3,12 @@
 - the lane's pins (``lanes/<lane>.txt``);
 - the vllm-omni and vLLM patches active on that lane (``patches/*/series``: a patch whose
   ``Targets`` names the lane's version and whose ``Upstream-Since`` is not reached);
-- the owned files (``vllm_omni/``: the adapter and any module beside it);
-- their tests: every ``tests/<dir>/`` mirroring a folder of owned files, and the end-to-end tests
-  (``tests/e2e/``) named after an owned module or the package it sits in;
-- the design pages (``docs/design/*.md``) and the results page (``docs/results/README.md``).
+- the owned files (``vllm_omni/``: the adapter package and any module beside it);
+- their tests: every ``tests/<dir>/`` mirroring the folder of an owned module (a package counts as
+  one module, in the folder that holds it), and the end-to-end tests (``tests/e2e/``) named after
+  an owned module;
+- the design pages (``docs/design/**/*.md``: an overview and its topic pages) and the results page
+  (``docs/results/README.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from minicpmo_cg import lanes, resources
 from minicpmo_cg.patchtool.series import Patch, load_series
 
-__all__ = ["ChangeSet", "active_patches", "read_change_set"]
+__all__ = ["ChangeSet", "active_patches", "owned_module", "read_change_set"]
 
 RESULTS_PAGE = "docs/results/README.md"
 DESIGN_DIR = "docs/design"
@@ -32,7 +34,7 @@ class ChangeSet:
         omni_patches / vllm_patches: the patches active on the lane, in series order.
         owned: site-relative path -> file, the files this project owns under ``vllm_omni/``.
         tests: repo-relative path -> file, the tests exported with them.
-        design_pages: repo-relative path -> file (``docs/design/*.md``).
+        design_pages: repo-relative path -> file (``docs/design/**/*.md``).
         results_page: the results page, or None when the checkout has none.
     """
 
@@ -63,36 +65,23 @@ def active_patches(folder: Path, lane: lanes.Lane) -> tuple[Patch, ...]:
     return tuple(chosen)
 
 
-#: Depth (path parts) of a model's folder, ``vllm_omni/model_executor/models/<model>``: owned modules
-#: sit there or in packages below it, and their tests mirror the model's folder.
-_MODEL_DIR_DEPTH = 4
-
-
-def _mirror(repo: Path, rel: str) -> Path | None:
-    """The test folder of an owned file: its folder's mirror under ``tests/``, or, for a file in a
-    package below the model's folder, the nearest mirrored folder above it (down to the model's)."""
-    folder = PurePosixPath(rel).parent
-    while True:
-        mirror = repo / "tests" / folder.relative_to("vllm_omni")
-        if mirror.is_dir():
-            return mirror
-        if len(folder.parts) <= _MODEL_DIR_DEPTH:
-            return None
-        folder = folder.parent
+def owned_module(rel: str, owned: dict[str, Path]) -> PurePosixPath:
+    """The module the owned file ``rel`` belongs to: the outermost package of owned files holding
+    it (a folder whose ``__init__.py`` is owned, e.g. the adapter package), else the file itself."""
+    path = PurePosixPath(rel)
+    for parent in reversed(path.parents):
+        if (parent / "__init__.py").as_posix() in owned:
+            return parent
+    return path
 
 
 def _tests_for(repo: Path, owned: dict[str, Path]) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    # a module's stem, or the name of a package below the model's folder holding owned modules
-    stems = {PurePosixPath(rel).stem for rel in owned if rel.endswith(".py")} - {"__init__"}
-    stems |= {
-        PurePosixPath(rel).parts[_MODEL_DIR_DEPTH]
-        for rel in owned
-        if len(PurePosixPath(rel).parts) > _MODEL_DIR_DEPTH + 1
-    }
-    for rel in owned:
-        mirror = _mirror(repo, rel)
-        for path in sorted(mirror.rglob("*.py")) if mirror else []:
+    modules = {owned_module(rel, owned) for rel in owned if rel.endswith(".py")}
+    stems = {module.stem for module in modules}
+    for module in sorted(modules):
+        mirror = repo / "tests" / module.parent.relative_to("vllm_omni")
+        for path in sorted(mirror.rglob("*.py")) if mirror.is_dir() else []:
             found[path.relative_to(repo).as_posix()] = path
     e2e = repo / "tests" / "e2e"
     for path in sorted(e2e.rglob("test_*.py")) if e2e.is_dir() else []:
@@ -114,7 +103,7 @@ def read_change_set(repo: Path, lane_name: str) -> ChangeSet:
             raise FileNotFoundError(f"{repo} is not a checkout of the patch set (no {needed}/); pass --repo")
     lane = lanes.get_lane(lane_name, repo / "lanes")
     owned = resources.owned_files(repo)
-    pages = {p.relative_to(repo).as_posix(): p for p in sorted((repo / DESIGN_DIR).glob("*.md"))}
+    pages = {p.relative_to(repo).as_posix(): p for p in sorted((repo / DESIGN_DIR).rglob("*.md"))}
     results = repo / RESULTS_PAGE
     return ChangeSet(
         repo=repo,

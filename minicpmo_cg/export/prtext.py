@@ -194,6 +194,8 @@ class PrInputs:
     modules: list[tuple[str, str]] = field(default_factory=list)
     #: (page, its version as of this PR) when the PR adds a design page
     design: tuple[str, str] | None = None
+    #: (page, its version) of the other design pages the PR adds (topic pages)
+    pages_added: list[tuple[str, str]] = field(default_factory=list)
     #: (page, heading) of the sections the PR adds to a page an earlier PR added
     sections_added: list[tuple[str, str]] = field(default_factory=list)
     test_files: list[str] = field(default_factory=list)
@@ -271,6 +273,12 @@ def _purpose(inp: PrInputs) -> list[str]:
             out += [f"New module `{name}`: {summary}", ""]
     if inp.design:
         out += _design_parts(inp)
+    for page, text in inp.pages_added:
+        lead = plain_links(
+            first_paragraph("\n".join(line for line in text.splitlines() if not line.startswith("# ")))
+        )
+        lead = re.sub(r"^Part of [^.]*\.\s*", "", " ".join(lead.split()))  # the link back to the overview
+        out += [f"New design page `{page}`: {lead}", ""]
     for page, heading in inp.sections_added:
         out += [f'The design page `{page}` gains the section "{plain_links(heading)}".', ""]
     out += ["### Commits", ""] + [f"{i}. {t}" for i, t in enumerate(inp.commits, 1)] + [""]
@@ -282,7 +290,7 @@ def _design_parts(inp: PrInputs) -> list[str]:
     out = []
     why = section(text, "Why")
     if why:
-        out += [_anchor_links(plain_links_keep_anchors(why), page, text), ""]
+        out += ["### Why", "", _anchor_links(plain_links_keep_anchors(why), page, text), ""]
     for prefix, name, whole in (("What is captured", "What is captured", True), ("Options", "Options", False),
                                 ("Stats", "Stats", False)):  # fmt: skip
         body = section(text, prefix)

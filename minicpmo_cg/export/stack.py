@@ -89,24 +89,29 @@ class VllmPr:
 VLLM_TESTS_ROOT = "tests/vllm_patches/upstream/"
 
 _MC45 = "tests/model_executor/models/minicpmo_4_5/"
-_DESIGN = "docs/design/minicpmo_encoder_cuda_graph.md"
+_MODEL = "vllm_omni/model_executor/models/minicpmo_4_5/"
+_DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
 
-# The stack in the order of today's vllm-omni series (0001, 0004-0007; the adapter a single module).
-# Each test file sits in the first PR whose tree its tests pass in: test_model_wiring.py checks the
-# vision wiring of the image-call patch, test_encoder_cuda_graph_options.py the design page's options
-# table against every key the adapter registers (the streaming-audio and SigLIP keys included), and
-# test_encoder_cuda_graph_models.py builds SigLIP with SDPA and graphs the whole image call.
-# Once the series is renumbered (0001 SigLIP attention, 0002 contiguous hidden states, 0003 the
-# adapter and its wiring, 0004 the image call, 0005 streaming audio), the PRs move into that order:
-# siglip-attention (with the contiguous-hidden-states patch and its test), encoder-graphs, image-call,
-# streaming-audio.
+# The stack in merge order (the vllm-omni series 0001-0005). A test file sits in the first PR whose
+# tree its tests pass in: test_encoder_cuda_graph_options.py checks the design overview's options
+# table against every key the adapter registers, the streaming-audio key included, so it waits for
+# the streaming-audio PR; test_model_wiring.py checks the vision wiring of the image-call patch.
 STACK: tuple[OmniPr, ...] = (
+    OmniPr(
+        key="siglip-attention",
+        title="MiniCPM-o 4.5: SigLIP's SDPA attention reachable from serving; contiguous encoder hidden states",
+        prefixes=("[Bugfix]", "[Model]"),
+        patches=("minicpmo45-siglip-sdpa-attention", "minicpmo45-contiguous-hidden-states"),
+        owned=(_MODEL + "siglip_attention.py",),
+        tests=(_MC45 + "test_vision_attention.py", _MC45 + "test_audio_layout.py"),
+        results=("SigLIP attention",),
+    ),
     OmniPr(
         key="encoder-graphs",
         title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-route-encoders-through-cuda-graphs",),
-        owned=("vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph*",),
+        owned=(_MODEL + "encoder_cuda_graph*", _MODEL + "encoder_graphs.py"),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -114,50 +119,35 @@ STACK: tuple[OmniPr, ...] = (
                 for name in ("admission", "cuda", "multi_gpu", "platform", "policy", "static_args", "threads")
             ),
         ),
-        docs=(_DESIGN,),
+        docs=(_DESIGN + ".md", _DESIGN + "/cost_admission.md", _DESIGN + "/live_worker.md"),
         results=("Real inputs", "Admission: cost vs count", "Adapter bookkeeping"),
         vllm=("capture-error-mode",),
-    ),
-    OmniPr(
-        key="streaming-audio",
-        title="MiniCPM-o 4.5: CUDA graphs for the full-duplex streaming audio chunks",
-        prefixes=("[Model]", "[Perf]"),
-        patches=("minicpmo45-graph-streaming-audio",),
-        tests=(_MC45 + "test_streaming_audio_graph.py",),
-        docs=(_DESIGN + "#Streaming (duplex) audio",),
-        results=("Real inputs", "Duplex session", "Admission: cost vs count"),
-    ),
-    OmniPr(
-        key="siglip-attention",
-        title="MiniCPM-o 4.5: serving can select SigLIP's attention, SDPA by default",
-        prefixes=("[Bugfix]", "[Model]"),
-        patches=("minicpmo45-siglip-sdpa-attention",),
-        tests=(_MC45 + "test_vision_attention.py",),
-        docs=(_DESIGN + "#SigLIP attention",),
-        results=("SigLIP attention",),
     ),
     OmniPr(
         key="image-call",
         title="MiniCPM-o 4.5: one vision CUDA graph per image call, without host reads",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-vision-one-graph-per-image-call",),
+        owned=(_MODEL + "vision_path.py",),
         tests=(
             _MC45 + "test_vision_path.py",
             _MC45 + "test_vision_graph_cuda.py",
             _MC45 + "test_model_wiring.py",
-            _MC45 + "test_encoder_cuda_graph_options.py",
             _MC45 + "test_encoder_cuda_graph_models.py",
             "tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py",
         ),
-        docs=(_DESIGN + "#One graph per image call",),
+        docs=(_DESIGN + "/image_path.md",),
         results=("Real inputs", "The image call"),
     ),
     OmniPr(
-        key="whisper-contiguous",
-        title="MiniCPM-o 4.5: keep the Whisper encoder's hidden states contiguous",
+        key="streaming-audio",
+        title="MiniCPM-o 4.5: CUDA graphs for the full-duplex streaming audio chunks",
         prefixes=("[Model]", "[Perf]"),
-        patches=("minicpmo45-whisper-contiguous-hidden-states",),
-        tests=(_MC45 + "test_audio_layout.py",),
+        patches=("minicpmo45-graph-streaming-audio",),
+        owned=(_MODEL + "streaming_audio.py",),
+        tests=(_MC45 + "test_streaming_audio_graph.py", _MC45 + "test_encoder_cuda_graph_options.py"),
+        docs=(_DESIGN + "/streaming_audio.md",),
+        results=("Real inputs", "Duplex session", "Admission: cost vs count"),
     ),
 )
 
