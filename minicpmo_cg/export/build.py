@@ -394,7 +394,13 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         texts = {rel: (builder.repo.root / rel).read_text(encoding="utf-8") for pr in prs for rel in pr.files
                  if (builder.repo.root / rel).is_file()}  # fmt: skip
         vllm_prs = _vllm_prs(cs, st, work, opts)
-        messages = {f"{pr.folder} commit {i}": m for pr in prs for i, m in enumerate(pr.messages, 1)}
+        # a commit body is wrapped at 72 columns: checked with each paragraph on one line, so a word pair
+        # the wrap splits is still found
+        messages = {
+            f"{pr.folder} commit {i}": re.sub(r"(?<!\n)\n(?!\n)", " ", m)
+            for pr in prs
+            for i, m in enumerate(pr.messages, 1)
+        }
         wheel = builder.wheel
         omni_commit = builder.omni_commit
     result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs)

@@ -118,6 +118,7 @@ STACK: tuple[OmniPr, ...] = (
                 f"{_MC45}test_encoder_cuda_graph_{name}.py"
                 for name in ("admission", "cuda", "multi_gpu", "platform", "policy", "static_args", "threads")
             ),
+            _MC45 + "test_vision_attention_overrides.py",
         ),
         docs=(_DESIGN + ".md", _DESIGN + "/cost_admission.md", _DESIGN + "/live_worker.md"),
         results=("Real inputs", "Admission: cost vs count", "Adapter bookkeeping"),

@@ -229,9 +229,10 @@ def _top_level_names(path: Path) -> set[str] | None:
 def unresolved_imports(tree: Path, files: list[str], beside_tests: set[str]) -> list[str]:
     """Imports in ``files`` (relative to ``tree``) of a module or name the tree does not have.
 
-    Checked: ``vllm_omni`` modules (absolute, or relative from a file under ``vllm_omni/``) and
-    the names imported from them, and top-level modules that some PR of the stack puts beside a
-    test (``beside_tests``: their repo-relative paths), which must be beside the importing file.
+    Checked: ``vllm_omni`` modules (absolute, or relative from a file under ``vllm_omni/``, or
+    through ``pytest.importorskip``) and the names imported from them, and top-level modules that
+    some PR of the stack puts beside a test (``beside_tests``: their repo-relative paths), which must
+    be beside the importing file.
     """
     problems = []
     for rel in files:
@@ -264,7 +265,19 @@ def unresolved_imports(tree: Path, files: list[str], beside_tests: set[str]) -> 
     return problems
 
 
+def _importorskip(node: ast.AST) -> str | None:
+    """The module of a ``pytest.importorskip("module")`` call (a test module that imports a later PR's
+    module this way would skip in this PR's tree, silently but for its skip reason)."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return node.args[0].value if name == "importorskip" and isinstance(node.args[0].value, str) else None
+
+
 def _imported(node: ast.AST, rel: str) -> list[tuple[str, list[str]]]:
+    if (module := _importorskip(node)) is not None:
+        return [(module, [])]
     if isinstance(node, ast.Import):
         return [(alias.name, []) for alias in node.names]
     if not isinstance(node, ast.ImportFrom):

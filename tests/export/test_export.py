@@ -134,8 +134,9 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
     """Template sections, its own stack position and dependencies, captions on every table, the test
     runs from its own tree with their skip reasons, the GPU environment against the pins, Not run."""
     out, manifest, report = exported
+    resolved = stack.resolve(read_change_set(REPO, "current")).omni
     earlier: list[str] = []
-    for pr, check in zip(manifest["prs"], report.checks):
+    for pr, check, source in zip(manifest["prs"], report.checks, resolved):
         text = (out / pr["folder"] / "PR.md").read_text()
         where = pr["folder"]
         assert text.splitlines()[0] == conv.PR_TEMPLATE_FIRST_LINE
@@ -157,7 +158,8 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         assert transform.project_mentions({where: text}, words=transform.POSITIONAL) == []
         not_run = text.split("### Not run", 1)[1]
         assert "checkpoint" in not_run and "Buildkite" in not_run
-        assert ("two GPUs" in not_run) == any("multi_gpu" in t for t in pr["tests"])
+        two_gpu = any("pytest.mark.multi_gpu" in path.read_text() for path in source.tests.values())
+        assert ("two GPUs" in not_run) == two_gpu
 
 
 @pytest.mark.cpu

@@ -274,6 +274,7 @@ def test_imports_of_modules_or_names_a_later_pr_adds_are_found(tmp_path):
         "import vllm_omni.models.m.vision\n"
         "from helper_of_later_pr import x\n"
         "from vllm_omni.models.m import llm\n"
+        'later = pytest.importorskip("vllm_omni.models.m.later")\n'
     )
     problems = unresolved_imports(tmp_path, ["vllm_omni/models/m/llm.py", "tests/m/test_a.py"],
                                   {"tests/m/helper_of_later_pr.py"})  # fmt: skip
@@ -282,9 +283,11 @@ def test_imports_of_modules_or_names_a_later_pr_adds_are_found(tmp_path):
         "tests/m/test_a.py:1: imports Later from vllm_omni.models.m.llm, which does not define it",
         "tests/m/test_a.py:2: imports vllm_omni.models.m.vision, which this tree does not have",
         "tests/m/test_a.py:3: imports helper_of_later_pr, which this tree does not have",
+        "tests/m/test_a.py:5: imports vllm_omni.models.m.later, which this tree does not have",
     ]
     (model / "adapter.py").write_text("Graph = object\n")
     (model / "vision.py").write_text("")
+    (model / "later.py").write_text("")
     (tests / "helper_of_later_pr.py").write_text("x = 1\n")
     (model / "llm.py").write_text("from .adapter import Graph\n\nclass Model:\n    pass\n\nLater = 1\n")
     assert unresolved_imports(tmp_path, ["vllm_omni/models/m/llm.py", "tests/m/test_a.py"],
