@@ -354,7 +354,7 @@ def wire_encoder_graphs(
 
     Args:
         model: from :func:`build_thinker_encoders`.
-        vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
+        vllm_config: a ``VllmConfig``, e.g. ``standalone_vllm_config()`` (a standalone one, no checkpoint).
         enabled: value of ``encoder_cuda_graph`` (a bool).
         backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. a CPU
             stand-in; None keeps the adapter's CUDA backend.

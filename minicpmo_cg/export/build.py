@@ -407,7 +407,8 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
     _link(result, st, cs)
     _write_texts(cs, st, result)
     _write_manifest(cs, result, wheel, omni_commit)
-    _refuse_foreign_text(texts | messages | _series_messages(vllm_prs), opts.out, result)
+    # the files as they end up, the commit messages, and every PR's series as written (each diff of each PR)
+    _refuse_foreign_text(texts | messages | _series_messages(prs + vllm_prs), opts.out, result)
     return result
 
 

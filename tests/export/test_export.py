@@ -233,7 +233,7 @@ def test_stack_overview_lists_each_pr_with_its_size(exported):
     out, manifest, _ = exported
     overview = (out / "STACK.md").read_text()
     for pr in manifest["prs"] + manifest["vllm_prs"]:
-        row = next(line for line in overview.splitlines() if f"`{pr['folder']}`" in line)
+        row = next(line for line in overview.splitlines() if f"`{pr['folder']}` | {pr['title']} |" in line)
         assert (
             pr["title"] in row and f"+{pr['size']['insertions']}" in row and str(pr["size"]["bytes"]) in row
         )
@@ -293,13 +293,18 @@ def test_export_fails_when_a_file_or_commit_message_names_this_project(tmp_path,
     adapter.write_text(adapter.read_text() + "\n# needs patches/vllm/0007 (minicpmo-cg-patch apply)\n")
     patch = first.patches[0].path
     patch.write_text(patch.read_text().replace("\nWhy: ", "\nWhy: On both lanes, ", 1))
-    with pytest.raises(transform.ExportError, match=r"in 2 place") as info:
+    with pytest.raises(transform.ExportError) as info:
         build.export(build.ExportOptions(repo=repo, out=tmp_path / "pr", author=Identity(AUTHOR)))
     message = str(info.value)
-    assert f"{Path(next(iter(first.owned))).name}:" in message and "# needs patches/vllm/0007" in message
-    assert (
-        f"{first.folder} commit {1 + bool(first.owned)}:3: On both lanes" in message
-    )  # after the owned modules
+    owned = next(iter(first.owned))
+    found = message.split("\n  ")[1:]
+    # the owned file (as it ends up, and in its PR's series), the commit message, the PR text
+    assert [f for f in found if f.startswith(f"{owned}:") and "# needs patches/vllm/0007" in f]
+    assert [f for f in found if f.startswith(f"{first.folder}/0001-") and "# needs patches/vllm/0007" in f]
+    commit = 1 + bool(first.owned)  # after the owned modules
+    assert [f for f in found if f.startswith(f"{first.folder} commit {commit}:3: On both lanes")]
+    assert [f for f in found if f.startswith(f"{first.folder}/PR.md:") and "On both lanes" in f]
+    assert f"in {len(found)} place(s)" in message
 
 
 @pytest.mark.cpu

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import logs
 from helpers.tiny_encoders import ModelConfigTripwire, tiny_siglip_config
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -79,9 +80,7 @@ class _StopError(Exception):
     [({}, "sdpa"), ({"vision_attn_implementation": "eager"}, "eager")],
     ids=["default", "eager"],
 )
-def test_model_construction_builds_siglip_with_the_chosen_attention(
-    monkeypatch, log_records, overrides, attention
-):
+def test_model_construction_builds_siglip_with_the_chosen_attention(monkeypatch, overrides, attention):
     built = []
 
     class Recording(llm.SiglipVisionTransformer):
@@ -98,8 +97,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
     model_config = SimpleNamespace(
         hf_config=config, multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda modality: 1)
     )
-    records = log_records(sa.logger)
-    with pytest.raises(_StopError):
+    with logs.captured(sa.logger) as records, pytest.raises(_StopError):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(vllm_config=SimpleNamespace(model_config=model_config))
     (vpm,) = built
     expected = llm.SIGLIP_ATTENTION_CLASSES[attention]
