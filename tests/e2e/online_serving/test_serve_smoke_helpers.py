@@ -320,7 +320,7 @@ def test_siglip_attention_regex_matches_the_model_log_line() -> None:
     wiring = _model_wiring()
     fmt = re.search(r'"(MiniCPM-o 4\.5 SigLIP attention: %s[^"]*)"', wiring)
     assert fmt, "the SigLIP attention log line is not in patches/vllm-omni; update serve_smoke.SIGLIP_ATTN_RE"
-    assert smoke.siglip_attention("INFO x " + fmt.group(1) % "eager" + "\nINFO y") == "eager"
+    assert smoke.siglip_attention("INFO x " + fmt.group(1).replace("%s", "eager", 1) + "\nINFO y") == "eager"
     assert smoke.siglip_attention("no such line") is None
 
 
