@@ -409,7 +409,7 @@ def test_missing_gnu_patch_exits_2(tmp_site, tmp_path):
 
 def test_upstream_since_and_probe(tmp_site, tmp_path, versions):
     omni = versions["vllm-omni"]
-    # a line (and context) patch 0001 leaves alone, so the extra patches stack on top of it
+    # a line (and context) the shipped series leaves alone, so the extra patches stack on top of it
     line = "    def get_audio_embedding_streaming("
     cases = {
         "0002-upstream.patch": (

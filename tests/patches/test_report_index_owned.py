@@ -27,7 +27,8 @@ from minicpmo_cg import resources
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRA = "vllm_omni/model_executor/models/minicpmo_4_5/cg_test_extra"
+MODEL_DIR = "vllm_omni/model_executor/models/minicpmo_4_5"
+EXTRA = f"{MODEL_DIR}/cg_test_extra"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +134,7 @@ def test_every_file_of_the_owned_tree_is_installed_and_reverted(tmp_site, tmp_pa
     code, report = cli_json("apply", *args)
     assert code == 0, report
     installed = {o["path"] for o in report["owned"] if o["state"] == "installed"}
+    assert f"{MODEL_DIR}/streaming_audio.py" in OWNED_RELS  # the modules beside the model file
     assert installed == {*OWNED_RELS, f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
     assert (tmp_site / EXTRA / "capture.py").read_text() == "CAPTURED = True\n"
     assert not (tmp_site / EXTRA / "__pycache__").exists()

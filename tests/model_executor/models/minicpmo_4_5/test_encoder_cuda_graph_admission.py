@@ -642,8 +642,9 @@ def _min_us_per_call(fn, batch=2000, repeats=7):
 def test_hit_path_bookkeeping_is_small(ecg, vllm_config, cpu_backend):
     """adapter(x, mask) minus the replay it delegates to (the graph's execute): eligibility, key,
     lookup, buffer dict, interval check. The CPU backend's eligibility and stream are close to the
-    CUDA backend's cost except the CUDA-only checks (autocast, capturing, stream id: ~1 us, see
-    the design doc). Bound: 15 us, the target for the whole path including vLLM's manager."""
+    CUDA backend's cost except the CUDA-only checks (autocast, capturing, stream id: ~1 us; see
+    "Hit path" in docs/design/minicpmo_encoder_cuda_graph/live_worker.md). Bound: 15 us, the target
+    for the whole path including vLLM's manager."""
     graph = adapter(ecg, vllm_config, cpu_backend, admission="count")
     x, mask = torch.ones(1, 4), torch.ones(1, 4)
     graph(x, mask), graph(x, mask)

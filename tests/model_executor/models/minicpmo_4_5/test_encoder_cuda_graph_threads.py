@@ -3,7 +3,8 @@
 
 The adapter captures lazily, in the middle of serving, where other threads of the worker
 process may be busy on the GPU (vLLM's async output copy thread calls ``event.synchronize()``;
-see the design doc, "Capturing inside a live worker"). It therefore captures in
+see "Capture error mode and other threads" in
+docs/design/minicpmo_encoder_cuda_graph/live_worker.md). It therefore captures in
 ``thread_local`` mode (vLLM's ``EncoderCudaGraphManager(capture_error_mode=...)``), which
 checks only the capturing thread.
 
