@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This project's ``--hf-overrides`` keys and the adapter's options, validated; pure Python.
+"""This project's ``--hf-overrides`` keys and the adapter's options, validated.
 
 :data:`HF_OVERRIDE_KEYS` holds one :class:`HfOverrideKey` entry per key (kind,
 default, range, doc); :func:`read_hf_overrides` validates them all (and rejects
 unknown look-alikes) in one :class:`HfOverridesError`;
-:class:`EncoderCudaGraphOptions` is the adapter's view of them.
+:class:`EncoderCudaGraphOptions` is the adapter's view of them. The key
+``vision_attn_implementation`` belongs to SigLIP's attention: its definition
+(choices, default, doc) comes from ``siglip_attention.py`` beside the model
+file, which validates it on its own too; it is registered here so that one
+error reports it with the adapter's keys and its look-alikes are caught.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
+
+from .. import siglip_attention
 
 __all__ = [
     "HF_OVERRIDE_KEYS",
@@ -231,12 +237,11 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
     HfOverrideKey(
-        name="vision_attn_implementation",
+        name=siglip_attention.VISION_ATTN_KEY,
         kind="choice",
-        choices=("sdpa", "eager", "flash_attention_2"),
-        default="sdpa",
-        doc='SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
-        'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)',
+        choices=siglip_attention.VISION_ATTN_CHOICES,
+        default=siglip_attention.VISION_ATTN_DEFAULT,
+        doc=siglip_attention.VISION_ATTN_DOC,
     ),
 )
 
