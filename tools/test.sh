@@ -20,11 +20,16 @@ elif [ -n "$which" ] && [ -f "$root/lanes/$which.txt" ]; then
 else
   echo "usage: tools/test.sh {LANE|all} [pytest args...]; lanes: ${all_lanes[*]}" >&2; exit 2
 fi
+cleanup=()
 if [ -z "${MINICPMO_CG_DIFF_DIR:-}" ]; then
   MINICPMO_CG_DIFF_DIR="$(mktemp -d -t minicpmo-cg-diff.XXXXXX)"
-  trap 'rm -rf "$MINICPMO_CG_DIFF_DIR"' EXIT
+  cleanup+=("$MINICPMO_CG_DIFF_DIR")
 fi
 export MINICPMO_CG_DIFF_DIR
+# pytest gets a TMPDIR of its own per lane, removed after a passing run (kept, and named, after a
+# failing one); tests/conftest.py fails a session that leaves anything but pytest's basetemp there
+run_tmp="$(mktemp -d -t minicpmo-cg-run.XXXXXX)"
+trap 'rm -rf ${cleanup[@]+"${cleanup[@]}"}; rmdir "$run_tmp" 2>/dev/null || true' EXIT
 cd "$root"
 # shellcheck source=tools/lane_env.sh
 source "$root/tools/lane_env.sh"
@@ -42,9 +47,12 @@ for lane in "${lanes[@]}"; do
   fi
   "$venv/bin/minicpmo-cg-patch" status || true
   echo "=== lane $lane: pytest $*" >&2
-  "$venv/bin/python" -m pytest tests -p no:cacheprovider "$@"
+  lane_tmp="$run_tmp/$lane"
+  mkdir -p "$lane_tmp"
+  TMPDIR="$lane_tmp" MINICPMO_CG_RUN_TMPDIR="$lane_tmp" "$venv/bin/python" -m pytest tests -p no:cacheprovider "$@"
   rc=$?
   unlock_lane_venv
+  if [ $rc -eq 0 ]; then rm -rf "$lane_tmp"; else echo "lane $lane: its temporary files are kept in $lane_tmp" >&2; fi
   echo "=== lane $lane: pytest exit $rc after $((SECONDS - start)) s" >&2
   [ $rc -eq 0 ] || status=1
 done
