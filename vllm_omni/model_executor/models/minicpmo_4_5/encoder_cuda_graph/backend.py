@@ -36,8 +36,9 @@ __all__ = [
 
 #: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
 #: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
-#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (design
-#: doc, "Capturing inside a live worker"). Needs vLLM's capture_error_mode (checked at construction).
+#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (see
+#: "Capture error mode and other threads" in docs/design/minicpmo_encoder_cuda_graph/live_worker.md).
+#: Needs vLLM's capture_error_mode (checked at construction).
 CAPTURE_ERROR_MODE = "thread_local"
 
 
