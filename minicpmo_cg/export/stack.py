@@ -116,7 +116,16 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "conftest.py",
             *(
                 f"{_MC45}test_encoder_cuda_graph_{name}.py"
-                for name in ("admission", "cuda", "multi_gpu", "platform", "policy", "static_args", "threads")
+                for name in (
+                    "admission",
+                    "cuda",
+                    "failed_capture",
+                    "multi_gpu",
+                    "platform",
+                    "policy",
+                    "static_args",
+                    "threads",
+                )
             ),
             _MC45 + "test_vision_attention_overrides.py",
         ),

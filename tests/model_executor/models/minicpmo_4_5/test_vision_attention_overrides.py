@@ -23,6 +23,13 @@ sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_at
 
 @pytest.mark.parametrize("value", ["SDPA", "flash_attention_3", "flex_attention", "", None, True, 1])
 def test_the_registry_reports_a_bad_value_as_siglip_attention_does(value):
+    # the registry takes the key's definition from siglip_attention.py
+    entry = adapter_mod.HF_OVERRIDE_KEYS[sa.VISION_ATTN_KEY]
+    assert (entry.choices, entry.default, entry.doc) == (
+        sa.VISION_ATTN_CHOICES,
+        sa.VISION_ATTN_DEFAULT,
+        sa.VISION_ATTN_DOC,
+    )
     with pytest.raises(adapter_mod.HfOverridesError) as combined:
         adapter_mod.read_hf_overrides(SimpleNamespace(vision_attn_implementation=value))
     assert combined.value.problems == [sa.vision_attn_problem(value)]

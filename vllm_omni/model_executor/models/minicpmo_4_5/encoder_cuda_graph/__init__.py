@@ -42,7 +42,8 @@ testable on CPU; each module imports only those above it):
   and :func:`lora_may_reach`.
 
 Every public name is importable from this package. The user-facing contract is
-``docs/design/minicpmo_encoder_cuda_graph.md``.
+``docs/design/minicpmo_encoder_cuda_graph.md`` and its topic pages in
+``docs/design/minicpmo_encoder_cuda_graph/``.
 """
 
 from .adapter import EncoderCudaGraph, EncoderCudaGraphCaptureFailedError, GraphInfo
