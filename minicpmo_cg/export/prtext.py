@@ -277,7 +277,9 @@ def _purpose(inp: PrInputs) -> list[str]:
         lead = plain_links(
             first_paragraph("\n".join(line for line in text.splitlines() if not line.startswith("# ")))
         )
-        lead = re.sub(r"^Part of [^.]*\.\s*", "", " ".join(lead.split()))  # the link back to the overview
+        lead = re.sub(
+            r"^Part of .*?\.\s+(?=[A-Z])", "", " ".join(lead.split())
+        )  # the link back to the overview
         out += [f"New design page `{page}`: {lead}", ""]
     for page, heading in inp.sections_added:
         out += [f'The design page `{page}` gains the section "{plain_links(heading)}".', ""]

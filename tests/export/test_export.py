@@ -309,13 +309,19 @@ def test_export_fails_when_a_file_or_commit_message_names_this_project(tmp_path,
 
 @pytest.mark.cpu
 def test_export_refuses_a_foreign_out_dir_an_out_file_and_a_missing_identity(tmp_path, monkeypatch, capsys):
+    from minicpmo_cg.export.gitseries import Identity
     from minicpmo_cg.patchtool import run
 
     (tmp_path / "keep.txt").write_text("not an export")
     assert run(["export", "--out", str(tmp_path), "--author", AUTHOR]) == 2
+    assert "holds no earlier export" in capsys.readouterr().err
     assert (tmp_path / "keep.txt").read_text() == "not an export"
     assert run(["export", "--out", str(tmp_path / "keep.txt"), "--author", AUTHOR]) == 2
-    assert "is a file, not a directory" in capsys.readouterr().err
+    assert "keep.txt" in (err := capsys.readouterr().err) and "not a directory" in err
+    from minicpmo_cg.export import build
+
+    with pytest.raises(FileExistsError, match="is a file, not a directory"):  # the same below the CLI
+        build.export(build.ExportOptions(repo=REPO, out=tmp_path / "keep.txt", author=Identity(AUTHOR)))
     assert (tmp_path / "keep.txt").read_text() == "not an export"
     assert run(["export", "--out", str(tmp_path / "new"), "--author", "nobody"]) == 2
     _no_git_identity(tmp_path / "home", monkeypatch)
