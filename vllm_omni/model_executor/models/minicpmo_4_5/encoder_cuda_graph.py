@@ -320,6 +320,15 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc='SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
         'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)',
     ),
+    HfOverrideKey(
+        name="encoder_fused_layers",
+        kind="choice",
+        choices=("all", "vision", "audio", "none"),
+        default="all",
+        doc="encoders whose layers run fused (packed q/k/v, GEMM epilogues, residual add + LayerNorm "
+        'in one kernel), eager and graphed alike; read by the model file (fused_layers.py): "all", '
+        '"vision", "audio" or "none" (the unfused layers); SigLIP only with its "sdpa" attention',
+    ),
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.
