@@ -24,7 +24,7 @@ from helpers import serve_smoke as smoke
 pytestmark = [pytest.mark.core_model]
 
 REPO = Path(__file__).resolve().parents[3]
-ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/adapter.py"
 
 
 def _decode(url: str, mime: str) -> bytes:
@@ -300,9 +300,16 @@ def test_free_port_is_bindable_on_loopback() -> None:
 # -- judging recordings ---------------------------------------------------------------
 
 
+def _model_wiring() -> str:
+    """The vllm-omni patches and the owned modules beside the model file their hooks call."""
+    files = sorted((REPO / "patches/vllm-omni").glob("*.patch"))
+    files += sorted((REPO / "vllm_omni/model_executor/models/minicpmo_4_5").glob("*.py"))
+    return "".join(p.read_text() for p in files)
+
+
 @pytest.mark.cpu
 def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
-    wiring = "".join(p.read_text() for p in sorted((REPO / "patches/vllm-omni").glob("*.patch")))
+    wiring = _model_wiring()
     names = set(re.findall(r'make_encoder_cuda_graph\((?:.|\n)*?name="([^"]+)"', wiring))
     # the smoke's chat prompts reach the stateless encoders; "streaming audio" serves duplex sessions only
     assert names == set(smoke.CAPTURED_ENCODERS) | {"streaming audio"}, names
@@ -310,7 +317,7 @@ def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
 
 @pytest.mark.cpu
 def test_siglip_attention_regex_matches_the_model_log_line() -> None:
-    wiring = "".join(p.read_text() for p in sorted((REPO / "patches/vllm-omni").glob("*.patch")))
+    wiring = _model_wiring()
     fmt = re.search(r'"(MiniCPM-o 4\.5 SigLIP attention: %s[^"]*)"', wiring)
     assert fmt, "the SigLIP attention log line is not in patches/vllm-omni; update serve_smoke.SIGLIP_ATTN_RE"
     assert smoke.siglip_attention("INFO x " + fmt.group(1) % "eager" + "\nINFO y") == "eager"

@@ -3,10 +3,11 @@
 
 - In float32 on the CPU the fused SigLIP and Whisper layers compute what the unfused layers of the
   installed model file compute (the same math; float32 rounding apart), through the model's own
-  call sites (``SiglipVisionTransformer._encode_last_hidden_state`` and ``encode_packed_slices``,
-  ``MiniCPMWhisperEncoder.forward``, stateless and streaming with a cache), with and without
-  padding; the fused path is shown to run (its kernel is counted), and not to run where it must
-  not (the option off, eager SigLIP attention, autograd on, head masks).
+  call sites (``SiglipVisionTransformer._encode_last_hidden_state``, ``vision_path``'s
+  ``encode_packed_slices``, the resampler, ``MiniCPMWhisperEncoder.forward`` stateless and
+  streaming with a cache), with and without padding; the fused path is shown to run (its kernel is
+  counted), and not to run where it must not (the option off, eager SigLIP attention, autograd
+  on, head masks); with it the streaming graphs drop the chunk's all-zero mask.
 - Packing q/k/v keeps one copy of the weights: the parameters are views of the packed tensor,
   weight loading writes through them, and parameters replaced since (a cast) are packed again.
 - The residual add + LayerNorm op falls back to torch where Triton cannot run, saying so once;
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import os
 import subprocess
@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 fused = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.fused_layers")
 aln = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.ops.fused_add_layer_norm")
+vision_path = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.vision_path")
+streaming_audio = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio")
+siglip_attention = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
 #: float32: the fused and unfused paths differ by summation order only.
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -87,7 +90,7 @@ def unfused(module, fn):
 
 def padded_mask(vpm, lengths, positions):
     valid = torch.arange(positions)[None, :] < torch.tensor(lengths)[:, None]
-    return vpm._encoder_attention_mask(valid, torch.float32)
+    return siglip_attention.encoder_attention_mask(valid, torch.float32, False)
 
 
 # ---------------------------------------------------------------------------
@@ -140,9 +143,9 @@ def test_siglip_whole_slice_path_matches_with_the_option_off(kernel_calls):
         pixels[i, ..., : 14 * h * w] = torch.randn(3, 14, 14 * h * w, generator=generator)
     tgt_sizes = torch.tensor(grids)
     valid = torch.arange(35)[None, :] < tgt_sizes.prod(-1, keepdim=True)
-    got = vpm.encode_packed_slices(pixels, tgt_sizes, valid)
+    got = vision_path.encode_packed_slices(vpm, pixels, tgt_sizes, valid)
     assert kernel_calls
-    want = unfused(vpm, lambda: vpm.encode_packed_slices(pixels, tgt_sizes, valid))
+    want = unfused(vpm, lambda: vision_path.encode_packed_slices(vpm, pixels, tgt_sizes, valid))
     torch.testing.assert_close(got[valid], want[valid], **TOL)
 
 
@@ -187,7 +190,10 @@ def test_resampler_output_without_weights_matches_in_float32():
     tgt_sizes = torch.tensor([[3, 4], [2, 3]])
     want = resampler(x, tgt_sizes)
     resampler._fused_layers = True
+    calls = []
+    resampler.attn.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("need_weights")), with_kwargs=True)
     torch.testing.assert_close(resampler(x, tgt_sizes), want, **TOL)
+    assert calls == [False]
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +305,18 @@ def test_whisper_fused_layers_stay_off_where_they_do_not_apply(kernel_calls):
     assert fused.whisper_streaming_drops_zero_mask(apm) is True
     apm._fused_layers = False
     assert fused.whisper_streaming_drops_zero_mask(apm) is False
+
+
+@pytest.mark.parametrize("fused_on", [True, False])
+def test_streaming_graphs_drop_the_zero_mask_with_the_fused_layers(fused_on):
+    model = whisper()
+    model._streaming_audio_mask_plans = {}
+    model.apm._fused_layers = fused_on
+    plan = streaming_audio.streaming_audio_mask_plan(model, torch.device("cpu"), 50, 150)
+    want = streaming_audio.zero_mask_plan(
+        "sdpa", lambda: streaming_audio.eager_sdpa_choice(model.apm, torch.device("cpu"), 50, 150)
+    )
+    assert plan == (streaming_audio.ZeroMaskPlan(drop_mask=True) if fused_on else want)
 
 
 # ---------------------------------------------------------------------------
@@ -491,17 +509,11 @@ def test_configure_sets_each_encoder_and_logs_one_line(log_records, choice, visi
 
 
 def test_the_model_file_hooks_the_fused_layers_in():
-    """The installed model file calls into fused_layers at each seam (the constructor, SigLIP's
-    encoder region and patch embedding, the resampler's attention, Whisper's forward, the
-    streaming graph's zero-mask plan)."""
+    """The constructor configures them and Whisper's forward hands its layers over (the other seams
+    are the owned modules exercised above)."""
     import inspect
 
     constructor = inspect.getsource(llm.MiniCPMO45OmniLLMForConditionalGeneration.__init__)
     assert "fused_layers.configure_fused_layers(self)" in constructor
-    assert "fused_layers.siglip_encode(" in inspect.getsource(llm.SiglipVisionTransformer._encode_last_hidden_state)
-    assert "fused_layers.siglip_patch_embeddings(" in inspect.getsource(llm.SiglipVisionTransformer.encode_packed_slices)
-    assert "fused_layers.resampler_needs_weights(self)" in inspect.getsource(llm.Resampler.forward)
     assert "fused_layers.whisper_encoder_output(" in inspect.getsource(llm.MiniCPMWhisperEncoder.forward)
-    plan = inspect.getsource(llm.MiniCPMO45OmniLLMForConditionalGeneration._streaming_audio_mask_plan)
-    assert "fused_layers.whisper_streaming_drops_zero_mask(self.apm)" in plan
-    assert importlib.util.find_spec("vllm_omni.model_executor.models.minicpmo_4_5.ops.fused_add_layer_norm")
+    assert "fused_layers.resampler_needs_weights(self)" in inspect.getsource(llm.Resampler.forward)
