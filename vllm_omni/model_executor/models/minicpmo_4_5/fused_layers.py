@@ -182,9 +182,7 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
 
 def _inference_call(module: nn.Module, device: torch.device) -> bool:
     """Eval mode, autograd off and autocast off: the calls the fused kernels are written for."""
-    return (
-        not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
-    )
+    return not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,8 +314,48 @@ def _split_qkv(qkv: torch.Tensor, batch: int, positions: int, heads: int) -> tup
     return tuple(split[:, :, index].transpose(1, 2) for index in range(3))
 
 
-def _norm(residual: torch.Tensor, update: torch.Tensor | None, update_bias: torch.Tensor | None, norm: nn.Module,
-          store_sum: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _attention_update(
+    attention: nn.Module,
+    normed: torch.Tensor,
+    batch: int,
+    positions: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    backends: Sequence[SDPBackend],
+    cache: Any = None,
+) -> torch.Tensor:
+    """The attention sub-layer's output projection, without its bias, for ``(B * N, E)`` rows.
+
+    One packed q/k/v GEMM, SDPA on its strided views (keys and values through ``cache.update``
+    when there is a cache), the output projection; every intermediate is freed on return, so a
+    graph's pool holds the q/k/v and attention outputs of one sub-layer at a time.
+    """
+    packed = pack_qkv(attention)
+    query, key, value = _split_qkv(
+        F.linear(normed, packed.weight, packed.bias), batch, positions, attention.num_heads
+    )
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
+    attended = _attention(query, key, value, mask, scale, backends)
+    del query, key, value  # the q/k/v GEMM's output goes with its last views
+    return F.linear(attended.view(batch * positions, -1), attention.out_proj.weight)
+
+
+def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """SigLIP's MLP with fc2's bias (cuBLAS picks a faster kernel with its bias epilogue at these
+    shapes: 21 vs 26 us per layer at 1 x 1024 patches on an H200); fc1's output is freed on return."""
+    if mlp.config.hidden_act == "gelu_pytorch_tanh":
+        return mlp.fc2(_gelu_tanh_epilogue(mlp.fc1, normed))
+    return mlp.fc2(mlp.activation_fn(mlp.fc1(normed)))
+
+
+def _norm(
+    residual: torch.Tensor,
+    update: torch.Tensor | None,
+    update_bias: torch.Tensor | None,
+    norm: nn.Module,
+    store_sum: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     return add_layer_norm(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
 
 
@@ -330,9 +368,7 @@ def _gelu_tanh_epilogue(linear: nn.Linear, hidden: torch.Tensor) -> torch.Tensor
 
 
 def _affine_layer_norms(norms: Sequence[Any]) -> bool:
-    return all(
-        isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms
-    )
+    return all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +376,9 @@ def _affine_layer_norms(norms: Sequence[Any]) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def siglip_fused_applies(vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+def siglip_fused_applies(
+    vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+) -> bool:
     """Whether :func:`siglip_encode` runs this call of ``vpm``'s encoder.
 
     True when :func:`configure_fused_layers` turned it on (``vpm._fused_layers``), the attention
@@ -405,7 +443,9 @@ def resampler_needs_weights(resampler: nn.Module) -> bool:
     return not getattr(resampler, "_fused_layers", False)
 
 
-def siglip_encode(vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def siglip_encode(
+    vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
     """SigLIP's encoder layers and post LayerNorm, fused: ``post_layernorm(encoder(hidden_states))``.
 
     Args:
@@ -423,24 +463,25 @@ def siglip_encode(vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: t
     batch, positions, width = hidden_states.shape
     residual = hidden_states.reshape(batch * positions, width)
     normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False)
+    # Intermediates are handed on, never kept in a name into the next sub-layer, so each is freed
+    # as soon as its consumer returns and a graph's pool holds one sub-layer's intermediates at a
+    # time. The pool grows in 20 MiB segments: on an H200 a one-slice stack graph took 64 MiB when
+    # the loop kept its GEMM outputs in names until the next layer rebound them, 44 MiB without.
     for index, layer in enumerate(layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        packed = pack_qkv(attention)
-        qkv = F.linear(normed, packed.weight, packed.bias)
-        query, key, value = _split_qkv(qkv, batch, positions, attention.num_heads)
-        attended = _attention(query, key, value, attention_mask, attention.scale, SIGLIP_SDPA_BACKENDS)
-        update = F.linear(attended.view(batch * positions, width), attention.out_proj.weight)
-        normed, residual = _norm(residual, update, attention.out_proj.bias, layer.layer_norm2)
-        if mlp.config.hidden_act == "gelu_pytorch_tanh":
-            hidden = _gelu_tanh_epilogue(mlp.fc1, normed)
-        else:
-            hidden = mlp.activation_fn(mlp.fc1(normed))
-        # fc2 keeps its bias in the GEMM: at these shapes cuBLAS picks a faster kernel with the
-        # bias epilogue than without it (21 vs 26 us per layer at 1 x 1024 patches on an H200).
-        update = mlp.fc2(hidden)
+        attention = layer.self_attn
+        normed, residual = _norm(
+            residual,
+            _attention_update(
+                attention, normed, batch, positions, attention_mask, attention.scale, SIGLIP_SDPA_BACKENDS
+            ),
+            attention.out_proj.bias,
+            layer.layer_norm2,
+        )
         last = index + 1 == len(layers)
         next_norm = vpm.post_layernorm if last else layers[index + 1].layer_norm1
-        normed, residual = _norm(residual, update, None, next_norm, store_sum=not last)
+        normed, residual = _norm(
+            residual, _siglip_mlp(layer.mlp, normed), None, next_norm, store_sum=not last
+        )
     return normed.view(batch, positions, width)
 
 
@@ -465,7 +506,10 @@ def whisper_fused_applies(
         return False
     layers = apm.layers
     return len(layers) > 0 and _affine_layer_norms(
-        [apm.layer_norm, *(n for layer in layers for n in (layer.self_attn_layer_norm, layer.final_layer_norm))]
+        [
+            apm.layer_norm,
+            *(n for layer in layers for n in (layer.self_attn_layer_norm, layer.final_layer_norm)),
+        ]
     )
 
 
@@ -503,22 +547,29 @@ def whisper_encode_layers(
     normed, _ = _norm(residual, None, None, layers[0].self_attn_layer_norm, store_sum=False)
     for index, layer in enumerate(layers):
         attention = layer.self_attn
-        packed = pack_qkv(attention)
-        qkv = F.linear(normed, packed.weight, packed.bias)
-        query, key, value = _split_qkv(qkv, batch, positions, attention.num_heads)
-        if cache is not None:
-            key, value = cache.update(key, value, attention.layer_idx)
-        # Whisper scales the projected queries; SDPA scales the scores by the same factor.
-        attended = _attention(query, key, value, attention_mask, attention.scaling, backends)
-        update = F.linear(attended.view(batch * positions, width), attention.out_proj.weight)
-        normed, residual = _norm(residual, update, attention.out_proj.bias, layer.final_layer_norm)
-        hidden = layer.activation_fn(layer.fc1(normed))
-        update = F.linear(hidden, layer.fc2.weight)
+        # Whisper scales the projected queries; SDPA scales the scores by the same factor. The
+        # intermediates are handed on as in siglip_encode.
+        normed, residual = _norm(
+            residual,
+            _attention_update(
+                attention, normed, batch, positions, attention_mask, attention.scaling, backends, cache
+            ),
+            attention.out_proj.bias,
+            layer.final_layer_norm,
+        )
         last = index + 1 == len(layers)
         next_norm = apm.layer_norm if last else layers[index + 1].self_attn_layer_norm
-        normed, residual = _norm(residual, update, layer.fc2.bias, next_norm, store_sum=not last)
+        normed, residual = _norm(
+            residual,
+            F.linear(layer.activation_fn(layer.fc1(normed)), layer.fc2.weight),
+            layer.fc2.bias,
+            next_norm,
+            store_sum=not last,
+        )
         if states is not None:
-            states.append(normed.view(batch, positions, width) if last else residual.view(batch, positions, width))
+            states.append(
+                normed.view(batch, positions, width) if last else residual.view(batch, positions, width)
+            )
     return normed.view(batch, positions, width), None if states is None else tuple(states)
 
 
