@@ -313,6 +313,14 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
     HfOverrideKey(
+        name="encoder_cuda_graph_startup_capture",
+        kind="bool",
+        default=True,
+        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
+        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
+        "before serving; false = capture them lazily, as sessions reach them",
+    ),
+    HfOverrideKey(
         name="vision_attn_implementation",
         kind="choice",
         choices=("sdpa", "eager", "flash_attention_2"),
@@ -449,6 +457,12 @@ class EncoderCudaGraphOptions:
             session walks once per cache cycle, a recurrence the cost rule,
             which estimates it from calls seen so far, would see only after
             minutes; the other options apply to it as to each encoder.
+        startup_capture: ``encoder_cuda_graph_startup_capture`` (bool, default
+            True). Read by the model wiring: on a duplex deployment, capture the
+            graphs every duplex session needs (its first chunk and the steady
+            chunk at each KV past length of a cache cycle, and a camera frame's
+            single slice) while the worker warms up, after vLLM sized the KV
+            cache; False leaves them to the lazy path.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -466,6 +480,7 @@ class EncoderCudaGraphOptions:
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
+    startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
 
     def __post_init__(self) -> None:
         checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
@@ -1670,6 +1685,62 @@ class EncoderCudaGraph:
             "graphs": graphs,
         }
 
+    def capture_now(self, *inputs: Any) -> tuple[torch.Tensor, str]:
+        """Capture the graph of a call with ``inputs`` now, keyed as that call is: start-up capture.
+
+        For calls known to recur (a duplex session's chunk forms, a camera frame), before any has
+        been served: admission's sightings and the cost rule are skipped; the graph cap, the byte
+        budget ``max_bytes``, the module-hooks check and the fatal capture contract apply as to
+        any capture. The free-memory floor is the caller's to check (it decides what a start-up
+        capture may take). The graph's capture and its first replay (which serves this call and
+        leaves what the forward writes in place, as a lazy capture's does) are not counted as
+        graph hits, nor the eager run that gives the output's shape as a miss; the capture is
+        logged at DEBUG.
+
+        Returns:
+            ``(output, outcome)``: what ``forward(*inputs)`` returns and ``"captured"``,
+            ``"present"`` (a graph already serves the key), or why nothing was captured:
+            ``"ineligible"``, ``"profile"`` (vLLM's memory profiling is running), ``"capacity"``,
+            ``"budget"``, ``"hooks"``.
+
+        Raises:
+            EncoderCudaGraphCaptureFailedError: a capture failed earlier.
+            whatever the capture raises (the adapter is then unusable, as after any failed capture).
+        """
+        if self._failure is not None:
+            raise EncoderCudaGraphCaptureFailedError(
+                f"{self.name} encoder CUDA graph capture failed earlier ({self._failure}); restart the worker"
+            )
+        device = None
+        if self._eager_reason is None and not torch.is_grad_enabled():
+            device = self.backend.eligible_device(inputs)
+        if device is None or len(inputs) > len(_BUFFER_KEYS):
+            return self.forward(*inputs), "ineligible"
+        if not self.static_args and any(map(_is_static, inputs)):
+            return self.forward(*inputs), "ineligible"
+        if in_memory_profiling(self.vllm_config):
+            return self.forward(*inputs), "profile"
+        entries = tuple(map(_key_entry, inputs))
+        key: GraphKey = (self.backend.replay_stream(device), device, entries)
+        manager = self.graphs.get(key)
+        if manager is not None:
+            return self._replay_uncounted(manager, inputs), "present"
+        if len(self.graphs) >= self.options.max_graphs:
+            return self.forward(*inputs), "capacity"
+        out = self.forward(*inputs)
+        record = _KeyRecord(first_call=self._calls, output=(out.shape, out.dtype))
+        if self.options.max_bytes and self._over_budget(key, record):
+            return out, "budget"
+        if not self._capture(key, record, inputs, device, log_level=logging.DEBUG):
+            return out, "hooks"
+        return self._replay_uncounted(self.graphs[key], inputs), "captured"
+
+    def _replay_uncounted(self, manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
+        hits = manager.graph_hits
+        out = self._replay(manager, inputs)
+        manager.graph_hits = hits
+        return out
+
     # -- internals -------------------------------------------------------------------
     def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
@@ -1897,7 +1968,12 @@ class EncoderCudaGraph:
         )[0]
 
     def _capture(
-        self, key: GraphKey, record: _KeyRecord, inputs: Sequence[Any], device: torch.device
+        self,
+        key: GraphKey,
+        record: _KeyRecord,
+        inputs: Sequence[Any],
+        device: torch.device,
+        log_level: int = logging.INFO,
     ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
@@ -1930,13 +2006,16 @@ class EncoderCudaGraph:
         self.graph_info[key] = GraphInfo(captured.pool_bytes, captured.static_bytes, capture_ms)
         self.admission.record_captured(key)
         self._records.pop(key, None)
-        self._log_capture(key, record.verdict, self.graph_info[key])
+        self._log_capture(key, record.verdict, self.graph_info[key], log_level)
         return True
 
-    def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo) -> None:
+    def _log_capture(
+        self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo, level: int = logging.INFO
+    ) -> None:
         if verdict is not None:
             self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
-        logger.info(
+        logger.log(
+            level,
             # the first literal is the prefix log readers match (tests/e2e/serve_smoke.CAPTURE_RE)
             "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
             ": %s (pool +%s, static %s); %s graphs hold %s%s",
