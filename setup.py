@@ -2,9 +2,9 @@
 
 Installs the ``minicpmo_cg`` package (patch tool, demo, benchmark, offline GPU runner) and
 ships, as package data, the files this project owns in vllm-omni's tree (``vllm_omni/``: the adapter
-``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py`` and any module
-beside it), the patch series (``patches/``) that the tool installs into vllm-omni / vLLM,
-and the lane files (``lanes/``).
+package ``vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/`` and any module
+beside it, every file of the tree), the patch series (``patches/``) that the tool installs into
+vllm-omni / vLLM, and the lane files (``lanes/``).
 
 Lanes are extras because the patch set supports pinned vLLM/vllm-omni pairs; the extras are
 read from ``lanes/<lane>.txt`` by ``minicpmo_cg.lanes`` (the one home of the pairs):
@@ -28,7 +28,8 @@ PAYLOAD_DIRS = ("patches", "lanes", "vllm_omni")
 
 
 class BuildPyWithPayload(build_py):
-    """Copy the owned ``vllm_omni/`` tree, the patch series and the lanes into ``minicpmo_cg/_payload``.
+    """Copy the owned ``vllm_omni/`` tree (packages included, bytecode left out), the patch series and
+    the lanes into ``minicpmo_cg/_payload``.
 
     An editable install reads them from the source tree instead (see ``minicpmo_cg/resources.py``).
     """

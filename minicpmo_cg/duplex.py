@@ -189,8 +189,8 @@ class DuplexSession:
 def cache_bytes(cache: Any) -> int:
     """Bytes of the K/V tensors a session cache holds (0 for None).
 
-    Reads the graphed path's ``_StreamingAudioKVCache`` (``blocks``) and the eager path's
-    ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
+    Reads the graphed path's ``streaming_audio.StreamingAudioKVCache`` (``blocks``) and the eager
+    path's ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
     """
     if cache is None:
         return 0

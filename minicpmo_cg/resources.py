@@ -5,7 +5,7 @@ The payload is what the patch tool installs and what the lanes module reads::
     patches/             the patch series (patches/README.md)
     lanes/*.txt          the supported version pairs (minicpmo_cg.lanes)
     vllm_omni/...        files this project owns in vllm-omni's tree, copied there by the
-                         patch tool (the adapter, and any module beside it)
+                         patch tool (the adapter package, and any module beside it)
 
 A built wheel carries a copy under ``minicpmo_cg/_payload/`` (setup.py's ``build_py``);
 an editable install reads the checkout.
@@ -17,6 +17,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 __all__ = [
+    "ADAPTER_PACKAGE_RELPATH",
     "ADAPTER_RELPATH",
     "OWNED_PACKAGE_DIR",
     "adapter_source",
@@ -27,7 +28,10 @@ __all__ = [
     "payload_root",
 ]
 
-ADAPTER_RELPATH = Path("vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py")
+#: the adapter package beside vllm-omni's model file (relative to the payload root and to site-packages)
+ADAPTER_PACKAGE_RELPATH = Path("vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph")
+#: the adapter package's ``__init__.py``: the file that stands for the adapter in reports
+ADAPTER_RELPATH = ADAPTER_PACKAGE_RELPATH / "__init__.py"
 #: the top-level directory (relative to the payload root and to site-packages) of the owned files
 OWNED_PACKAGE_DIR = "vllm_omni"
 _SKIPPED_DIRS = frozenset({"__pycache__"})
@@ -42,6 +46,7 @@ def payload_root() -> Path:
     """
     here = Path(__file__).resolve().parent
     for root in (here / "_payload", here.parent):
+        # the adapter package (a directory with its __init__.py) marks a complete payload
         if (root / "patches").is_dir() and (root / ADAPTER_RELPATH).is_file():
             return root
     raise FileNotFoundError(f"minicpmo_cg: no patch payload next to {here} (broken install?)")
@@ -61,6 +66,7 @@ def owned_root() -> Path:
 
 
 def adapter_source() -> Path:
+    """The adapter package's ``__init__.py`` in the payload (:data:`ADAPTER_RELPATH`)."""
     return payload_root() / ADAPTER_RELPATH
 
 

@@ -76,7 +76,7 @@ def measure_calls(timer: Timer, fn: Callable[[int], Any], profile: Profile) -> d
 
 @dataclass
 class Ctx:
-    """One benchmark run: device, dtype, profile, the model and the adapter module."""
+    """One benchmark run: device, dtype, profile, the model and the adapter package."""
 
     device: torch.device
     dtype: torch.dtype

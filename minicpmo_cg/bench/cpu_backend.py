@@ -1,6 +1,6 @@
 """The CPU stand-in for graph capture used by ``--allow-cpu`` (and only there).
 
-A device backend for the adapter's seam (``EncoderGraphBackend`` in the adapter module: eligible
+A device backend for the adapter's seam (``EncoderGraphBackend`` of the adapter package: eligible
 device, replay stream, free bytes, eager-call measurement, capture) that treats tensors on any
 device as eligible, scripts the measurements the cost rule reads, and "captures" an eager stand-in,
 so the benchmark's own logic (recording, admission through the adapter's real ``CaptureAdmission``

@@ -20,7 +20,8 @@ slope is what attending to (and concatenating) the cached positions costs.
 
 :func:`attention` times what grows with the past on its own: one chunk's worth of attention (one
 SDPA call per layer, 50 queries over ``total`` keys in Whisper's widths) with the all-zero mask the
-eager call passes and as the graph runs it (``_ZeroMaskPlan``: mask dropped, SDPA's kernel pinned),
+eager call passes and as the graph runs it (``streaming_audio.ZeroMaskPlan``: mask dropped, SDPA's
+kernel pinned),
 and the per-layer concatenation of past and new keys and values, each captured in a CUDA graph.
 """
 
@@ -177,9 +178,9 @@ def _graph_ms(fn: Callable[[], None]) -> float:
 @torch.inference_mode()
 def attention(ctx: Any, model: Any) -> dict[str, Any] | None:
     """One chunk's attention and K/V concatenation at each of :data:`ATTENTION_TOTALS`; None on CPU
-    or without patch 0004's ``_ZeroMaskPlan``."""
-    llm = sys.modules[type(model).__module__]
-    if ctx.cpu or not hasattr(llm, "_zero_mask_plan"):
+    or without vllm-omni patch 0005's ``streaming_audio.ZeroMaskPlan``."""
+    streaming_audio = getattr(sys.modules[type(model).__module__], "streaming_audio", None)
+    if ctx.cpu or streaming_audio is None:
         return None
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -193,8 +194,9 @@ def attention(ctx: Any, model: Any) -> dict[str, Any] | None:
         q = torch.randn(1, heads, n, head_dim, generator=g, device=ctx.device, dtype=dtype)
         k, v = torch.randn(2, 1, heads, total, head_dim, generator=g, device=ctx.device, dtype=dtype)
         mask = torch.zeros(1, 1, n, total, device=ctx.device, dtype=dtype)
-        plan = llm._zero_mask_plan(
-            apm.config._attn_implementation, lambda t=total: llm._eager_sdpa_choice(apm, ctx.device, n, t)
+        plan = streaming_audio.zero_mask_plan(
+            apm.config._attn_implementation,
+            lambda t=total: streaming_audio.eager_sdpa_choice(apm, ctx.device, n, t),
         )
 
         def masked(q=q, k=k, v=v, mask=mask) -> None:

@@ -23,11 +23,11 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import fetch, lint, prtext, transform, upstream_edits
-from minicpmo_cg.export.changeset import ChangeSet, read_change_set
+from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
 
@@ -81,10 +81,16 @@ def _commit_owned(repo: SeriesRepo, cs: ChangeSet) -> None:
         rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
         for rel, path in cs.owned.items()
     }
-    names = ", ".join(Path(rel).name for rel in files)
+    # a package of owned files is one new module: named once (``name/``), introduced by its __init__
+    shown: dict[str, None] = {}
     body = []
     for rel, text in files.items():
-        body += _module_overview(Path(rel).name, _docstring(text))
+        module = owned_module(rel, cs.owned)
+        name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
+        shown[name] = None
+        if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
+            body += _module_overview(name, _docstring(text))
+    names = ", ".join(shown)
     body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
     repo.commit(
         f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files

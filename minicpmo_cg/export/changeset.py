@@ -3,9 +3,10 @@
 - the lane's pins (``lanes/<lane>.txt``);
 - the vllm-omni and vLLM patches active on that lane (``patches/*/series``: a patch whose
   ``Targets`` names the lane's version and whose ``Upstream-Since`` is not reached);
-- the owned files (``vllm_omni/``: the adapter and any module beside it);
-- their tests: every ``tests/<dir>/`` mirroring a folder of owned files, and the end-to-end tests
-  (``tests/e2e/``) named after an owned module;
+- the owned files (``vllm_omni/``: the adapter package and any module beside it);
+- their tests: every ``tests/<dir>/`` mirroring the folder of an owned module (a package counts as
+  one module, in the folder that holds it), and the end-to-end tests (``tests/e2e/``) named after
+  an owned module;
 - the design pages (``docs/design/*.md``) and the results page (``docs/results/README.md``).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from minicpmo_cg import lanes, resources
 from minicpmo_cg.patchtool.series import Patch, load_series
 
-__all__ = ["ChangeSet", "active_patches", "read_change_set"]
+__all__ = ["ChangeSet", "active_patches", "owned_module", "read_change_set"]
 
 RESULTS_PAGE = "docs/results/README.md"
 DESIGN_DIR = "docs/design"
@@ -63,11 +64,22 @@ def active_patches(folder: Path, lane: lanes.Lane) -> tuple[Patch, ...]:
     return tuple(chosen)
 
 
+def owned_module(rel: str, owned: dict[str, Path]) -> PurePosixPath:
+    """The module the owned file ``rel`` belongs to: the outermost package of owned files holding
+    it (a folder whose ``__init__.py`` is owned, e.g. the adapter package), else the file itself."""
+    path = PurePosixPath(rel)
+    for parent in reversed(path.parents):
+        if (parent / "__init__.py").as_posix() in owned:
+            return parent
+    return path
+
+
 def _tests_for(repo: Path, owned: dict[str, Path]) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    stems = {PurePosixPath(rel).stem for rel in owned if rel.endswith(".py")}
-    for rel in owned:
-        mirror = repo / "tests" / PurePosixPath(rel).parent.relative_to("vllm_omni")
+    modules = {owned_module(rel, owned) for rel in owned if rel.endswith(".py")}
+    stems = {module.stem for module in modules}
+    for module in sorted(modules):
+        mirror = repo / "tests" / module.parent.relative_to("vllm_omni")
         for path in sorted(mirror.rglob("*.py")) if mirror.is_dir() else []:
             found[path.relative_to(repo).as_posix()] = path
     e2e = repo / "tests" / "e2e"

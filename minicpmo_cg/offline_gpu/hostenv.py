@@ -48,7 +48,7 @@ def environment(site: Path, repo: Path) -> dict[str, str]:
     """Variables for a process that runs this checkout against the unpacked bundle ``site``.
 
     ``PYTHONPATH`` puts the bundle first: its patched ``vllm_omni`` package must win over the
-    checkout's ``vllm_omni/`` source folder (which holds only the adapter).
+    checkout's ``vllm_omni/`` source folder (which holds only the files this project owns there).
     """
     return {"PYTHONPATH": f"{site}{os.pathsep}{repo}", **FIXED_ENV}
 

@@ -1,9 +1,10 @@
 """Owned files: this project's modules installed into vllm-omni's tree.
 
 Every file of the payload's ``vllm_omni/`` tree (:func:`minicpmo_cg.resources.owned_files`:
-the adapter ``encoder_cuda_graph.py`` and any module beside it) is copied to the same path
-in site-packages while a vllm-omni patch is active, with the same journal, originals and
-revert guarantees as patched files. A file already at that path that is not ours (not a
+the adapter package ``encoder_cuda_graph/`` and any module beside it) is copied to the same
+path in site-packages while a vllm-omni patch is active, with the same journal, originals and
+revert guarantees as patched files; directories apply creates for them (a package) are removed
+by revert, with the bytecode caches an import left there. A file already at that path that is not ours (not a
 byte-identical copy) is stored and restored by revert. Owned files that left the project
 stay in the record until apply or revert restores what was there before.
 """

@@ -513,7 +513,7 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
         "e2e-serve",
         "e2e-compare",
     ]
-    assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]) == [
+    assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/adapter.py"]) == [
         "cpu-unit",
         "cuda-unit",
         "e2e-serve",
@@ -541,7 +541,7 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
 def test_unlabelled_pull_request_gets_cpu_steps_only() -> None:
     env = {"BUILDKITE_PULL_REQUEST": "3", "BUILDKITE_PULL_REQUEST_LABELS": ""}
     steps = uploader.build_pipeline(
-        env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"]
+        env, ["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/adapter.py"]
     )["steps"]
     assert [s["key"] for s in steps] == ["cpu-unit"]
     assert steps[0]["agents"] == HARDWARE["cpu"]["agents"]

@@ -243,7 +243,7 @@ def test_an_image_call_of_several_siglip_chunks_expects_one_replay():
 # ---------------------------------------------------------------------------------------------
 
 
-ADAPTER_REL = "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+ADAPTER_REL = "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/__init__.py"
 
 
 def _plan(states, adapter_state="installed", **owned_states):

@@ -88,7 +88,7 @@ MAX_TOKENS = 64
 #: adapter names given by the model file's wiring (_init_encoder_cuda_graphs); each prompt
 #: group repeats one shape three times, so the graphed server must capture every one
 CAPTURED_ENCODERS = ("vision", "audio")
-#: the adapter's INFO line per capture (encoder_cuda_graph.py, ``_capture``)
+#: the adapter's INFO line per capture (encoder_cuda_graph/adapter.py, ``EncoderCudaGraph._log_capture``)
 CAPTURE_RE = re.compile(r"Captured (?P<name>.+?) encoder CUDA graph (?P<n>\d+)/(?P<cap>\d+)")
 #: the model's INFO line naming SigLIP's attention (vision_attn_implementation)
 SIGLIP_ATTN_RE = re.compile(r"MiniCPM-o 4\.5 SigLIP attention: (?P<attn>\w+)")

@@ -16,7 +16,7 @@ import pytest
 from minicpmo_cg.lanes import get_lane, lane_for_versions
 from minicpmo_cg.offline_gpu import payload, strip
 from minicpmo_cg.offline_gpu.cli import REPO
-from minicpmo_cg.resources import ADAPTER_RELPATH
+from minicpmo_cg.resources import ADAPTER_PACKAGE_RELPATH, ADAPTER_RELPATH
 
 pytestmark = pytest.mark.core_model
 
@@ -57,6 +57,7 @@ def _fake_checkout(root: Path) -> tuple[Path, Path]:
         "repo/patches/vllm-omni/0001.patch": "diff\n",
         "repo/patches/README.md": "prose\n",
         f"repo/{ADAPTER_RELPATH}": "ADAPTER = 1\n",
+        f"repo/{ADAPTER_PACKAGE_RELPATH}/backend.py": "BACKEND = 1\n",
         "pkg/stubs/vllm/_C_stable_libtorch.py": "STUB = True\n",
         "pkg/deps.txt": "a==1\n",
     }
@@ -75,6 +76,7 @@ def test_fingerprint_follows_patches_adapter_stubs_deps_not_prose(tmp_path: Path
     for path in (
         repo / "patches/vllm-omni/0001.patch",
         repo / ADAPTER_RELPATH,
+        repo / ADAPTER_PACKAGE_RELPATH / "backend.py",  # every module of the adapter package counts
         pkg / "stubs/vllm/_C_stable_libtorch.py",
         pkg / "deps.txt",
     ):

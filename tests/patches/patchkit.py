@@ -28,12 +28,15 @@ from minicpmo_cg import resources
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 ADAPTER_REL = resources.ADAPTER_RELPATH.as_posix()
+#: the adapter package (a directory apply creates) and every owned file, site-relative
+ADAPTER_PACKAGE_REL = resources.ADAPTER_PACKAGE_RELPATH.as_posix()
+OWNED_RELS = tuple(resources.owned_files())
 MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 INIT_REL = "vllm_omni/model_executor/models/minicpmo_4_5/__init__.py"
-WIRING = "vllm-omni/0001-minicpmo45-route-encoders-through-cuda-graphs.patch"
+WIRING = "vllm-omni/0003-minicpmo45-route-encoders-through-cuda-graphs.patch"
 #: A line the wiring patch adds that no later patch of the series has in its context, and what
-#: :func:`edit_wiring` makes of it: editing it gives 0001 a new revision that the series still applies over.
-WIRING_LINE = "            audio_embeds = self._audio_encoder_graph(wavforms, audio_attention_mask)"
+#: :func:`edit_wiring` makes of it: editing it gives 0003 a new revision that the series still applies over.
+WIRING_LINE = "        audio_embeds = encoder_graphs.encode_audio(self, wavforms, audio_attention_mask)"
 WIRING_LINE_EDITED = f"{WIRING_LINE}  # edited"
 STATE_DIR = "minicpmo_cg_patch_state"
 TMP_SUFFIX = ".minicpmo-cg-tmp"
@@ -75,8 +78,8 @@ def _series_files() -> tuple[str, ...]:
 
 
 def target_rels() -> list[str]:
-    """Every file of the shipped series (as the tool lists them) and the adapter."""
-    return [*_series_files(), ADAPTER_REL]
+    """Every file of the shipped series (as the tool lists them) and every owned file (the adapter)."""
+    return [*_series_files(), *OWNED_RELS]
 
 
 def litter(root: Path) -> list[str]:
@@ -183,7 +186,7 @@ def make_site(tmp_path: Path, name: str = "site-packages") -> Path:
         for info in SITE.glob(pattern):
             shutil.copytree(info, site / info.name)
     for rel in [*target_rels(), INIT_REL]:
-        if rel != ADAPTER_REL and (SITE / rel).is_file():
+        if rel not in OWNED_RELS and (SITE / rel).is_file():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(SITE / rel, site / rel)
     # The real installation may be applied; without its state the copy is "applied without a

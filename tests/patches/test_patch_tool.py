@@ -21,10 +21,12 @@ import pytest
 
 # tests/patches is on sys.path: pytest imports this module rootdir-relative, without a package
 from patchkit import (
+    ADAPTER_PACKAGE_REL,
     ADAPTER_REL,
     GOOD_STATES,
     INIT_REL,
     MODEL_REL,
+    OWNED_RELS,
     SITE,
     SITE_SOURCE,
     STATE_DIR,
@@ -114,6 +116,9 @@ def _apply_and_check_status(rels, pristine) -> dict:
     applied = hashes(SITE, rels)
     assert applied[MODEL_REL] != pristine[MODEL_REL]
     assert applied[ADAPTER_REL] == sha(resources.adapter_source())
+    assert {rel: applied[rel] for rel in OWNED_RELS} == {
+        rel: sha(path) for rel, path in resources.owned_files().items()
+    }
     return applied
 
 
@@ -137,7 +142,7 @@ def test_round_trip_on_the_installed_lane(site_restored, versions):
     code, report = cli_json("revert")
     assert code == 0 and report["result"] == "reverted"
     assert hashes(SITE, rels) == pristine
-    assert not (SITE / ADAPTER_REL).exists()
+    assert not (SITE / ADAPTER_PACKAGE_REL).exists()  # the package directory apply created, caches and all
     assert not (SITE / STATE_DIR).exists()
     proc = cli("revert")
     assert proc.returncode == 0 and "nothing to revert" in proc.stdout
@@ -404,7 +409,7 @@ def test_missing_gnu_patch_exits_2(tmp_site, tmp_path):
 
 def test_upstream_since_and_probe(tmp_site, tmp_path, versions):
     omni = versions["vllm-omni"]
-    # a line (and context) patch 0001 leaves alone, so the extra patches stack on top of it
+    # a line (and context) the shipped series leaves alone, so the extra patches stack on top of it
     line = "    def get_audio_embedding_streaming("
     cases = {
         "0002-upstream.patch": (

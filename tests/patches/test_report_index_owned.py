@@ -10,14 +10,25 @@ from pathlib import Path
 
 import patchkit
 import pytest
-from patchkit import ADAPTER_REL, MODEL_REL, STATE_DIR, WIRING, cli, cli_json, full_tree
+from patchkit import (
+    ADAPTER_PACKAGE_REL,
+    ADAPTER_REL,
+    MODEL_REL,
+    OWNED_RELS,
+    STATE_DIR,
+    WIRING,
+    cli,
+    cli_json,
+    full_tree,
+)
 
 from minicpmo_cg import resources
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRA = "vllm_omni/model_executor/models/minicpmo_4_5/cg_test_extra"
+MODEL_DIR = "vllm_omni/model_executor/models/minicpmo_4_5"
+EXTRA = f"{MODEL_DIR}/cg_test_extra"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +62,7 @@ def test_status_fits_120_columns_and_verbose_has_the_details(tmp_site, tmp_path)
     assert "patch program: GNU patch" in proc.stdout and f"{MODEL_REL}: pristine" in proc.stdout
     code, report = cli_json("status", "--site-packages", str(site))
     assert code == 0 and next(p for p in report["patches"] if p["name"] == WIRING)["state"] == "conflict"
-    assert report["owned"][0]["path"] == ADAPTER_REL and report["journal"] == {
+    assert ADAPTER_REL in [o["path"] for o in report["owned"]] and report["journal"] == {
         "present": False,
         "complete": None,
     }
@@ -123,11 +134,13 @@ def test_every_file_of_the_owned_tree_is_installed_and_reverted(tmp_site, tmp_pa
     code, report = cli_json("apply", *args)
     assert code == 0, report
     installed = {o["path"] for o in report["owned"] if o["state"] == "installed"}
-    assert installed == {ADAPTER_REL, f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
+    assert f"{MODEL_DIR}/streaming_audio.py" in OWNED_RELS  # the modules beside the model file
+    assert installed == {*OWNED_RELS, f"{EXTRA}/__init__.py", f"{EXTRA}/capture.py"}
     assert (tmp_site / EXTRA / "capture.py").read_text() == "CAPTURED = True\n"
     assert not (tmp_site / EXTRA / "__pycache__").exists()
     state = json.loads((tmp_site / STATE_DIR / "state.json").read_text())
-    assert state["created_dirs"] == [EXTRA] and state["files"][f"{EXTRA}/capture.py"]["role"] == "owned"
+    assert set(state["created_dirs"]) == {ADAPTER_PACKAGE_REL, EXTRA}  # the adapter is a package too
+    assert state["files"][f"{EXTRA}/capture.py"]["role"] == "owned"
     (tmp_site / EXTRA / "__pycache__").mkdir()  # as an import would leave it
     (tmp_site / EXTRA / "__pycache__" / "capture.cpython-311.pyc").write_bytes(b"bytecode")
     assert cli("revert", *args).returncode == 0

@@ -24,7 +24,7 @@ from helpers import serve_smoke as smoke
 pytestmark = [pytest.mark.core_model]
 
 REPO = Path(__file__).resolve().parents[3]
-ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+ADAPTER = REPO / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/adapter.py"
 
 
 def _decode(url: str, mime: str) -> bytes:

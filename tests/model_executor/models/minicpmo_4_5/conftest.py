@@ -1,4 +1,4 @@
-"""Fixtures for the adapter tests: the adapter module as vllm-omni imports it, a CPU device
+"""Fixtures for the adapter tests: the adapter package as vllm-omni imports it, a CPU device
 backend for the adapter's seam, and log capture for vLLM's loggers."""
 
 from __future__ import annotations
@@ -15,32 +15,36 @@ import torch
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 REPO_ADAPTER = (
-    Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph.py"
+    Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph"
 )
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _sources(package: Path) -> dict[str, str]:
+    """sha256 of every module of the adapter package ``package``, by file name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(package.glob("*.py"))}
 
 
 @pytest.fixture(scope="session")
 def ecg():
-    """The adapter module under its in-tree name.
+    """The adapter package under its in-tree name.
 
-    Where the adapter is installed beside vllm-omni's model file, the installed copy must equal
-    the source tree's file (a stale install fails loudly instead of testing old code); where it
-    is not installed, the source tree's file is loaded under that name.
+    Where the adapter is installed beside vllm-omni's model file, the installed modules must equal
+    the source tree's (a stale install fails loudly instead of testing old code); where it is not
+    installed, the source tree's package is loaded under that name. Its modules are attributes of
+    the package (``ecg.backend``, ``ecg.adapter``, ...).
     """
     spec = importlib.util.find_spec(MODULE)
     if spec is not None and spec.origin:
-        installed = Path(spec.origin)
-        if _sha(installed) != _sha(REPO_ADAPTER):
+        installed = Path(spec.origin).parent
+        if _sources(installed) != _sources(REPO_ADAPTER):
             pytest.fail(
                 f"installed adapter {installed} differs from {REPO_ADAPTER}: reinstall it from the source tree"
             )
         return importlib.import_module(MODULE)
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
-    spec = importlib.util.spec_from_file_location(MODULE, REPO_ADAPTER)
+    spec = importlib.util.spec_from_file_location(
+        MODULE, REPO_ADAPTER / "__init__.py", submodule_search_locations=[str(REPO_ADAPTER)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[MODULE] = module
     spec.loader.exec_module(module)

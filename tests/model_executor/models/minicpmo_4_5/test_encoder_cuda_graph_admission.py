@@ -408,7 +408,7 @@ def test_a_streamed_gpu_bound_batch_is_declined_without_a_hold(ecg, vllm_config,
 
 
 def test_spin_clock_starts_at_the_nominal_rate_and_follows_measured_holds(ecg):
-    clock = ecg._SpinClock(nominal=lambda device: 1.98e6)  # an H200's SM clock: 1.98 GHz
+    clock = ecg.backend._SpinClock(nominal=lambda device: 1.98e6)  # an H200's SM clock: 1.98 GHz
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert clock.cycles(gpu0, 2.0) == 3_960_000
     clock.calibrate(0, 3_960_000, 2.2)  # ran 10% slower than nominal
@@ -431,7 +431,7 @@ def test_spin_clock_starts_at_the_nominal_rate_and_follows_measured_holds(ecg):
 @pytest.mark.parametrize("mode", ["cost", "count"])
 @torch.inference_mode()
 def test_byte_budget_defers_captures_that_would_pass_it(ecg, vllm_config, cpu_backend, log_records, mode):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     budget = 100 * MIB
     backend_kw = {"peak_bytes": 60 * MIB, "pool_bytes": 50 * MIB}
     graph = adapter(
@@ -467,7 +467,7 @@ def test_byte_estimate_is_eager_peak_plus_static_buffers(ecg, vllm_config, cpu_b
 
 @torch.inference_mode()
 def test_bytes_per_graph_and_total_in_stats_and_capture_log(ecg, vllm_config, cpu_backend, log_records):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     graph = adapter(ecg, vllm_config, cpu_backend, backend_kw={"pool_bytes": 3 * MIB}, name="audio")
     a, b = torch.ones(256, 1024), torch.ones(128, 1024)  # 1 MiB and 0.5 MiB
     for _ in range(3):
@@ -504,7 +504,7 @@ def profiling_config(vllm_config):
 @pytest.mark.parametrize("mode", ["cost", "count"])
 @torch.inference_mode()
 def test_profiling_calls_neither_count_nor_capture(ecg, profiling_config, cpu_backend, log_records, mode):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     graph = adapter(ecg, profiling_config, cpu_backend, admission=mode, name="vision")
     x = torch.ones(2, 3)
     for _ in range(5):  # vLLM's profile_run: identical dummy chunks
@@ -577,8 +577,8 @@ def test_stats_line_is_logged_from_the_call_path_once_per_interval(
     ecg, vllm_config, cpu_backend, log_records, monkeypatch
 ):
     clock = FakeClock()
-    monkeypatch.setattr(ecg.time, "monotonic", clock)
-    records = log_records(ecg.logger)
+    monkeypatch.setattr(ecg.adapter.time, "monotonic", clock)
+    records = log_records(ecg.adapter.logger)
     graph = adapter(
         ecg, vllm_config, cpu_backend, log_interval_s=10, name="audio", backend_kw={"pool_bytes": MIB}
     )
@@ -609,8 +609,8 @@ def test_stats_line_is_logged_from_the_call_path_once_per_interval(
 @torch.inference_mode()
 def test_stats_line_off_with_zero_interval(ecg, vllm_config, cpu_backend, log_records, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(ecg.time, "monotonic", clock)
-    records = log_records(ecg.logger)
+    monkeypatch.setattr(ecg.adapter.time, "monotonic", clock)
+    records = log_records(ecg.adapter.logger)
     graph = adapter(ecg, vllm_config, cpu_backend, log_interval_s=0)
     for _ in range(5):
         clock.now += 1e6
@@ -642,8 +642,9 @@ def _min_us_per_call(fn, batch=2000, repeats=7):
 def test_hit_path_bookkeeping_is_small(ecg, vllm_config, cpu_backend):
     """adapter(x, mask) minus the replay it delegates to (the graph's execute): eligibility, key,
     lookup, buffer dict, interval check. The CPU backend's eligibility and stream are close to the
-    CUDA backend's cost except the CUDA-only checks (autocast, capturing, stream id: ~1 us, see
-    the design doc). Bound: 15 us, the target for the whole path including vLLM's manager."""
+    CUDA backend's cost except the CUDA-only checks (autocast, capturing, stream id: ~1 us; see
+    "Hit path" in docs/design/minicpmo_encoder_cuda_graph/live_worker.md). Bound: 15 us, the target
+    for the whole path including vLLM's manager."""
     graph = adapter(ecg, vllm_config, cpu_backend, admission="count")
     x, mask = torch.ones(1, 4), torch.ones(1, 4)
     graph(x, mask), graph(x, mask)
@@ -675,7 +676,7 @@ def vllm_manager_on_cpu(ecg, vllm_config, encoder):
     from vllm.v1.worker.encoder_cudagraph import BudgetGraphMetadata, EncoderCudaGraphManager
 
     manager = EncoderCudaGraphManager(
-        ecg._manager_config(vllm_config, encoder.tokens),
+        ecg.backend._manager_config(vllm_config, encoder.tokens),
         torch.device("cpu"),
         encoder.dtype,
         encoder,
@@ -757,7 +758,7 @@ def test_cuda_backend_global_checks_are_torchs_own_cuda_state(ecg):
     """The CUDA backend's per-call checks skip torch's Python wrappers: the no-argument
     ``torch.is_autocast_enabled()`` overload is CUDA's autocast state (not CPU's), and the capture
     check is the C function ``torch.cuda.is_current_stream_capturing`` calls."""
-    assert ecg._stream_capturing is torch._C._cuda_isCurrentStreamCapturing
+    assert ecg.backend._stream_capturing is torch._C._cuda_isCurrentStreamCapturing
     assert "_cuda_isCurrentStreamCapturing()" in inspect.getsource(torch.cuda.is_current_stream_capturing)
     try:
         torch.set_autocast_enabled("cuda", True)

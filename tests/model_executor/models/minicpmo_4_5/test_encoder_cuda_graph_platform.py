@@ -27,7 +27,7 @@ class _Platform:
 @pytest.mark.cpu
 def test_free_bytes_come_from_the_omni_platform_for_the_inputs_device(ecg, monkeypatch):
     platform = _Platform(free=123 << 20)
-    monkeypatch.setattr(ecg.omni_platforms, "current_omni_platform", platform, raising=False)
+    monkeypatch.setattr(ecg.backend.omni_platforms, "current_omni_platform", platform, raising=False)
     device = torch.device("cuda", 1)
     assert ecg.CudaGraphBackend().free_bytes(device) == 123 << 20
     assert platform.asked == [device]

@@ -301,7 +301,7 @@ def test_memory_floor_deferrals_warn_first_and_every_nth(
     ecg, vllm_config, cpu_backend, log_records, monkeypatch
 ):
     monkeypatch.setattr(ecg.EncoderCudaGraph, "MEMORY_WARNING_EVERY", 3)
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     graph = cpu_graph(
         ecg, cpu_backend, CountingForward(), vllm_config, free=1023, min_free_bytes=1024, name="audio"
     )
@@ -319,7 +319,7 @@ def test_memory_floor_deferrals_warn_first_and_every_nth(
 
 @torch.inference_mode()
 def test_memory_floor_warning_default_interval(ecg, vllm_config, cpu_backend, log_records):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     graph = cpu_graph(ecg, cpu_backend, CountingForward(), vllm_config, free=0, min_free_bytes=1)
     x = torch.ones(2)
     for _ in range(1 + 2 * ecg.EncoderCudaGraph.MEMORY_WARNING_EVERY):
@@ -394,7 +394,7 @@ def hooked_graph(ecg, vllm_config, cpu_backend, captured_modules=("body",)):
 
 @torch.inference_mode()
 def test_forward_hook_in_the_region_keeps_the_adapter_eager(ecg, vllm_config, cpu_backend, log_records):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     tower, graph = hooked_graph(ecg, vllm_config, cpu_backend)
     seen = []
     tower.body[0].register_forward_hook(lambda module, args, out: seen.append(out.shape))
@@ -473,7 +473,7 @@ def test_hooks_found_later_stop_earlier_graphs_from_replaying(ecg, vllm_config, 
 def test_a_forward_that_registers_hooks_while_captured_is_not_kept(
     ecg, vllm_config, cpu_backend, log_records
 ):
-    records = log_records(ecg.logger)
+    records = log_records(ecg.adapter.logger)
     tower = Tower()
     calls = []
 

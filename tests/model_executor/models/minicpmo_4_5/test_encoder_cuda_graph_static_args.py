@@ -53,7 +53,7 @@ def test_static_arguments_are_keyed_by_value_and_reach_every_forward_call(ecg, v
     # warmup, the capture's buffer forward, the two replays' recomputation: all with the statics
     assert fwd.calls[:4] == [(2, sink, None)] * 4
     assert fwd.calls[-2:] == [(3, sink, None), (2, other, None)]
-    assert ecg._describe(key) == [((2, 3), "float32"), 2, sink, None]
+    assert ecg.shapes._describe(key) == [((2, 3), "float32"), 2, sink, None]
 
 
 @pytest.mark.cpu
@@ -105,7 +105,7 @@ def test_static_arguments_hold_no_graph_bytes_and_count_toward_no_budget(ecg, vl
     for _ in range(3):
         assert torch.equal(graph(x, 5, tag), x * 5)
     ((key, info),) = graph.graph_info.items()
-    assert list(ecg._tensor_entries(key)) == [(torch.Size([2, 3]), torch.float32)]
+    assert list(ecg.shapes._tensor_entries(key)) == [(torch.Size([2, 3]), torch.float32)]
     assert info.static_bytes == tensor_bytes == backend.encoders[0].static_bytes
     assert info.pool_bytes == 3 << 20
     details = graph.get_detailed_stats()
@@ -140,7 +140,7 @@ def test_tensor_only_adapters_never_build_a_static_key(ecg, vllm_config, cpu_bac
     def classify(x):
         raise AssertionError("static-argument key built for a tensor-only adapter")
 
-    monkeypatch.setattr(ecg, "_key_entry", classify)
+    monkeypatch.setattr(ecg.adapter, "_key_entry", classify)
     graph = ecg.EncoderCudaGraph(lambda x, m: x * 2, vllm_config, admission="count", backend=cpu_backend())
     x = torch.ones(2, 3)
     for mask in (None, None, None, torch.ones(2), torch.ones(2)):

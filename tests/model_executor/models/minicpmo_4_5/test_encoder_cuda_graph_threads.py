@@ -3,7 +3,8 @@
 
 The adapter captures lazily, in the middle of serving, where other threads of the worker
 process may be busy on the GPU (vLLM's async output copy thread calls ``event.synchronize()``;
-see the design doc, "Capturing inside a live worker"). It therefore captures in
+see "Capture error mode and other threads" in
+docs/design/minicpmo_encoder_cuda_graph/live_worker.md). It therefore captures in
 ``thread_local`` mode (vLLM's ``EncoderCudaGraphManager(capture_error_mode=...)``), which
 checks only the capturing thread.
 
@@ -184,7 +185,7 @@ def run_scenario(ecg, vllm_config) -> dict[str, Any]:
     enc = GatedEncoder(chatter, device)
     # the count rule: the second call captures, whatever the cost model thinks of this tiny forward
     graph = ecg.EncoderCudaGraph(enc, vllm_config, min_free_bytes=0, admission="count", name="vision")
-    result: dict[str, Any] = {"mode": ecg.CAPTURE_ERROR_MODE, "capture_error": None}
+    result: dict[str, Any] = {"mode": ecg.backend.CAPTURE_ERROR_MODE, "capture_error": None}
     with torch.inference_mode():
         x = torch.randn(ROWS, WIDTH, device=device)
         eager = enc(x)
@@ -234,11 +235,12 @@ _CONTROL = """
 import importlib, importlib.util, json, os, sys
 sys.path.insert(0, {test_dir!r})
 importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
-spec = importlib.util.spec_from_file_location({name!r}, {path!r})
+package_dir = os.path.dirname({path!r})
+spec = importlib.util.spec_from_file_location({name!r}, {path!r}, submodule_search_locations=[package_dir])
 ecg = importlib.util.module_from_spec(spec)
 sys.modules[{name!r}] = ecg
 spec.loader.exec_module(ecg)
-ecg.CAPTURE_ERROR_MODE = "global"  # vLLM's default: what the adapter did before the fix
+ecg.backend.CAPTURE_ERROR_MODE = "global"  # vLLM's default: what the adapter did before the fix
 import test_encoder_cuda_graph_threads as scenario
 from minicpmo_cg.vllm_config import standalone_vllm_config
 result = scenario.run_scenario(ecg, standalone_vllm_config())

@@ -416,7 +416,7 @@ def test_init_encoder_cuda_graphs_builds_adapters(vllm_configs):
     assert audio.forward == model._encode_audio_features
     assert (
         vision.captured_modules
-        == llm.VISION_CAPTURED_MODULES
+        == llm.vision_path.VISION_CAPTURED_MODULES
         == (
             "vpm.embeddings.patch_embedding",
             "vpm.embeddings.position_embedding",
@@ -537,7 +537,7 @@ def startup_line(records):
 def test_startup_log_states_each_encoders_effective_state(
     config, vllm_key, vision, audio, vllm_configs, log_records
 ):
-    records = log_records(llm.logger)
+    records = log_records(llm.encoder_graphs.logger)
     model = bare_model(config)
     model._init_encoder_cuda_graphs(vllm_configs[vllm_key])
     line = startup_line(records)
@@ -546,7 +546,7 @@ def test_startup_log_states_each_encoders_effective_state(
 
 
 def test_startup_log_without_an_encoder(vllm_configs, log_records):
-    records = log_records(llm.logger)
+    records = log_records(llm.encoder_graphs.logger)
     bare_model(SimpleNamespace(), vpm=False)._init_encoder_cuda_graphs(vllm_configs["graphs"])
     assert "vision=off (no encoder), audio=on;" in startup_line(records)
 
@@ -560,7 +560,7 @@ def test_lora_config_keeps_both_encoders_eager_with_one_log_line(vllm_configs, l
 
     vllm_config = copy.copy(vllm_configs["graphs"])
     object.__setattr__(vllm_config, "lora_config", LoRAConfig())
-    records = log_records(llm.logger)
+    records = log_records(llm.encoder_graphs.logger)
     model = bare_model(SimpleNamespace())
     model._init_encoder_cuda_graphs(vllm_config)
     assert model.vpm._encoder_graph is None and model._audio_encoder_graph is None
@@ -591,7 +591,7 @@ def test_connector_lora_keeps_the_vision_graph_eager(vllm_configs, log_records):
     object.__setattr__(vllm_config, "lora_config", LoRAConfig(enable_tower_connector_lora=True))
     model = bare_model(SimpleNamespace())
     model.__class__ = ConnectorMapped
-    records = log_records(llm.logger)
+    records = log_records(llm.encoder_graphs.logger)
     model._init_encoder_cuda_graphs(vllm_config)
     assert model.vpm._encoder_graph is None and model._audio_encoder_graph is not None
     assert "vision=off (LoRA with enable_tower_connector_lora may target resampler;" in startup_line(records)

@@ -30,10 +30,9 @@ needs_cuda = pytest.mark.skipif(
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 
-if not hasattr(llm, "_StreamingAudioKVCache"):
-    pytest.fail(
-        f"{llm.__file__} lacks the streaming audio CUDA graphs (_StreamingAudioKVCache)", pytrace=False
-    )
+if getattr(llm, "streaming_audio", None) is None:
+    pytest.fail(f"{llm.__file__} lacks the streaming audio CUDA graphs (streaming_audio)", pytrace=False)
+sa = llm.streaming_audio
 
 Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
 
@@ -183,7 +182,7 @@ def test_bad_streaming_option_fails_model_construction():
 @pytest.mark.cpu
 def test_init_builds_a_third_adapter_with_a_cap_per_past_length(log_records):
     ecg = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-    records = log_records(llm.logger)
+    records = log_records(sa.logger)
     model = wired(tiny_model(), max_graphs=3, min_capture_calls=3)
     graph = model._streaming_audio_encoder_graph
     assert isinstance(graph, ecg.EncoderCudaGraph)
@@ -216,7 +215,7 @@ def _set_option(model, key, value):
     ids=["streaming_audio_false", "encoder_cuda_graph_false", "enforce_eager", "max_graphs_0"],
 )
 def test_streaming_adapter_off_states(options, enforce_eager, state, log_records):
-    records = log_records(llm.logger)
+    records = log_records(sa.logger)
     model = tiny_model()
     model._streaming_audio_encoder_graph = "stale"
     for key, value in options.items():
@@ -233,7 +232,7 @@ def test_streaming_adapter_off_states(options, enforce_eager, state, log_records
 
 @pytest.mark.cpu
 def test_no_audio_encoder_no_streaming_adapter(log_records):
-    records = log_records(llm.logger)
+    records = log_records(sa.logger)
     model = tiny_model()
     model.apm = None
     model._init_encoder_cuda_graphs(vllm_config())
@@ -247,7 +246,7 @@ def test_lora_keeps_the_streaming_path_eager_with_the_reason(log_records):
 
     config = copy.copy(vllm_config())
     object.__setattr__(config, "lora_config", LoRAConfig())
-    records = log_records(llm.logger)
+    records = log_records(sa.logger)
     model = tiny_model()
     model._init_encoder_cuda_graphs(config)
     assert model._streaming_audio_encoder_graph is None
@@ -312,7 +311,7 @@ def test_graphed_path_equals_eager_for_interleaved_sessions_on_cpu():
     for name in runs:
         assert_bitwise(got[name], want[name], f"session {name}")
         cache = caches[name]
-        assert isinstance(cache, llm._StreamingAudioKVCache)
+        assert isinstance(cache, sa.StreamingAudioKVCache)
         # 40 chunks: resets before chunks 12, 24, 36, so 4 chunks since the last one
         assert cache.length == 4 * N and [b.shape[4] for b in cache.blocks] == [N] * 4
         assert all(
@@ -362,7 +361,7 @@ def test_graph_keys_are_chunk_form_and_past_length_and_sessions_share_them(cpu_b
     assert all(encoder.statics[1] is arena for encoder in backend.encoders)
     # sdpa on the CPU: SDPA's choice for the eager call is pinned and the all-zero mask left out
     assert {p.sdpa_backend for p in model._streaming_audio_mask_plans.values()} == {
-        llm._eager_sdpa_choice(model.apm, cpu, N, N)
+        sa.eager_sdpa_choice(model.apm, cpu, N, N)
     }
     assert all(p.drop_mask for p in model._streaming_audio_mask_plans.values())
 
@@ -395,7 +394,7 @@ def test_zero_mask_plan_pins_the_eager_kernel_or_keeps_the_mask(attn, choice, pl
         asked.append(attn)
         return SDPBackend.__members__[choice]
 
-    got = llm._zero_mask_plan(attn, sdpa_choice)
+    got = sa.zero_mask_plan(attn, sdpa_choice)
     want_backend = None if plan[1] is None else SDPBackend.__members__[plan[1]]
     assert (got.drop_mask, got.sdpa_backend) == (plan[0], want_backend)
     assert asked == ([attn] if attn == "sdpa" else [])  # SDPA is asked only for its own implementation
@@ -412,7 +411,7 @@ def _sdpa_choice_forced(monkeypatch, name):
         asked.append((device, positions, total))
         return SDPBackend.__members__[name]
 
-    monkeypatch.setattr(llm, "_eager_sdpa_choice", choice)
+    monkeypatch.setattr(sa, "eager_sdpa_choice", choice)
     return asked
 
 
@@ -509,10 +508,10 @@ def test_the_cost_rule_would_hold_the_checkpoint_schedule_back(cpu_backend):
 
 
 def arena_and_caches():
-    arena = llm._StreamingAudioKVArena(
+    arena = sa.StreamingAudioKVArena(
         layers=LAYERS, heads=HEADS, head_dim=2, max_positions=16, dtype=torch.float32, device="cpu"
     )
-    return arena, llm._StreamingAudioKVCache(), llm._StreamingAudioKVCache()
+    return arena, sa.StreamingAudioKVCache(), sa.StreamingAudioKVCache()
 
 
 def write_chunk(arena, cache, value, n=3):
@@ -528,7 +527,7 @@ def write_chunk(arena, cache, value, n=3):
 def test_arena_copies_a_session_in_only_when_it_holds_another():
     arena, a, b = arena_and_caches()
     with torch.inference_mode():  # the arena stays a normal tensor whatever the mode it is made in
-        assert not llm._StreamingAudioKVArena(
+        assert not sa.StreamingAudioKVArena(
             layers=1, heads=1, head_dim=1, max_positions=1, dtype=torch.float32, device="cpu"
         ).kv.is_inference()
     # two sides, each with every layer's keys and values for 16 positions
@@ -581,7 +580,7 @@ def test_arena_past_returns_what_dynamic_cache_returns_and_never_writes_what_it_
     for _ in range(3):
         side = arena.side(cache)
         read = arena.kv[side].clone()
-        view = llm._StreamingAudioKVArenaPast(arena, side, cache.length)
+        view = sa.StreamingAudioKVArenaPast(arena, side, cache.length)
         assert view.get_seq_length() == llm._get_audio_cache_length(view) == cache.length
         for layer in range(LAYERS):
             k, v = torch.randn(2, 1, HEADS, 3, 2, generator=g)
@@ -615,10 +614,10 @@ def test_the_captured_forward_can_run_twice_with_the_same_result():
     session.encode(model, chunks[0])
     session.encode(model, chunks[1])
     cache = session.cache
-    arena = model._streaming_audio_arena(torch.device("cpu"))
+    arena = sa.streaming_audio_arena(model, torch.device("cpu"))
     arena.load(cache)
     chunk = chunks[2]
-    plan = model._streaming_audio_mask_plan(torch.device("cpu"), N, cache.length + N)
+    plan = sa.streaming_audio_mask_plan(model, torch.device("cpu"), N, cache.length + N)
     args = (arena, arena.side(cache), cache.length, N, plan, True, chunk.prefix_extra_frames, 2, None)
     model._encode_audio_streaming_graphed(torch.zeros_like(chunk.features), *args)  # the warm-up
     got = model._encode_audio_streaming_graphed(chunk.features, *args)
@@ -677,9 +676,9 @@ def test_grad_mode_bypasses_converts_the_cache_and_stays_eager_until_reset():
         kinds.append(type(model.audio_past_key_values).__name__)
     assert_bitwise(got, want, "grad bypass")
     # chunks 0-1 graphed, 2 eager under autograd (cache converted), 3..CYCLE-1 stay eager, then reset
-    assert kinds[:2] == ["_StreamingAudioKVCache"] * 2
+    assert kinds[:2] == ["StreamingAudioKVCache"] * 2
     assert kinds[2:CYCLE] == ["EncoderDecoderCache"] * (CYCLE - 2)
-    assert kinds[CYCLE:] == ["_StreamingAudioKVCache"] * 2
+    assert kinds[CYCLE:] == ["StreamingAudioKVCache"] * 2
     assert counting.calls == 4
 
 
@@ -687,21 +686,21 @@ def test_grad_mode_bypasses_converts_the_cache_and_stays_eager_until_reset():
 def test_training_fp16_autocast_and_long_chunks_take_the_eager_path():
     model = wired(tiny_model())
     mel = torch.zeros(1, 80, 24)
-    assert torch.is_grad_enabled() and not model._streaming_audio_graph_applies(mel, N)
+    assert torch.is_grad_enabled() and not sa.streaming_audio_graph_applies(model, mel, N)
     with torch.no_grad():
-        assert model._streaming_audio_graph_applies(mel, N)
-        assert model._streaming_audio_graph_applies(mel, POSITIONS)
-        assert not model._streaming_audio_graph_applies(mel, POSITIONS + 1)  # past the position table
+        assert sa.streaming_audio_graph_applies(model, mel, N)
+        assert sa.streaming_audio_graph_applies(model, mel, POSITIONS)
+        assert not sa.streaming_audio_graph_applies(model, mel, POSITIONS + 1)  # past the position table
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not model._streaming_audio_graph_applies(mel, N)
+            assert not sa.streaming_audio_graph_applies(model, mel, N)
         model.train()
-        assert not model._streaming_audio_graph_applies(mel, N)
+        assert not sa.streaming_audio_graph_applies(model, mel, N)
         model.eval()
         model.audio_past_key_values = llm.EncoderDecoderCache(llm.DynamicCache(), llm.DynamicCache())
-        assert not model._streaming_audio_graph_applies(mel, N)  # a cache the eager path made
+        assert not sa.streaming_audio_graph_applies(model, mel, N)  # a cache the eager path made
         model.audio_past_key_values = None
         model.apm.half()
-        assert not model._streaming_audio_graph_applies(mel, N)
+        assert not sa.streaming_audio_graph_applies(model, mel, N)
 
 
 @pytest.mark.cpu
@@ -730,7 +729,7 @@ def cuda_model():
 def fresh_adapter(model):
     """Rebuild the streaming adapter and its arenas so that a test starts without graphs."""
     ecg = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-    model._init_streaming_audio_graph(vllm_config(), ecg.EncoderCudaGraphOptions.from_hf_config(model.config))
+    sa.init_streaming_audio_graph(model, vllm_config(), ecg.EncoderCudaGraphOptions.from_hf_config(model.config))
     return model._streaming_audio_encoder_graph
 
 
@@ -818,7 +817,7 @@ def test_the_eager_sdpa_kernel_gives_the_same_bits_without_the_zero_mask_on_cuda
     device = torch.device("cuda", torch.accelerator.current_device_index())
     g = torch.Generator(device=device).manual_seed(0)
     for total in sorted({n + past for past in past_lengths(30)} | {200, 1000}):
-        plan = llm._zero_mask_plan("sdpa", lambda t=total: llm._eager_sdpa_choice(apm, device, n, t))
+        plan = sa.zero_mask_plan("sdpa", lambda t=total: sa.eager_sdpa_choice(apm, device, n, t))
         assert plan.drop_mask, f"SDPA picks {plan.sdpa_backend} for {total} keys: the mask is kept"
         q = torch.randn(1, heads, n, head_dim, device=device, generator=g, dtype=torch.bfloat16)
         k, v = torch.randn(2, 1, heads, total, head_dim, device=device, generator=g, dtype=torch.bfloat16)

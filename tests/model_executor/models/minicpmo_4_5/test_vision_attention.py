@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
+sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
 if not hasattr(llm, "SiglipSdpaAttention"):
     pytest.fail(f"{llm.__file__} lacks SigLIP's SDPA attention (SiglipSdpaAttention)", pytrace=False)
@@ -40,30 +42,36 @@ def siglip_config(attn: str, **sizes):
 
 
 def test_default_is_sdpa_and_every_choice_resolves(monkeypatch):
-    monkeypatch.setattr(llm, "is_flash_attn_2_available", lambda: True)
-    assert llm.vision_attn_implementation(SimpleNamespace()) == "sdpa"
+    monkeypatch.setattr(sa, "is_flash_attn_2_available", lambda: True)
+    assert sa.vision_attn_implementation(SimpleNamespace()) == "sdpa"
     for value in ("sdpa", "eager", "flash_attention_2"):
-        assert llm.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value)) == value
+        assert sa.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value)) == value
 
 
 @pytest.mark.parametrize("value", ["SDPA", "flash_attention_3", "flex_attention", "", None, True, 1])
 def test_bad_value_names_the_key_the_value_and_the_choices(value):
-    with pytest.raises(adapter_mod.HfOverridesError) as info:
-        llm.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value))
-    (problem,) = info.value.problems
-    assert problem.startswith("vision_attn_implementation=")
+    """siglip_attention.py validates its key itself (the SDPA fix needs no other module of the set)."""
+    problem = sa.vision_attn_problem(value)
+    assert problem.startswith(f"vision_attn_implementation={json.dumps(value)}: got ")
     assert problem.endswith('expected one of "sdpa", "eager", "flash_attention_2"')
+    with pytest.raises(ValueError) as info:
+        sa.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value))
+    assert str(info.value) == f"invalid --hf-overrides for MiniCPM-o 4.5: {problem}"
+    # the adapter's option registry reports the key the same way, with the project's other keys
+    with pytest.raises(adapter_mod.HfOverridesError) as combined:
+        adapter_mod.read_hf_overrides(SimpleNamespace(vision_attn_implementation=value))
+    assert combined.value.problems == [problem]
 
 
 def test_flash_attention_2_needs_the_package(monkeypatch):
     hf_config = SimpleNamespace(vision_attn_implementation="flash_attention_2")
-    monkeypatch.setattr(llm, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(sa, "is_flash_attn_2_available", lambda: False)
     with pytest.raises(
         ValueError, match='vision_attn_implementation="flash_attention_2" needs the flash-attn 2'
     ):
-        llm.vision_attn_implementation(hf_config)
-    monkeypatch.setattr(llm, "is_flash_attn_2_available", lambda: True)
-    assert llm.vision_attn_implementation(hf_config) == "flash_attention_2"
+        sa.vision_attn_implementation(hf_config)
+    monkeypatch.setattr(sa, "is_flash_attn_2_available", lambda: True)
+    assert sa.vision_attn_implementation(hf_config) == "flash_attention_2"
 
 
 class _StopError(Exception):
@@ -94,7 +102,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
     model_config = SimpleNamespace(
         hf_config=config, multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda modality: 1)
     )
-    records = log_records(llm.logger)
+    records = log_records(sa.logger)
     with pytest.raises(_StopError):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(vllm_config=SimpleNamespace(model_config=model_config))
     (vpm,) = built
@@ -107,7 +115,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
 
 
 def test_unavailable_flash_attention_2_fails_construction_before_anything_heavy(monkeypatch):
-    monkeypatch.setattr(llm, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(sa, "is_flash_attn_2_available", lambda: False)
     hf_config = SimpleNamespace(vision_attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="vision_attn_implementation"):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(

@@ -31,12 +31,10 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 
-if not hasattr(llm.SiglipVisionEmbeddings, "position_ids_from_tgt_sizes"):
-    pytest.fail(
-        f"{llm.__file__} lacks the image path without host reads "
-        "(SiglipVisionEmbeddings.position_ids_from_tgt_sizes)",
-        pytrace=False,
-    )
+if getattr(llm, "vision_path", None) is None:
+    pytest.fail(f"{llm.__file__} lacks the image path without host reads (vision_path)", pytrace=False)
+vision_path = llm.vision_path
+siglip_attention = llm.siglip_attention
 
 MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 PATCH = 14
@@ -131,7 +129,7 @@ def pristine():
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    assert not hasattr(module.SiglipVisionEmbeddings, "position_ids_from_tgt_sizes")
+    assert not hasattr(module, "vision_path")
     yield module
     sys.modules.pop(name, None)
 
@@ -196,7 +194,7 @@ def test_bucket_table_matches_the_host_mapping_for_every_side(single_thread, all
         sides = range(start, min(start + 256, max_side + 1))
         for grids in ([(s, 1) for s in sides], [(1, s) for s in sides]):
             n = max(sides)
-            got = embeddings.position_ids_from_tgt_sizes(torch.tensor(grids), n)
+            got = vision_path.position_ids_from_tgt_sizes(embeddings, torch.tensor(grids), n)
             assert torch.equal(got, host_position_ids(embeddings, grids, n)), (start, grids[0])
 
 
@@ -209,7 +207,7 @@ def test_position_ids_match_the_host_mapping_for_every_slicer_grid(single_thread
         n = max(h * w for h, w in batch)
         want = host_position_ids(embeddings, batch, n)
         for tgt_sizes in (torch.tensor(batch, dtype=torch.int32), torch.tensor(batch, dtype=torch.int64)):
-            got = embeddings.position_ids_from_tgt_sizes(tgt_sizes, n)
+            got = vision_path.position_ids_from_tgt_sizes(embeddings, tgt_sizes, n)
             assert got.dtype == torch.int64 and torch.equal(got, want), batch[0]
 
 
@@ -222,7 +220,7 @@ def test_position_ids_where_a_division_formula_rounds_differently():
         grids = [(side, 1), (1, side), (side, 7)]
         n = 7 * side
         want = host_position_ids(embeddings, grids, n)
-        assert torch.equal(embeddings.position_ids_from_tgt_sizes(torch.tensor(grids), n), want)
+        assert torch.equal(vision_path.position_ids_from_tgt_sizes(embeddings, torch.tensor(grids), n), want)
         divided = torch.bucketize(torch.arange(side) / side, boundaries, right=True)
         assert not torch.equal(divided, want[0, :side] // SIDE), side
 
@@ -230,10 +228,10 @@ def test_position_ids_where_a_division_formula_rounds_differently():
 def test_bucket_table_grows_and_keeps_the_replaced_table():
     embeddings = llm.SiglipVisionEmbeddings(siglip_config(llm, "eager"))
     cpu = torch.device("cpu")
-    small = embeddings.position_bucket_table(100, cpu)
+    small = vision_path.position_bucket_table(embeddings, 100, cpu)
     assert small.dtype == torch.int16 and small.numel() == 256 * 257 // 2
-    assert embeddings.position_bucket_table(256, cpu) is small  # no rebuild within the rows held
-    large = embeddings.position_bucket_table(300, cpu)
+    assert vision_path.position_bucket_table(embeddings, 256, cpu) is small  # no rebuild within the rows held
+    large = vision_path.position_bucket_table(embeddings, 300, cpu)
     assert large.numel() == 512 * 513 // 2 and torch.equal(large[: small.numel()], small)
     assert any(t is small for t in embeddings._bucket_tables._replaced)  # graphs may still read it
 
@@ -242,7 +240,7 @@ def test_bucket_table_grows_and_keeps_the_replaced_table():
 def test_resampler_rows_rebuild_the_2d_sincos_cache_bitwise(embed_dim, cache):
     resampler = llm.Resampler(num_queries=4, embed_dim=embed_dim, num_heads=2, kv_dim=64, adaptive=True)
     want = torch.from_numpy(llm.get_2d_sincos_pos_embed(embed_dim, cache)).float()
-    rows = resampler._pos_embed_rows(max(cache))
+    rows = vision_path.pos_embed_rows(resampler, max(cache))
     assert rows.shape == (max(cache) + 1, embed_dim // 2) and float(rows[-1].abs().max()) == 0.0
     r, c = torch.meshgrid(torch.arange(cache[0]), torch.arange(cache[1]), indexing="ij")
     assert torch.equal(torch.cat((rows[c], rows[r]), dim=-1), want)
@@ -411,16 +409,16 @@ def test_layout_changes_no_bit_of_the_encoder_output(attn, grids):
     model = vision_model(llm, attn, dtype=torch.bfloat16)
     data = vision_data(grids, dtype=torch.bfloat16)
     vpm = model.vpm
-    pixels, padded = llm._pad_vision_slices(data["pixel_values"])
+    pixels, padded = vision_path.pad_vision_slices(data["pixel_values"])
     tgt_sizes = data["tgt_sizes"]
     num_patches = pixels.shape[-1] // PATCH
     valid = padded_valid([h * w for h, w in grids], num_patches) if padded else None
     with torch.no_grad():
-        got = vpm.encode_packed_slices(pixels, tgt_sizes, valid)
+        got = vision_path.encode_packed_slices(vpm, pixels, tgt_sizes, valid)
         embeddings = vpm.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
-        position_ids = vpm.embeddings.position_ids_from_tgt_sizes(tgt_sizes, num_patches)
+        position_ids = vision_path.position_ids_from_tgt_sizes(vpm.embeddings, tgt_sizes, num_patches)
         transposed = embeddings + vpm.embeddings.position_embedding(position_ids)  # the former sum
-        mask = None if valid is None else vpm._encoder_attention_mask(valid, transposed.dtype)
+        mask = None if valid is None else siglip_attention.encoder_attention_mask(valid, transposed.dtype, False)
         want = vpm._encode_last_hidden_state(transposed, mask)
     assert not transposed.is_contiguous()  # the layout the former code ran the encoder in
     assert torch.equal(got, want)

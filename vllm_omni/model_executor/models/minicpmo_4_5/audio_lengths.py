@@ -9,9 +9,10 @@ is done. These helpers keep the lengths on the host instead:
 
 - the stateless call (``get_audio_hidden_states``) gets ``audio_feature_lens`` on the host
   (the model's multimodal field config keeps it on the CPU, as vLLM does for other models'
-  per-item sizes); :func:`host_values` reads them there, :func:`pooled_lengths` turns them into
-  embedding counts with Python integers, and :func:`to_device` copies them to the device
-  without waiting, for the attention mask built there;
+  per-item sizes); :func:`host_values` reads them there, :func:`mask_lengths` copies them to the
+  device without waiting, for the attention mask built there, and :func:`embedding_counts`
+  turns them into embedding counts with Python integers (:func:`pooled_lengths`). Lengths a
+  caller passes on the device are still read (nothing else tells the counts);
 - the streaming (duplex) chunk call (``get_audio_embedding_streaming``) takes its embedding
   count from the encoder output's shape (:func:`streaming_embedding_count`).
 """
@@ -19,10 +20,18 @@ is done. These helpers keep the lengths on the host instead:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["host_values", "pooled_lengths", "streaming_embedding_count", "to_device"]
+__all__ = [
+    "embedding_counts",
+    "host_values",
+    "mask_lengths",
+    "pooled_lengths",
+    "streaming_embedding_count",
+    "to_device",
+]
 
 
 def host_values(lengths: Sequence[torch.Tensor] | torch.Tensor) -> list[int] | None:
@@ -62,7 +71,24 @@ def to_device(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
     return lengths.pin_memory().to(device, non_blocking=True)
 
 
-def streaming_embedding_count(embeds: torch.Tensor, host_frames: Sequence[int] | None, pool_step: int) -> int:
+def mask_lengths(lengths: torch.Tensor, host: list[int] | None, device: torch.device) -> torch.Tensor:
+    """``lengths`` (``torch.hstack`` of ``audio_feature_lens``) where the attention mask is built:
+    on ``device`` (a queued copy, :func:`to_device`) when they came on the host (``host`` is
+    :func:`host_values`' result), else where they are (the mask is built on their device)."""
+    return lengths if host is None else to_device(lengths, device)
+
+
+def embedding_counts(model: Any, lengths: torch.Tensor, host: list[int] | None) -> list[int] | torch.Tensor:
+    """Each clip chunk's embedding count: Python integers from ``host`` (nothing is read), else
+    ``model._get_feat_extract_output_lengths(lengths)``'s (a tensor the caller reads)."""
+    if host is not None:
+        return pooled_lengths(host, model.config.audio_pool_step)
+    return model._get_feat_extract_output_lengths(lengths)[1]
+
+
+def streaming_embedding_count(
+    embeds: torch.Tensor, lengths: Sequence[torch.Tensor] | torch.Tensor, pool_step: int
+) -> int:
     """Embeddings of one streaming (duplex) chunk: every one the encoder produced.
 
     A streaming chunk is one unpadded clip: the encoder attends to and caches every frame it is
@@ -72,8 +98,7 @@ def streaming_embedding_count(embeds: torch.Tensor, host_frames: Sequence[int] |
 
     Args:
         embeds: the encoder output ``(1, n, embed_dim)``.
-        host_frames: the chunk's ``audio_feature_lens`` when they are on the host (checked),
-            else None.
+        lengths: the chunk's ``audio_feature_lens``; checked when on the host, else not read.
         pool_step: the model's ``audio_pool_step``.
 
     Raises:
@@ -81,11 +106,12 @@ def streaming_embedding_count(embeds: torch.Tensor, host_frames: Sequence[int] |
             would be in the session's KV cache).
     """
     count = int(embeds.shape[1])
+    host_frames = host_values(lengths)
     if host_frames is not None:
         short = [n for n in pooled_lengths(host_frames, pool_step) if n < count]
         if short:
             raise ValueError(
-                f"streaming audio chunk with audio_feature_lens {list(host_frames)} shorter than its "
+                f"streaming audio chunk with audio_feature_lens {host_frames} shorter than its "
                 f"{count} encoder embeddings: a streaming chunk must not be padded (every frame it "
                 "carries goes into the session's Whisper KV cache)"
             )

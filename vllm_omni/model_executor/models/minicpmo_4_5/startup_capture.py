@@ -9,7 +9,7 @@ session's audio as 1 s chunks (the first with no left context, the later ones wi
 until the position table's rows are reached and the cache resets; and a camera frame is one
 448x448 slice. :func:`capture_at_startup` walks one synthetic session through the model's own
 call path (``get_audio_embedding_streaming``, then ``get_vision_hidden_states`` for one frame)
-with the adapters' calls turned into :meth:`EncoderCudaGraph.capture_now`, so every graph has
+with the adapters' calls turned into :func:`~.encoder_cuda_graph.capture_now`, so every graph has
 exactly the key a real session's call will have (shapes, dtypes, static arguments, replay
 stream), and the session's first chunks are replays.
 
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from .encoder_cuda_graph import EncoderCudaGraph, EncoderCudaGraphOptions
+from .encoder_cuda_graph import EncoderCudaGraph, EncoderCudaGraphOptions, capture_now
 
 logger = init_logger(__name__)
 
@@ -150,7 +150,7 @@ class _CaptureNow:
                     f"{free} bytes free on {device}, below encoder_cuda_graph_min_free_bytes={self.floor}"
                 )
                 return adapter.forward(*inputs)
-        out, outcome = adapter.capture_now(*inputs)
+        out, outcome = capture_now(adapter, *inputs)
         if outcome == "captured":
             self.report.graphs[self.name] = self.report.graphs.get(self.name, 0) + 1
         elif outcome != "present":

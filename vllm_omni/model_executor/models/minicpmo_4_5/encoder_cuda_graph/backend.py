@@ -1,0 +1,415 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The seam between policy and the device, and the CUDA backend behind it.
+
+:class:`EncoderGraphBackend` is everything the adapter needs from a device
+(eligible device, replay stream id, free bytes, eager-call measurement, capture
+with its bytes); :class:`CudaGraphBackend` implements it with vLLM's
+``EncoderCudaGraphManager``, graph pools and capture streams, CUDA events and
+the caching allocator's counters, and cleans up after a failed capture.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import vllm_omni.platforms as omni_platforms
+
+from .admission import EagerCallSample
+from .shapes import ExactShapeEncoder
+
+__all__ = [
+    "CAPTURE_ERROR_MODE",
+    "CapturedGraph",
+    "CudaGraphBackend",
+    "EagerMeasurement",
+    "EncoderGraphBackend",
+    "ReplayableGraph",
+]
+
+#: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
+#: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
+#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (design
+#: doc, "Capturing inside a live worker"). Needs vLLM's capture_error_mode (checked at construction).
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+class ReplayableGraph(Protocol):
+    """What a backend's capture returns (vLLM's ``EncoderCudaGraphManager`` is one).
+
+    ``execute({"0": tensor, ...})`` copies the inputs into the graph's static
+    buffers, replays, and returns ``[fresh output tensor]``; ``graph_hits`` and
+    ``graph_misses`` are its own counters (summed into the adapter's stats).
+    """
+
+    graph_hits: int
+    graph_misses: int
+
+    def execute(self, mm_kwargs: dict[str, Any]) -> list[torch.Tensor]: ...
+
+
+class EagerMeasurement(Protocol):
+    """One measured eager call, returned by :meth:`EncoderGraphBackend.measure_eager`.
+
+    ``host_ms`` and ``peak_bytes`` are known when the call returns; ``sample()``
+    is read back later without blocking (None until the device has finished the
+    call), and then stays the same.
+    """
+
+    host_ms: float
+    #: peak allocation during the call minus the allocation before it (bytes)
+    peak_bytes: int
+
+    def sample(self) -> EagerCallSample | None: ...
+
+
+class CapturedGraph(NamedTuple):
+    """What :meth:`EncoderGraphBackend.capture` returns."""
+
+    graph: ReplayableGraph
+    #: the pool the graph lives in (passed back to share it)
+    pool: Any
+    #: growth of the graph pool's reserved memory during this capture (bytes)
+    pool_bytes: int
+    #: static input buffers + output buffer, allocated outside the pool (bytes)
+    static_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.static_bytes
+
+
+class EncoderGraphBackend(Protocol):
+    """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else.
+
+    :class:`CudaGraphBackend` is the real one. A dry run on a machine without
+    CUDA implements these methods (e.g. CPU tensors eligible, a constant
+    stream handle, a large free-bytes reading, measurements with fixed times, a
+    capture whose ``execute`` runs ``encoder.encoder_eager_forward``) to
+    exercise the adapter's real policy, keys, stats and logs.
+    """
+
+    def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
+        """The single device of the tensors in ``inputs`` if this backend can graph the call, else None.
+
+        ``inputs`` are the call's positional inputs: tensors, None and static
+        arguments; only the tensors count (a call without any is not eligible).
+        Called only with autograd disabled (the adapter checks that first).
+        """
+        ...
+
+    def replay_stream(self, device: torch.device) -> Hashable:
+        """Handle of the stream this call runs (and a graph would replay) on; part of the key."""
+        ...
+
+    def free_bytes(self, device: torch.device) -> int:
+        """Free memory of ``device`` in bytes, for the memory floor."""
+        ...
+
+    def measure_eager(
+        self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
+    ) -> tuple[torch.Tensor, EagerMeasurement]:
+        """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
+
+        ``call`` takes no arguments: it closes over the call's inputs, static
+        arguments included, so a backend measures a call with static arguments
+        like any other.
+
+        Args:
+            hold_ms: 0 measures the call as it runs (its sample has ``gpu_ms``; a
+                backend that can also tell the GPU's busy time gives ``busy_ms``).
+                > 0: hold the call's stream about this long (GPU ms) before the
+                call, and report the GPU time after the hold as ``busy_ms`` and the
+                hold as ``hold_ms`` (``gpu_ms`` None); see :class:`EagerCallSample`.
+
+        Returns:
+            ``(output, measurement)``.
+        """
+        ...
+
+    def capture(
+        self, encoder: ExactShapeEncoder, vllm_config: Any, device: torch.device, pool: Any | None
+    ) -> CapturedGraph:
+        """Capture ``encoder`` for its one shape on ``device`` and measure the bytes it holds.
+
+        Args:
+            pool: an opaque pool this backend returned from an earlier capture
+                (the adapter passes it back to share it), or None for a new one.
+
+        Raises:
+            whatever the capture raised; the adapter then applies its fatal contract.
+        """
+        ...
+
+
+def _manager_config(vllm_config: Any, tokens: int) -> Any:
+    """A shallow copy of the engine config for a one-budget, batch-of-one manager."""
+    config = copy.copy(vllm_config)
+    compilation = copy.copy(config.compilation_config)
+    compilation.encoder_cudagraph_token_budgets = [tokens]
+    compilation.encoder_cudagraph_max_vision_items_per_batch = 1
+    compilation.encoder_cudagraph_max_frames_per_batch = 0
+    parallel = copy.copy(config.parallel_config)
+    parallel.tensor_parallel_size = 1  # no manager-side DP sharding of a single item
+    object.__setattr__(config, "compilation_config", compilation)
+    object.__setattr__(config, "parallel_config", parallel)
+    return config
+
+
+class _CudaEagerMeasurement:
+    """Events recorded around one eager call on its stream; read back with a non-blocking query.
+
+    ``held`` is the event recorded after the hold's spin kernel (None for an unheld call);
+    ``on_hold(ms)`` receives the hold's measured length once read back.
+    """
+
+    __slots__ = ("_end", "_held", "_on_hold", "_sample", "_start", "host_ms", "peak_bytes")
+
+    def __init__(
+        self,
+        start: Any,
+        held: Any | None,
+        end: Any,
+        host_ms: float,
+        peak_bytes: int,
+        on_hold: Callable[[float], None] | None = None,
+    ) -> None:
+        self._start, self._held, self._end, self._on_hold = start, held, end, on_hold
+        self.host_ms = host_ms
+        self.peak_bytes = peak_bytes
+        self._sample: EagerCallSample | None = None
+
+    def sample(self) -> EagerCallSample | None:
+        if self._sample is None and self._end.query():  # cudaEventQuery: never blocks
+            if self._held is None:
+                self._sample = EagerCallSample(self.host_ms, self._start.elapsed_time(self._end))
+            else:
+                hold = self._start.elapsed_time(self._held)
+                busy = self._held.elapsed_time(self._end)
+                self._sample = EagerCallSample(self.host_ms, None, busy_ms=busy, hold_ms=hold)
+                if self._on_hold is not None:
+                    self._on_hold(hold)
+            self._start = self._held = self._end = self._on_hold = None
+        return self._sample
+
+
+class _SpinClock:
+    """How many cycles of ``torch.cuda._sleep`` make one GPU millisecond, per device index.
+
+    ``torch.cuda._sleep(cycles)`` runs a one-thread kernel that spins on the SM
+    clock (``clock64``). The first hold on a device assumes its SM clock rate
+    (``nominal(device)``: the device properties' ``clock_rate`` in kHz, which is
+    cycles per ms; :attr:`DEFAULT_CYCLES_PER_MS` where a torch build does not
+    report it); each held call's events then give the actual rate (cycles /
+    measured hold), and later holds use the mean of the last
+    :attr:`WINDOW`. A hold longer than asked costs that one call some latency;
+    a shorter one only makes the busy time look larger (a more conservative
+    verdict), so an uncalibrated clock is safe.
+
+    Args:
+        nominal: ``nominal(device) -> cycles per ms`` before any calibration.
+    """
+
+    #: cycles per ms assumed when the device reports no clock rate (2 GHz)
+    DEFAULT_CYCLES_PER_MS = 2.0e6
+    WINDOW = 4
+
+    def __init__(self, nominal: Callable[[torch.device], float] | None = None) -> None:
+        self._nominal = nominal if nominal is not None else _nominal_cycles_per_ms
+        self._rates: dict[int | None, deque[float]] = {}
+
+    def cycles_per_ms(self, device: torch.device) -> float:
+        rates = self._rates.get(device.index)
+        return sum(rates) / len(rates) if rates else self._nominal(device)
+
+    def cycles(self, device: torch.device, hold_ms: float) -> int:
+        """Cycles for a hold of ``hold_ms`` GPU ms on ``device`` (at least 1)."""
+        return max(1, round(hold_ms * self.cycles_per_ms(device)))
+
+    def calibrate(self, index: int | None, cycles: int, held_ms: float) -> None:
+        """A hold of ``cycles`` on device ``index`` measured ``held_ms``: refine that device's rate."""
+        if held_ms > 0:
+            self._rates.setdefault(index, deque(maxlen=self.WINDOW)).append(cycles / held_ms)
+
+
+def _spin_kernel(cycles: int) -> None:
+    """``torch.cuda._sleep(cycles)`` on the current stream; nothing where a torch build lacks it
+    (the hold is then about 0 ms, which the events show: the verdict stays conservative)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(cycles)
+
+
+def _nominal_cycles_per_ms(device: torch.device) -> float:
+    """The device's SM clock in cycles per ms (``clock_rate``, kHz), or the default when not reported."""
+    rate = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+    return float(rate) if rate and rate > 0 else _SpinClock.DEFAULT_CYCLES_PER_MS
+
+
+@dataclass
+class _CudaPool:
+    """A graph pool, its capture stream, and the bytes its segments reserve."""
+
+    handle: Any
+    stream: torch.cuda.Stream
+    reserved_bytes: int = 0
+
+
+def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
+    """Bytes reserved by the caching allocator's segments of graph pool ``handle`` (None: unknown).
+
+    ``torch.cuda.memory_snapshot`` walks the allocator's segments on the host
+    (no device sync); segments carry ``segment_pool_id``.
+    """
+    try:
+        segments = torch.cuda.memory_snapshot(mempool_id=handle, include_traces=False)
+    except TypeError:  # a torch without per-pool snapshots
+        segments = torch.cuda.memory_snapshot()
+    if segments and not all("segment_pool_id" in seg for seg in segments):
+        return None
+    return sum(
+        int(seg["total_size"])
+        for seg in segments
+        if tuple(seg["segment_pool_id"]) == tuple(handle) and seg.get("device", device.index) == device.index
+    )
+
+
+class CudaGraphBackend:
+    """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
+
+    - eligible: at least one tensor input, every tensor input on one CUDA
+      device (None and static arguments are skipped), CUDA autocast off, and
+      the current stream not being captured by someone else (both read through
+      torch's C functions directly);
+    - replay stream: the id of ``torch.cuda.current_stream(device)``, read
+      without building a ``Stream`` object (``torch.cuda.current_stream``'s own
+      building block), which saves about 3 us per call;
+    - free bytes: vllm-omni's ``current_omni_platform.get_free_memory(device)``
+      (``cudaMemGetInfo`` on CUDA);
+    - measure: CUDA timing events recorded on the call's stream right before
+      and after the eager call (read back later by ``cudaEventQuery``, never
+      synchronising), the host's ``perf_counter`` around it, and the caching
+      allocator's peak (``torch.accelerator.reset_peak_memory_stats`` before
+      the call, ``max_memory_allocated`` after it, both host-side counters;
+      this resets the device's peak statistics, as vLLM's own
+      ``get_current_memory_usage`` does). A held measurement also runs
+      ``torch.cuda._sleep`` on the call's stream between the first event and
+      a third one, sized by a per-device spin clock (:class:`_SpinClock`) that
+      each held call's events calibrate;
+    - capture: one manager per shape, built from a shallow copy of the engine
+      config (one token budget, one item, TP 1; the engine's config is never
+      mutated), captured with ``manager.capture(graph_pool=...)`` on a capture
+      stream that first waits for the replay stream (so a late capture into a
+      shared pool starts after earlier replays and their output clones) and
+      that the replay stream then waits for. A pool is a graph pool handle
+      (``torch.cuda.graph_pool_handle()``) with its capture stream. Bytes: the
+      pool's reserved segments after the capture minus before it (allocator
+      snapshot of that pool; ``memory_reserved`` growth if the snapshot does
+      not name pools), plus the static input and output buffers.
+    """
+
+    def __init__(self) -> None:
+        self._spin = _SpinClock()
+
+    def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
+        device = None
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                continue  # None or a static argument
+            if not x.is_cuda:
+                return None
+            if device is None:
+                device = x.device
+            elif x.device != device:
+                return None
+        # torch.is_autocast_enabled() without a device type is CUDA's (torch's own overload, no
+        # string to parse); the capturing check is torch.cuda.is_current_stream_capturing's C call
+        if device is None or torch.is_autocast_enabled() or _stream_capturing():
+            return None
+        return device
+
+    def replay_stream(self, device: torch.device) -> int:
+        # torch.cuda.current_stream(device).stream_id without constructing a Stream
+        return torch._C._cuda_getCurrentStream(device.index)[0]
+
+    def free_bytes(self, device: torch.device) -> int:
+        return omni_platforms.current_omni_platform.get_free_memory(device)
+
+    def measure_eager(
+        self, device: torch.device, call: Callable[[], torch.Tensor], hold_ms: float = 0.0
+    ) -> tuple[torch.Tensor, EagerMeasurement]:
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.accelerator.reset_peak_memory_stats(device)
+        allocated = torch.accelerator.memory_allocated(device)
+        start.record(stream)
+        held = on_hold = None
+        if hold_ms > 0:
+            cycles = self._spin.cycles(device, hold_ms)
+            with torch.accelerator.device_index(device.index):  # _sleep uses the current device
+                _spin_kernel(cycles)
+            held = torch.cuda.Event(enable_timing=True)
+            held.record(stream)
+            on_hold = functools.partial(self._spin.calibrate, device.index, cycles)
+        t0 = time.perf_counter()
+        out = call()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record(stream)
+        peak = torch.accelerator.max_memory_allocated(device) - allocated
+        return out, _CudaEagerMeasurement(start, held, end, host_ms, peak, on_hold)
+
+    def capture(
+        self, encoder: ExactShapeEncoder, vllm_config: Any, device: torch.device, pool: Any | None
+    ) -> CapturedGraph:
+        from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+        replay_stream = torch.cuda.current_stream(device)
+        if pool is None:
+            with torch.accelerator.device_index(device.index):
+                pool = _CudaPool(torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
+        reserved = torch.accelerator.memory_reserved(device)
+        manager = EncoderCudaGraphManager(
+            _manager_config(vllm_config, encoder.tokens),
+            device,
+            encoder.dtype,
+            encoder,
+            capture_error_mode=CAPTURE_ERROR_MODE,
+        )
+        pool.stream.wait_stream(replay_stream)
+        with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
+            manager.capture(graph_pool=pool.handle)
+        replay_stream.wait_stream(pool.stream)
+        pool_now = _pool_reserved_bytes(device, pool.handle)
+        if pool_now is None:  # segments do not name their pool: everything reserved meanwhile
+            growth = torch.accelerator.memory_reserved(device) - reserved
+        else:
+            growth, pool.reserved_bytes = pool_now - pool.reserved_bytes, pool_now
+        return CapturedGraph(manager, pool, max(0, growth), encoder.static_bytes)
+
+
+#: ``torch.cuda.is_current_stream_capturing``'s C function (torch defines a stand-in on builds without
+#: CUDA), called without the Python wrapper around it.
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
+
+
+def _require_capture_error_mode() -> None:
+    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
+    from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
+
+    if "capture_error_mode" not in inspect.signature(EncoderCudaGraphManager).parameters:
+        raise RuntimeError(
+            "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs "
+            "would be captured in global mode, which a CUDA call of any other thread breaks: use a vLLM "
+            "whose EncoderCudaGraphManager takes capture_error_mode (the vLLM change 'encoder_cudagraph: "
+            "let the caller choose the capture error mode of encoder graphs'), or run the encoders "
+            "eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
+        )

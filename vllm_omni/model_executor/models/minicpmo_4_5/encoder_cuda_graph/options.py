@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+"""This project's ``--hf-overrides`` keys and the adapter's options, validated; pure Python.
+
+:data:`HF_OVERRIDE_KEYS` holds one :class:`HfOverrideKey` entry per key (kind,
+default, range, doc); :func:`read_hf_overrides` validates them all (and rejects
+unknown look-alikes) in one :class:`HfOverridesError`;
+:class:`EncoderCudaGraphOptions` is the adapter's view of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+__all__ = [
+    "HF_OVERRIDE_KEYS",
+    "EncoderCudaGraphOptions",
+    "HfOverrideKey",
+    "HfOverridesError",
+    "OptionKind",
+    "read_hf_overrides",
+]
+
+OptionKind = Literal["bool", "int", "number", "choice"]
+
+_JSON_TYPE_NAMES = {
+    bool: "a boolean",
+    str: "a string",
+    int: "an integer",
+    float: "a float",
+    type(None): "null",
+}
+
+
+def _as_json(value: Any) -> str:
+    """``value`` as the user wrote it in the ``--hf-overrides`` JSON (repr when not JSON)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return _JSON_TYPE_NAMES.get(type(value), f"a {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class HfOverrideKey:
+    """One ``--hf-overrides`` key of this project.
+
+    Attributes:
+        name: the JSON key, e.g. ``"encoder_cuda_graph_max_graphs"``.
+        kind: ``"bool"`` (a JSON boolean), ``"int"`` (an integer >= ``minimum``;
+            ``true``/``false`` and floats are rejected), ``"number"`` (a finite
+            integer or float >= ``minimum``) or ``"choice"`` (one of ``choices``).
+        default: the value in force when the key is absent.
+        doc: one line for the option tables.
+        minimum: lower bound of ``"int"`` and ``"number"`` keys.
+        choices: allowed strings of a ``"choice"`` key.
+    """
+
+    name: str
+    kind: OptionKind
+    default: Any
+    doc: str
+    minimum: float = 0
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.check(self.default) is not None:
+            raise ValueError(f"registry entry {self.name}: default {self.default!r} is not {self.allowed}")
+
+    @property
+    def allowed(self) -> str:
+        """What the key accepts, in words (used in error messages and docs)."""
+        if self.kind == "bool":
+            return "a JSON boolean (true or false)"
+        if self.kind == "int":
+            return f"an integer >= {self.minimum:g}"
+        if self.kind == "number":
+            return f"a number >= {self.minimum:g}"
+        return "one of " + ", ".join(json.dumps(c) for c in self.choices)
+
+    def _accepts(self, value: Any) -> bool:
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "choice":
+            return isinstance(value, str) and value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind == "int" and not isinstance(value, int):
+            return False
+        return math.isfinite(value) and value >= self.minimum
+
+    def check(self, value: Any) -> str | None:
+        """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``."""
+        if self._accepts(value):
+            return None
+        return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self.allowed}"
+
+
+def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
+    return {key.name: key for key in keys}
+
+
+#: Every ``--hf-overrides`` key this project reads, by name. Adding a key is one
+#: entry here (register only keys whose behaviour exists); its consumer reads the
+#: validated value from :func:`read_hf_overrides`.
+HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
+    HfOverrideKey(
+        name="encoder_cuda_graph",
+        kind="bool",
+        default=True,
+        doc="build the encoder graph adapters at all (--enforce-eager always disables them)",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_max_graphs",
+        kind="int",
+        minimum=0,
+        default=4,
+        doc="graphs kept per encoder, never evicted; 0 disables capture",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_min_capture_calls",
+        kind="int",
+        minimum=2,
+        default=2,
+        doc="calls with the same input shapes, dtype, device and stream before a capture may happen",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_min_free_bytes",
+        kind="int",
+        minimum=0,
+        default=1 << 30,
+        doc="defer a capture while the device has less free memory (bytes); 0 disables",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_share_pools",
+        kind="bool",
+        default=True,
+        doc="one graph pool + capture stream per (encoder, device, replay stream); false = one per graph",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_admission",
+        kind="choice",
+        choices=("cost", "count"),
+        default="cost",
+        doc='vision and stateless audio encoders: "cost" captures a shape only when its measured saving '
+        'pays for capture and memory, "count" every shape seen min_capture_calls times '
+        '(streaming audio chunks always use "count")',
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_max_bytes",
+        kind="int",
+        minimum=0,
+        default=0,
+        doc="device memory the graphs of one encoder may hold (bytes); a capture that would pass it "
+        "is deferred; 0 = no limit",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_log_interval_s",
+        kind="number",
+        minimum=0,
+        default=60.0,
+        doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_streaming_audio",
+        kind="bool",
+        default=True,
+        doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
+        'cap max_graphs x 30 KV past lengths; admission "count"',
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_startup_capture",
+        kind="bool",
+        default=True,
+        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
+        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
+        "before serving; false = capture them lazily, as sessions reach them",
+    ),
+    HfOverrideKey(
+        name="vision_attn_implementation",
+        kind="choice",
+        choices=("sdpa", "eager", "flash_attention_2"),
+        default="sdpa",
+        doc='SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
+        'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)',
+    ),
+)
+
+#: Unregistered keys starting with one of these are always reported as unknown.
+_PROJECT_PREFIXES = ("encoder_cuda_graph",)
+_NEAR_MISS_CUTOFF = 0.8
+_MIN_TRUNCATED_KEY = 10
+
+
+class HfOverridesError(ValueError):
+    """One or more bad ``--hf-overrides`` keys of this project; ``problems`` lists each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        count = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        super().__init__(
+            f"invalid --hf-overrides for MiniCPM-o 4.5 ({count}):\n  " + "\n  ".join(self.problems)
+        )
+
+
+def _closest_key(name: str) -> str | None:
+    """The registered key ``name`` looks like a misspelling or truncation of, if any."""
+    name = name.lower()
+    match = difflib.get_close_matches(name, list(HF_OVERRIDE_KEYS), n=1, cutoff=_NEAR_MISS_CUTOFF)
+    if match:
+        return match[0]
+    if len(name) >= _MIN_TRUNCATED_KEY:
+        return next((key for key in HF_OVERRIDE_KEYS if key.startswith(name)), None)
+    return None
+
+
+def _unknown_key_problems(hf_config: Any) -> list[str]:
+    """Unregistered attributes of ``hf_config`` that carry a project prefix or look like a key."""
+    problems = []
+    for name, value in getattr(hf_config, "__dict__", {}).items():
+        if name in HF_OVERRIDE_KEYS or hasattr(type(hf_config), name):
+            continue
+        closest = _closest_key(name)
+        if closest is None and not name.lower().startswith(_PROJECT_PREFIXES):
+            continue
+        hint = f"did you mean {closest}?" if closest else "valid keys: " + ", ".join(HF_OVERRIDE_KEYS)
+        problems.append(f"{name}={_as_json(value)}: unknown key, {hint}")
+    return problems
+
+
+def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
+    """Validate this project's ``--hf-overrides`` keys on a model's HF config.
+
+    ``--hf-overrides`` JSON keys land as attributes of
+    ``model_config.hf_config``; the checkpoint's own keys live there too.
+
+    Args:
+        hf_config: any object (a ``transformers.PretrainedConfig`` when served).
+
+    Returns:
+        ``{key: value}`` for every key of :data:`HF_OVERRIDE_KEYS`, the default
+        where ``hf_config`` lacks the key.
+
+    Raises:
+        HfOverridesError: (a ``ValueError``) listing every problem at once: a
+            value of the wrong type or out of range (key, value as JSON, type
+            received, what is allowed), and every unknown key that starts with
+            ``encoder_cuda_graph`` or is a near-miss of a registered key, with
+            the closest valid key.
+    """
+    problems = []
+    values = {}
+    for name, spec in HF_OVERRIDE_KEYS.items():
+        value = getattr(hf_config, name, spec.default)
+        problem = spec.check(value)
+        if problem is not None:
+            problems.append(problem)
+        values[name] = value
+    problems += _unknown_key_problems(hf_config)
+    if problems:
+        raise HfOverridesError(problems)
+    return values
+
+
+def _hf_field(key: str) -> Any:
+    """A dataclass field whose default, type rule and doc come from ``HF_OVERRIDE_KEYS[key]``."""
+    return dataclasses.field(default=HF_OVERRIDE_KEYS[key].default, metadata={"hf_key": key})
+
+
+@dataclass(frozen=True)
+class EncoderCudaGraphOptions:
+    """The adapter's settings, read from ``--hf-overrides``.
+
+    One instance configures both encoders; each encoder gets its own adapter,
+    so caps and counters are per encoder. Each field names its key in
+    :data:`HF_OVERRIDE_KEYS`, which holds the default, the rule and the doc.
+
+    Attributes:
+        enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
+            adapters and every call runs eagerly.
+        max_graphs: ``encoder_cuda_graph_max_graphs`` (int >= 0, default 4).
+            Graphs retained per encoder; 0 disables capture. Never evicted.
+        min_capture_calls: ``encoder_cuda_graph_min_capture_calls`` (int >= 2,
+            default 2). Calls with the same key, the capturing call included,
+            before a shape is captured.
+        min_free_bytes: ``encoder_cuda_graph_min_free_bytes`` (int >= 0, bytes,
+            default 1 GiB). A capture is deferred while the device's free
+            memory is below it; 0 disables the check.
+        share_pools: ``encoder_cuda_graph_share_pools`` (bool, default True).
+            One graph pool and capture stream per (encoder, device, replay
+            stream); False gives each graph its own (for A/B comparison).
+        admission: ``encoder_cuda_graph_admission`` (``"cost"`` or
+            ``"count"``, default ``"cost"``). ``"count"`` captures a shape at its
+            ``min_capture_calls``-th call; ``"cost"`` also requires the measured
+            saving to pay for the capture and the memory (:class:`CaptureCostModel`).
+            The model wiring applies it to the vision and stateless audio
+            adapters; the streaming audio adapter always counts (see
+            ``streaming_audio``).
+        max_bytes: ``encoder_cuda_graph_max_bytes`` (int >= 0, bytes, default 0).
+            Device memory the encoder's graphs may hold (pool growth + static
+            input and output buffers); a capture whose estimate would pass it is
+            deferred. 0 = no limit.
+        log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number >= 0,
+            seconds, default 60). Period of the INFO line with the hit rate,
+            graphs and bytes, logged from the call path; 0 = off.
+        streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
+            True). Read by the model wiring, not by the adapter: also route the
+            stateful Whisper chunk calls of streaming (duplex) sessions,
+            ``get_audio_embedding_streaming``, through an adapter of their own;
+            its replays are bitwise equal to the eager path. Needs ``enabled``.
+            That adapter captures by ``"count"`` whatever ``admission`` says:
+            its keys are a fixed schedule (one per KV past length) that every
+            session walks once per cache cycle, a recurrence the cost rule,
+            which estimates it from calls seen so far, would see only after
+            minutes; the other options apply to it as to each encoder.
+        startup_capture: ``encoder_cuda_graph_startup_capture`` (bool, default
+            True). Read by the model wiring: on a duplex deployment, capture the
+            graphs every duplex session needs (its first chunk and the steady
+            chunk at each KV past length of a cache cycle, and a camera frame's
+            single slice) while the worker warms up, after vLLM sized the KV
+            cache; False leaves them to the lazy path.
+
+    Raises:
+        HfOverridesError: (a ``ValueError``) every value of the wrong type or
+            out of range, each naming the ``--hf-overrides`` key, the value as
+            JSON, the type received and what is allowed. ``true`` is not
+            accepted as an int and the string ``"false"`` not as a bool.
+    """
+
+    enabled: bool = _hf_field("encoder_cuda_graph")
+    max_graphs: int = _hf_field("encoder_cuda_graph_max_graphs")
+    min_capture_calls: int = _hf_field("encoder_cuda_graph_min_capture_calls")
+    min_free_bytes: int = _hf_field("encoder_cuda_graph_min_free_bytes")
+    share_pools: bool = _hf_field("encoder_cuda_graph_share_pools")
+    admission: str = _hf_field("encoder_cuda_graph_admission")
+    max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
+    log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
+    streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
+    startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+
+    def __post_init__(self) -> None:
+        checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
+        problems = [p for p in checks if p is not None]
+        if problems:
+            raise HfOverridesError(problems)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> EncoderCudaGraphOptions:
+        """Read the options from a model's HF config, validating all project keys.
+
+        Raises:
+            HfOverridesError: see :func:`read_hf_overrides`.
+        """
+        values = read_hf_overrides(hf_config)
+        return cls(**{f.name: values[f.metadata["hf_key"]] for f in fields(cls)})
+
+    def describe(self) -> str:
+        """``key=<JSON> ...`` for every option, as a user would write them."""
+        return " ".join(f"{f.metadata['hf_key']}={_as_json(getattr(self, f.name))}" for f in fields(self))

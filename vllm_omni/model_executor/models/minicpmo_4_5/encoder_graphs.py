@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MiniCPM-o 4.5's encoders wired to the exact-shape CUDA graph adapter (``encoder_cuda_graph``).
+
+What the model file's hooks call:
+
+- :func:`validate_hf_overrides` at the start of the model's ``__init__``: every bad or unknown
+  look-alike ``--hf-overrides`` key of the project, reported at once, before anything heavy is built.
+- :func:`init_encoder_cuda_graphs` from ``_init_encoder_cuda_graphs``: builds the vision adapter
+  (``vpm._encoder_graph``, over the region the model class names in ``_vision_graph_region``) and the
+  stateless audio adapter (``_audio_encoder_graph``, over ``_encode_audio_features``), and logs one
+  line with each encoder's effective state.
+- The captured regions, each behind a one-line method of the model file (the adapter checks the
+  modules of the method's owner for hooks): :func:`encode_last_hidden_state` (SigLIP's encoder
+  layers + post layernorm) and :func:`encode_audio_features` (Whisper -> projection -> pooling).
+- The routing: :func:`vision_graph_applies` (``SiglipVisionTransformer.forward``) and
+  :func:`encode_audio` (``get_audio_hidden_states``), which keep the eager paths where a graph
+  cannot replay the call.
+
+A replay re-runs only the GPU work recorded at capture: Python side effects inside a captured region
+(attribute writes, counters, logging, forward hooks) happen on the eager warm-up calls and the
+capture, never on replay. Keep the regions free of them; the adapter refuses to capture, and stays
+eager, when it finds hooks on the modules a region names.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.logger import init_logger
+
+from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
+
+logger = init_logger(__name__)
+
+#: The modules the stateless (and streaming) audio regions call, relative to the model.
+AUDIO_CAPTURED_MODULES = ("apm", "audio_projection_layer", "audio_avg_pooler")
+
+
+@dataclass(frozen=True)
+class VisionGraphRegion:
+    """The part of the image path the vision adapter captures (the model class's ``_vision_graph_region``).
+
+    Attributes:
+        forward: dotted attribute of the model naming the bound method the adapter replays.
+        captured_modules: the modules that method calls, relative to the module owning it
+            (checked for hooks before a capture).
+        lora_prefixes: the same modules relative to the model, for :func:`lora_may_reach`.
+        needs: further model attributes that must be set (not None) for the adapter to be built.
+    """
+
+    forward: str
+    captured_modules: tuple[str, ...]
+    lora_prefixes: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+
+
+#: SigLIP's encoder layers + post layernorm, routed from ``SiglipVisionTransformer.forward``
+#: (:func:`vision_graph_applies`); the embeddings, the masks and the resampler stay eager.
+SIGLIP_STACK = VisionGraphRegion(
+    forward="vpm._encode_last_hidden_state",
+    captured_modules=("encoder", "post_layernorm"),
+    lora_prefixes=("vpm.encoder", "vpm.post_layernorm"),
+)
+
+
+def validate_hf_overrides(hf_config: Any) -> EncoderCudaGraphOptions:
+    """The encoder graph options of ``hf_config``, after checking every project key.
+
+    Raises:
+        HfOverridesError: (a ``ValueError``) every bad or unknown look-alike key of
+            ``--hf-overrides`` (``vision_attn_implementation`` included), at once.
+    """
+    return EncoderCudaGraphOptions.from_hf_config(hf_config)
+
+
+def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaGraphOptions:
+    """Attach the exact-shape CUDA graph adapters to the vision and audio encoders of ``model``.
+
+    Needs only ``model.config``, ``model.vpm``, ``model.apm`` and what the model class's
+    ``_vision_graph_region`` needs (callable on a partially built model). Sets
+    ``model.vpm._encoder_graph`` when ``vpm`` exists, and ``model._audio_encoder_graph`` (None
+    without ``apm``). An encoder gets no adapter when ``encoder_cuda_graph`` is false, under
+    ``--enforce-eager``, or when the engine's LoRA config could put adapters on its modules (a
+    replay would keep the weights live at capture). Logs one line with the effective state per
+    encoder and why it is off.
+
+    Returns:
+        The validated options (the streaming audio wiring reads them too).
+
+    Raises:
+        HfOverridesError: (a ``ValueError``) every bad or unknown ``encoder_cuda_graph*`` key in
+            ``--hf-overrides``, at once.
+    """
+    options = EncoderCudaGraphOptions.from_hf_config(model.config)
+    vpm = getattr(model, "vpm", None)
+    apm = getattr(model, "apm", None)
+    region: VisionGraphRegion = model._vision_graph_region
+    vision_state = audio_state = "off (no encoder)"
+    if vpm is not None and all(getattr(model, name, None) is not None for name in region.needs):
+        vpm._encoder_graph, vision_state = make_encoder_cuda_graph(
+            operator.attrgetter(region.forward)(model),
+            vllm_config,
+            options,
+            name="vision",
+            captured_modules=region.captured_modules,
+            lora_reason=lora_may_reach(vllm_config, model, region.lora_prefixes),
+        )
+    model._audio_encoder_graph = None
+    if apm is not None:
+        model._audio_encoder_graph, audio_state = make_encoder_cuda_graph(
+            model._encode_audio_features,
+            vllm_config,
+            options,
+            name="audio",
+            captured_modules=AUDIO_CAPTURED_MODULES,
+            lora_reason=lora_may_reach(vllm_config, model, AUDIO_CAPTURED_MODULES),
+        )
+    logger.info(
+        "MiniCPM-o 4.5 encoder CUDA graphs: vision=%s, audio=%s; %s",
+        vision_state,
+        audio_state,
+        options.describe(),
+    )
+    return options
+
+
+def encode_last_hidden_state(
+    vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """SigLIP's encoder layers + post layernorm (``SiglipVisionTransformer._encode_last_hidden_state``).
+
+    The one function through which every patched SigLIP path runs the layer stack: the vision
+    graph's region (:data:`SIGLIP_STACK`, or the whole image call) and its eager fallback.
+
+    Args:
+        vpm: the ``SiglipVisionTransformer``.
+        hidden_states: patch embeddings ``(B, N, hidden)`` in the model dtype.
+        attention_mask: None (every patch valid), the additive key-padding mask ``(B, 1, 1, N)``
+            (eager/sdpa) or the bool mask ``(B, N)`` (FA2).
+
+    Returns:
+        ``(B, N, hidden)`` last hidden state, same dtype/device as the input.
+    """
+    encoder_outputs = vpm.encoder(
+        inputs_embeds=hidden_states,
+        attention_mask=attention_mask,
+        output_attentions=False,
+        output_hidden_states=False,
+        return_dict=True,
+    )
+    return vpm.post_layernorm(encoder_outputs.last_hidden_state)
+
+
+def vision_graph_applies(
+    vpm: nn.Module,
+    output_attentions: bool | None,
+    output_hidden_states: bool | None,
+    return_dict: bool | None,
+    attention_mask: torch.Tensor | None,
+) -> bool:
+    """Whether ``SiglipVisionTransformer.forward`` runs its stack through ``vpm._encoder_graph``.
+
+    Not without an adapter, when attentions or hidden states are asked for (they need the eager
+    stack), without ``return_dict``, nor for FA2 with a padding mask (unpadding reads lengths on
+    the host, which a CUDA graph cannot replay).
+    """
+    return (
+        vpm._encoder_graph is not None
+        and not output_attentions
+        and not output_hidden_states
+        and bool(return_dict)
+        and not (vpm._use_flash_attention_2 and attention_mask is not None)
+    )
+
+
+def encode_audio_features(
+    model: nn.Module, wavforms: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Whisper encoder -> projection -> average pooling (the model's ``_encode_audio_features``).
+
+    The region the stateless audio graph captures; its modules are :data:`AUDIO_CAPTURED_MODULES`.
+
+    Args:
+        model: the MiniCPM-o 4.5 thinker (``apm``, ``audio_projection_layer``,
+            ``audio_avg_pooler``, ``audio_encoder_layer``).
+        wavforms: log-mel features ``(B, n_mels, T_mel)``.
+        attention_mask: additive float mask ``(B, 1, T, T)`` in the encoder's dtype,
+            ``T = (T_mel - 1) // 2 + 1``, ``-inf`` where masked.
+
+    Returns:
+        ``(B, T // audio_pool_step, embed_dim)`` audio embeddings, before the per-item length
+        slicing.
+    """
+    selects_final_layer = model.audio_encoder_layer == -1
+    audio_outputs = model.apm(
+        wavforms,
+        attention_mask=attention_mask,
+        output_hidden_states=not selects_final_layer,
+    )
+    if selects_final_layer:
+        audio_states = audio_outputs.last_hidden_state
+    else:
+        # Whisper follows the Hugging Face hidden-state ordering: the
+        # embedding output, followed by each encoder layer output.
+        assert audio_outputs.hidden_states is not None
+        audio_states = audio_outputs.hidden_states[model.audio_encoder_layer]
+    audio_embeds = model.audio_projection_layer(audio_states)
+
+    audio_embeds = audio_embeds.transpose(1, 2)
+    audio_embeds = model.audio_avg_pooler(audio_embeds)
+    return audio_embeds.transpose(1, 2)
+
+
+def encode_audio(model: nn.Module, wavforms: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The stateless audio call of ``get_audio_hidden_states``: ``model._audio_encoder_graph`` or,
+    where a graph cannot replay it, ``model._encode_audio_features`` (same arguments and result).
+
+    Eager: in training, for an intermediate ``audio_encoder_layer`` (it needs
+    ``output_hidden_states``) and for FP16 Whisper (its inf/nan clamp is decided on the host).
+    """
+    if (
+        model._audio_encoder_graph is not None
+        and not model.training
+        and model.audio_encoder_layer == -1
+        and model.apm.conv1.weight.dtype != torch.float16
+    ):
+        return model._audio_encoder_graph(wavforms, attention_mask)
+    return model._encode_audio_features(wavforms, attention_mask)
