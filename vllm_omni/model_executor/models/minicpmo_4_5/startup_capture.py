@@ -11,7 +11,9 @@ until the position table's rows are reached and the cache resets; and a camera f
 call path (``get_audio_embedding_streaming``, then ``get_vision_hidden_states`` for one frame)
 with the adapters' calls turned into :func:`~.encoder_cuda_graph.capture_now`, so every graph has
 exactly the key a real session's call will have (shapes, dtypes, static arguments, replay
-stream), and the session's first chunks are replays.
+stream), and the session's first chunks are replays. With batched duplex steps
+(``duplex_batch.py``) the batched forward's graphs are captured too, one per batch bucket, on
+padding rows that touch only scratch K/V pages.
 
 vllm-omni's AR model runner calls it from ``capture_model`` (the worker's warm-up, after vLLM's
 memory profiling sized the KV cache), through the stage model's ``capture_graphs_at_startup``. Its
@@ -114,6 +116,7 @@ class StartupCapture:
 
     graphs: dict[str, int] = field(default_factory=dict)
     graph_bytes: int = 0
+    #: the streaming K/V arena and the batched path's K/V pages it allocated
     arena_bytes: int = 0
     seconds: float = 0.0
     #: why capture stopped before the end (the memory floor), or None
@@ -204,9 +207,28 @@ def _camera_frame(thinker: Any, proxy: _CaptureNow) -> None:
         vpm._encoder_graph = saved
 
 
-def _arena_bytes(thinker: Any, before: set) -> int:
-    arenas = getattr(thinker, "_streaming_audio_arenas", {})
-    return sum(a.kv.numel() * a.kv.element_size() for k, a in arenas.items() if k not in before)
+def _batch_buckets(thinker: Any, proxy: _CaptureNow) -> None:
+    """Every batch bucket of the batched duplex forward, on padding rows (scratch pages only)."""
+    encoder = thinker._duplex_batch
+    device = thinker.apm.conv1.weight.device
+    for bucket in encoder.buckets():
+        if proxy.report.stopped is not None:
+            break
+        mel, meta, pool = encoder.inputs([], device, bucket)
+        proxy(mel, meta, pool, encoder.chunk, encoder.attention(device))
+
+
+def _kv_buffers(thinker: Any) -> dict[Any, torch.Tensor]:
+    """The streaming K/V arenas and the batched path's page pools, by identity."""
+    buffers = {id(a.kv): a.kv for a in getattr(thinker, "_streaming_audio_arenas", {}).values()}
+    encoder = getattr(thinker, "_duplex_batch", None)
+    if encoder is not None:
+        buffers.update({id(p.kv): p.kv for p in encoder._pools.values()})
+    return buffers
+
+
+def _arena_bytes(thinker: Any, before: dict) -> int:
+    return sum(t.numel() * t.element_size() for key, t in _kv_buffers(thinker).items() if key not in before)
 
 
 def capture_at_startup(
@@ -216,9 +238,10 @@ def capture_at_startup(
 
     Runs only on a duplex deployment (:func:`is_duplex_deployment`) with
     ``encoder_cuda_graph_startup_capture`` on, for each encoder whose adapter exists: the
-    streaming audio adapter (every :func:`duplex_chunk_forms` call) and the vision adapter (one
-    camera frame). Graph caps, the byte budget and module hooks apply as to any capture; the
-    free-memory floor is checked before each call.
+    streaming audio adapter (every :func:`duplex_chunk_forms` call), the vision adapter (one
+    camera frame) and the batched duplex forward's (every batch bucket, on padding rows). Graph
+    caps, the byte budget and module hooks apply as to any capture; the free-memory floor is
+    checked before each call.
 
     Args:
         thinker: ``MiniCPMO45OmniLLMForConditionalGeneration`` with its adapters wired.
@@ -245,9 +268,9 @@ def capture_at_startup(
     streaming = getattr(thinker, "_streaming_audio_encoder_graph", None)
     vpm = getattr(thinker, "vpm", None)
     vision = getattr(vpm, "_encoder_graph", None) if vpm is not None else None
-    if streaming is None and vision is None:
+    if streaming is None and vision is None:  # (the batched path's graphs exist only with the streaming ones)
         return report
-    arenas_before = set(getattr(thinker, "_streaming_audio_arenas", {}))
+    arenas_before = _kv_buffers(thinker)
     start = clock()
     proxies = []
     with torch.inference_mode():
@@ -257,6 +280,10 @@ def capture_at_startup(
         if vision is not None and report.stopped is None:
             proxies.append(_CaptureNow(vision, "vision", report, options.min_free_bytes))
             _camera_frame(thinker, proxies[-1])
+        batch = getattr(getattr(thinker, "_duplex_batch", None), "graph", None)
+        if batch is not None and report.stopped is None:
+            proxies.append(_CaptureNow(batch, "duplex audio batch", report, options.min_free_bytes))
+            _batch_buckets(thinker, proxies[-1])
     report.seconds = clock() - start
     report.graph_bytes = sum(p.new_bytes() for p in proxies)
     report.arena_bytes = _arena_bytes(thinker, arenas_before)
@@ -273,7 +300,7 @@ def _log(report: StartupCapture) -> None:
     skipped = "".join(f"; {n} not captured ({why})" for why, n in report.skipped.items())
     line = (
         "MiniCPM-o 4.5 encoder CUDA graphs captured at start-up: %d graphs (%s%s) in %.2f s, %s "
-        "(%d bytes: graphs %s, streaming audio K/V arena %s), taken after vLLM sized the KV cache"
+        "(%d bytes: graphs %s, streaming audio K/V arena and pages %s), taken after vLLM sized the KV cache"
     )
     args = (
         report.num_graphs,

@@ -189,6 +189,14 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "before serving; false = capture them lazily, as sessions reach them",
     ),
     HfOverrideKey(
+        name="encoder_cuda_graph_duplex_batch",
+        kind="bool",
+        default=True,
+        doc="encode the audio chunks of every duplex session scheduled in one engine step in one batched "
+        "call (one graph replay per step, within GRAPH_REL_TOL of each session's own encode); false = "
+        "each session's chunk on its own, bitwise equal to eager",
+    ),
+    HfOverrideKey(
         name="vision_attn_implementation",
         kind="choice",
         choices=("sdpa", "eager", "flash_attention_2"),
@@ -331,6 +339,11 @@ class EncoderCudaGraphOptions:
             chunk at each KV past length of a cache cycle, and a camera frame's
             single slice) while the worker warms up, after vLLM sized the KV
             cache; False leaves them to the lazy path.
+        duplex_batch: ``encoder_cuda_graph_duplex_batch`` (bool, default True).
+            Read by the model wiring: on a duplex deployment of at least two
+            sessions, encode the audio chunks of all duplex appends of one engine
+            step in one batched call (one graph replay per step); False encodes
+            each session's chunk on its own (bitwise equal to its eager encode).
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -349,6 +362,7 @@ class EncoderCudaGraphOptions:
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+    duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:
         checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
