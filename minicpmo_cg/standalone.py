@@ -276,7 +276,8 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
         ValueError: see :func:`build_thinker_encoders`.
         PatchMissingError: see :func:`build_thinker_encoders`.
     """
-    resolve = getattr(model_module(), "vision_attn_implementation", None)
+    # the model file resolves it through siglip_attention.py, beside it
+    resolve = getattr(getattr(model_module(), "siglip_attention", None), "vision_attn_implementation", None)
     if resolve is None:  # a model file without SigLIP's SDPA attention: its eager attention only
         if vision_attn != "eager":
             raise PatchMissingError(

@@ -30,8 +30,8 @@ Commands:
   series against the pinned release, the vLLM series it depends on and the PR text
   (:mod:`minicpmo_cg.export`; CONTRIBUTING.md "The upstream pull request").
 
-Exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format or I/O
-error (nothing changed); 3 an I/O error stopped apply/revert part-way and the roll-back
+Exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format, damaged
+state or I/O error (nothing changed; a message, never a traceback); 3 an I/O error stopped apply/revert part-way and the roll-back
 failed too (each file's state is listed; apply or revert finishes). An output that cannot
 be written (stdout closed, full or a closed pipe) never changes the exit code.
 
@@ -49,7 +49,10 @@ installation byte-identical to applied or to pristine; temporary files of a kill
 removed by the next apply/revert. Without a record, pristine is what the installed wheels'
 RECORD hashes say; a file that is neither pristine nor explained by the series is a conflict,
 never half-reverted. Symbolic links (a target, or a directory on its way) are refused with a
-message, never written through or replaced.
+message, never written through or replaced. Nothing read back is trusted: the state directory
+and the directories below it must not be links, ``state.json`` and every file read must be
+regular files (a FIFO is refused, never waited on), and every path the record names must lie
+inside ``vllm/`` or ``vllm_omni/`` (:mod:`.state`); otherwise the state is damaged (exit 2).
 
 The installation is the site-packages directory holding the importable ``vllm`` and
 ``vllm_omni`` (found with :func:`importlib.util.find_spec`, without importing them), or

@@ -97,10 +97,10 @@ def test_builder_takes_the_vision_attention_as_the_model_resolves_it(monkeypatch
     with pytest.raises(ValueError, match='vision_attn_implementation="sdpa2"'):
         standalone.build_thinker_encoders(reduced=True, vision_attn="sdpa2")
     mod = standalone.model_module()
-    monkeypatch.setattr(mod, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(mod.siglip_attention, "is_flash_attn_2_available", lambda: False)
     with pytest.raises(ValueError, match="flash-attn 2"):
         standalone.build_thinker_encoders(reduced=True, vision_attn="flash_attention_2")
-    monkeypatch.delattr(mod, "vision_attn_implementation")  # a model file without SigLIP's SDPA attention
+    monkeypatch.delattr(mod, "siglip_attention")  # a model file without SigLIP's SDPA attention
     with pytest.raises(
         standalone.PatchMissingError, match=r"SDPA attention for SigLIP \(vision_attn_implementation\)"
     ):

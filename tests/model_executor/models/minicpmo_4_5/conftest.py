@@ -42,6 +42,11 @@ def ecg():
             )
         return importlib.import_module(MODULE)
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
+    sibling = MODULE.rsplit(".", 1)[0] + ".siglip_attention"  # the options registry reads its key from it
+    if importlib.util.find_spec(sibling) is None:
+        spec = importlib.util.spec_from_file_location(sibling, REPO_ADAPTER.parent / "siglip_attention.py")
+        sys.modules[sibling] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[sibling])
     spec = importlib.util.spec_from_file_location(
         MODULE, REPO_ADAPTER / "__init__.py", submodule_search_locations=[str(REPO_ADAPTER)]
     )

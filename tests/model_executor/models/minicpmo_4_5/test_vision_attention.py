@@ -57,7 +57,14 @@ def test_bad_value_names_the_key_the_value_and_the_choices(value):
     with pytest.raises(ValueError) as info:
         sa.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value))
     assert str(info.value) == f"invalid --hf-overrides for MiniCPM-o 4.5: {problem}"
-    # the adapter's option registry reports the key the same way, with the project's other keys
+    # the adapter's option registry takes the key's definition from siglip_attention.py and reports it
+    # the same way, with the project's other keys
+    entry = adapter_mod.HF_OVERRIDE_KEYS[sa.VISION_ATTN_KEY]
+    assert (entry.choices, entry.default, entry.doc) == (
+        sa.VISION_ATTN_CHOICES,
+        sa.VISION_ATTN_DEFAULT,
+        sa.VISION_ATTN_DOC,
+    )
     with pytest.raises(adapter_mod.HfOverridesError) as combined:
         adapter_mod.read_hf_overrides(SimpleNamespace(vision_attn_implementation=value))
     assert combined.value.problems == [problem]

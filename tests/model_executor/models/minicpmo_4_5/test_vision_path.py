@@ -106,7 +106,7 @@ def padded_valid(lengths, n):
 
 # project-only
 @pytest.fixture(scope="module")
-def pristine():
+def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file.
 
     Skips where the patch tool is not importable: in a source tree that carries the change
@@ -119,10 +119,7 @@ def pristine():
         source = patchtool.build_plan(patchtool.discover_installation()).revert_contents[MODEL_REL]
     except (patchtool.ToolError, KeyError) as exc:
         pytest.skip(f"cannot rebuild the unpatched model file: {exc}")
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.mkdtemp(prefix="pristine-minicpmo-")) / "pristine_minicpmo_4_5_omni_llm.py"
+    path = tmp_path_factory.mktemp("pristine-minicpmo") / "pristine_minicpmo_4_5_omni_llm.py"
     path.write_bytes(source)  # transformers' docstring decorators read the source with inspect
     name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_minicpmo_4_5_omni_llm"
     spec = importlib.util.spec_from_file_location(name, path)

@@ -44,7 +44,8 @@ testable on CPU; each module imports only those above it):
   keyed as the call is (start-up capture).
 
 Every public name is importable from this package. The user-facing contract is
-``docs/design/minicpmo_encoder_cuda_graph.md``.
+``docs/design/minicpmo_encoder_cuda_graph.md`` and its topic pages in
+``docs/design/minicpmo_encoder_cuda_graph/``.
 """
 
 from .adapter import EncoderCudaGraph, EncoderCudaGraphCaptureFailedError, GraphInfo

@@ -135,8 +135,11 @@ class EncoderCudaGraph:
     Fatal contract: if a capture raises, the original exception propagates,
     nothing is registered, and every later call raises
     :class:`EncoderCudaGraphCaptureFailedError` without capturing or running any
-    CUDA work (a failed capture can leave the CUDA context unusable). Restart
-    the worker, optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
+    CUDA work. The backend first cleans up what the capture left in the process
+    (for :class:`CudaGraphBackend`: graph pool routing, capture stream, the CUDA
+    generator's capture mark), so the rest of the process (RNG, other graphs,
+    eager encoders) keeps working; this adapter does not. Restart the worker,
+    optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
 
     Args:
         forward: the eager encoder, ``forward(*inputs) -> Tensor``; must be

@@ -256,8 +256,9 @@ class CaptureCostModel:
     sighting; the horizon assumes traffic lasts about as long again as it has
     so far (``calls``: this encoder's eligible calls), but at least
     ``MIN_HORIZON_CALLS``. ``scale`` calibrates the capture estimate with this
-    encoder's measured captures (:meth:`record_capture`). The design doc gives
-    the constants' sources.
+    encoder's measured captures (:meth:`record_capture`). "Why these terms" in
+    ``docs/design/minicpmo_encoder_cuda_graph/cost_admission.md`` gives the
+    constants' sources.
     """
 
     #: host time of a replay before its graph reaches the GPU: input copy, launch, bookkeeping (ms)
