@@ -124,10 +124,11 @@ class AudioInput:
         """The ``get_audio_hidden_states`` argument, on ``device``; features in ``dtype``.
 
         ``audio_feature_lens`` holds one int64 tensor of chunk lengths per clip (one chunk each,
-        since every clip is at most 30 s).
+        since every clip is at most 30 s), on the host, where vLLM hands them to the model (its
+        multimodal field config keeps them on the CPU).
         """
         feats = [f.to(device=device, dtype=dtype) for f in self.features]
-        lens = [torch.tensor([n], dtype=torch.int64, device=device) for n in self.frames]
+        lens = [torch.tensor([n], dtype=torch.int64) for n in self.frames]
         if self.as_list:
             audio_features: Any = feats
         else:

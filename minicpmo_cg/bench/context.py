@@ -149,12 +149,10 @@ def vision_data(ctx: Ctx, grids: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def audio_data(ctx: Ctx, frames: int) -> dict[str, Any]:
-    """A ``get_audio_hidden_states`` argument: one clip of ``frames`` random log-mel frames."""
+    """A ``get_audio_hidden_states`` argument: one clip of ``frames`` random log-mel frames (its
+    length on the host, as vLLM hands it over)."""
     feats = (torch.randn((1, 80, frames), generator=ctx.rng) * 0.5).to(ctx.device, ctx.dtype)
-    return {
-        "audio_features": feats,
-        "audio_feature_lens": [torch.tensor([frames], dtype=torch.int64, device=ctx.device)],
-    }
+    return {"audio_features": feats, "audio_feature_lens": [torch.tensor([frames], dtype=torch.int64)]}
 
 
 def record_inputs(ctx: Ctx, modality: str, data: dict[str, Any]) -> list[tuple[Any, ...]]:

@@ -212,7 +212,8 @@ def test_describe_writes_the_options_as_json(ecg):
         "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
-        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true"
+        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true "
+        "encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=true"
     )
 
 

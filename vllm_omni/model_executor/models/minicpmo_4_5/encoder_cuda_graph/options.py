@@ -237,6 +237,22 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
     HfOverrideKey(
+        name="encoder_cuda_graph_startup_capture",
+        kind="bool",
+        default=True,
+        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
+        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
+        "before serving; false = capture them lazily, as sessions reach them",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_duplex_batch",
+        kind="bool",
+        default=True,
+        doc="encode the audio chunks of every duplex session scheduled in one engine step in one batched "
+        "call (one graph replay per step, within GRAPH_REL_TOL of each session's own encode); false = "
+        "each session's chunk on its own, bitwise equal to eager",
+    ),
+    HfOverrideKey(
         name=siglip_attention.VISION_ATTN_KEY,
         kind="choice",
         choices=siglip_attention.VISION_ATTN_CHOICES,
@@ -381,6 +397,17 @@ class EncoderCudaGraphOptions:
             session walks once per cache cycle, a recurrence the cost rule,
             which estimates it from calls seen so far, would see only after
             minutes; the other options apply to it as to each encoder.
+        startup_capture: ``encoder_cuda_graph_startup_capture`` (bool, default
+            True). Read by the model wiring: on a duplex deployment, capture the
+            graphs every duplex session needs (its first chunk and the steady
+            chunk at each KV past length of a cache cycle, and a camera frame's
+            single slice) while the worker warms up, after vLLM sized the KV
+            cache; False leaves them to the lazy path.
+        duplex_batch: ``encoder_cuda_graph_duplex_batch`` (bool, default True).
+            Read by the model wiring: on a duplex deployment of at least two
+            sessions, encode the audio chunks of all duplex appends of one engine
+            step in one batched call (one graph replay per step); False encodes
+            each session's chunk on its own (bitwise equal to its eager encode).
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -403,6 +430,8 @@ class EncoderCudaGraphOptions:
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
+    startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+    duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:
         # the type and the minimum: values read from --hf-overrides were range-checked by
