@@ -92,7 +92,7 @@ _MC45 = "tests/model_executor/models/minicpmo_4_5/"
 _MODEL = "vllm_omni/model_executor/models/minicpmo_4_5/"
 _DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
 
-# The stack in merge order (the vllm-omni series 0001-0005). A test file sits in the first PR whose
+# The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
 # tree its tests pass in: test_encoder_cuda_graph_options.py checks the design overview's options
 # table against every key the adapter registers, the streaming-audio key included, so it waits for
 # the streaming-audio PR; test_model_wiring.py checks the vision wiring of the image-call patch.
@@ -158,6 +158,38 @@ STACK: tuple[OmniPr, ...] = (
         tests=(_MC45 + "test_streaming_audio_graph.py", _MC45 + "test_encoder_cuda_graph_options.py"),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=("Real inputs", "Duplex session", "Admission: cost vs count"),
+    ),
+    OmniPr(
+        key="duplex-scale",
+        title="MiniCPM-o 4.5: duplex audio at serving scale: no host reads, start-up capture, one batched step",
+        prefixes=("[Model]", "[Perf]"),
+        patches=(
+            "minicpmo45-audio-lengths-on-the-host",
+            "worker-model-graphs-at-startup",
+            "minicpmo45-startup-capture",
+            "worker-batch-append-preprocess",
+            "minicpmo45-duplex-append-batch",
+        ),
+        owned=(
+            _MODEL + "audio_lengths.py",
+            _MODEL + "startup_capture.py",
+            _MODEL + "duplex_batch.py",
+            _MODEL + "duplex_rows.py",
+        ),
+        tests=(
+            _MC45 + "test_audio_host_reads.py",
+            _MC45 + "test_startup_capture.py",
+            _MC45 + "test_duplex_batch.py",
+        ),
+    ),
+    OmniPr(
+        key="fused-layers",
+        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-fused-encoder-layers",),
+        owned=(_MODEL + "fused_layers.py", _MODEL + "ops/*"),
+        tests=(_MC45 + "test_fused_layers.py", _MC45 + "test_fused_layers_cuda.py"),
+        docs=(_DESIGN + "/fused_layers.md",),
     ),
 )
 
