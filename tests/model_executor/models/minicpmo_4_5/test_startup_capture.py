@@ -188,7 +188,7 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
 ):
     records = log_records(startup.logger)
     floor = 1 << 30
-    free = {"bytes": floor + 1}
+    free = {"bytes": floor + (1 << 20)}  # room for the K/V arena (256 KiB here)
 
     class Backend(cpu_backend):
         def free_bytes(self, device):
@@ -215,13 +215,30 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
     (warning,) = records.messages(logging.WARNING)
     assert "captured at start-up: 5 graphs" in warning and "captured lazily" in warning
     assert [m for m in records.messages() if m != warning] == []  # one line in all
-    free["bytes"] = floor + 1
+    free["bytes"] = floor + (1 << 20)
     session = DuplexSession()
     with torch.inference_mode():
         for chunk in stage_chunks(2 * CYCLE + 1, seed=4):
             session.encode(model, chunk)
     stats = graph.get_cumulative_stats()
     assert stats["num_graphs"] == KEYS and stats["warmup_misses"] == KEYS - 5  # the rest lazily
+
+
+@pytest.mark.cpu
+def test_kv_buffers_that_would_pass_the_floor_stop_it_before_anything_is_allocated(cpu_backend, log_records):
+    records = log_records(startup.logger)
+    floor = 1 << 30
+    arena = 2 * POSITIONS * 2 * 2 * 64 * 4  # two sides x positions x layers x K/V x d_model x float32
+
+    class Backend(cpu_backend):
+        def free_bytes(self, device):
+            return floor + arena - 1  # the arena would leave one byte less than the floor
+
+    model = thinker(Backend, vision=False, min_free_bytes=floor)
+    report = startup.capture_at_startup(model, duplex_config())
+    assert report.num_graphs == 0 and model._streaming_audio_arenas == {} and report.total_bytes == 0
+    (warning,) = records.messages(logging.WARNING)
+    assert f"K/V buffers take {arena} bytes" in warning and "captured lazily" in warning
 
 
 @pytest.mark.cpu

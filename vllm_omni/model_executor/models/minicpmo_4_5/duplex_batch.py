@@ -177,6 +177,16 @@ class DuplexBatchEncoder:
             self._pools[(device, stream)] = pool
         return pool
 
+    def pool_bytes(self) -> int:
+        """Bytes of one page pool of this encoder (what :meth:`pool` allocates per device and stream)."""
+        apm = self.model.apm
+        positions = apm.embed_positions.weight.shape[0]
+        pages = KVPagePool.page_count(
+            sessions=self.sessions, rows=self.largest, chunk=self.chunk, max_positions=positions
+        )
+        per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
+        return pages * PAGE_SIZE * per_position
+
     def attention(self, device: torch.device) -> str:
         dtype = self.model.apm.conv1.weight.dtype
         if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
