@@ -273,15 +273,18 @@ def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
 @pytest.mark.cpu
 def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch):
     runner_mod = pytest.importorskip("vllm_omni.worker.gpu_ar_model_runner")
-    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    runner = object.__new__(runner_mod.GPUARModelRunner)
-    monkeypatch.setattr(OmniGPUModelRunner, "capture_model", lambda self: 1000)
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "_capture_talker_mtp_graphs", lambda self: None)
-    model = SimpleNamespace(capture_graphs_at_startup=lambda: 234)
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "get_model", lambda self: model)
-    assert runner.capture_model() == 1234
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "get_model", lambda self: SimpleNamespace())
+    order = []
+    monkeypatch.setattr(GPUModelRunner, "capture_model", lambda self: order.append("vllm") or 1000)
+    monkeypatch.setattr(
+        runner_mod.GPUARModelRunner, "_capture_talker_mtp_graphs", lambda self: order.append("mtp")
+    )
+    model = SimpleNamespace(capture_graphs_at_startup=lambda: order.append("model") or 234)
+    monkeypatch.setattr(GPUModelRunner, "get_model", lambda self: model)
+    runner = object.__new__(runner_mod.GPUARModelRunner)  # the AR stages' runner
+    assert runner.capture_model() == 1234 and order == ["vllm", "model", "mtp"]
+    monkeypatch.setattr(GPUModelRunner, "get_model", lambda self: SimpleNamespace())
     assert runner.capture_model() == 1000  # a model without the hook
 
 
