@@ -419,7 +419,12 @@ def wire_encoder_graphs(
     for attr, value in values.items():
         setattr(model.config, hf_keys[attr], value)
     model._init_encoder_cuda_graphs(vllm_config)
-    adapters = (vision_graph(model), audio_graph(model), streaming_audio_graph(model))
+    adapters = (
+        vision_graph(model),
+        audio_graph(model),
+        streaming_audio_graph(model),
+        duplex_batch_graph(model),
+    )
     for adapter in adapters:
         if adapter is not None and backend is not None:
             adapter.backend = backend  # before the first call, as the adapter allows
@@ -443,3 +448,8 @@ def audio_graph(model: Any) -> Any:
 def streaming_audio_graph(model: Any) -> Any:
     """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
     return getattr(model, "_streaming_audio_encoder_graph", None)
+
+
+def duplex_batch_graph(model: Any) -> Any:
+    """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
+    return getattr(getattr(model, "_duplex_batch", None), "graph", None)

@@ -17,7 +17,16 @@ from typing import Any
 import torch
 
 import minicpmo_cg.bench
-from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming, vision_path
+from minicpmo_cg.bench import (
+    bookkeeping,
+    duplex,
+    duplex_concurrency,
+    offline,
+    per_shape,
+    pools,
+    streaming,
+    vision_path,
+)
 from minicpmo_cg.bench.context import PROFILES, ROTATE, TARGETS, Ctx, log
 from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, ScriptedClock, adapter_clock
 from minicpmo_cg.bench.report import format_report
@@ -32,6 +41,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
     "duplex": duplex.run,
+    "duplex_concurrency": duplex_concurrency.run,
     "offline": offline.run,
     "pools": pools.run,
 }

@@ -188,7 +188,7 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
 ):
     records = log_records(startup.logger)
     floor = 1 << 30
-    free = {"bytes": floor + 1}
+    free = {"bytes": floor + (1 << 20)}  # room for the K/V arena (256 KiB here)
 
     class Backend(cpu_backend):
         def free_bytes(self, device):
@@ -215,13 +215,30 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
     (warning,) = records.messages(logging.WARNING)
     assert "captured at start-up: 5 graphs" in warning and "captured lazily" in warning
     assert [m for m in records.messages() if m != warning] == []  # one line in all
-    free["bytes"] = floor + 1
+    free["bytes"] = floor + (1 << 20)
     session = DuplexSession()
     with torch.inference_mode():
         for chunk in stage_chunks(2 * CYCLE + 1, seed=4):
             session.encode(model, chunk)
     stats = graph.get_cumulative_stats()
     assert stats["num_graphs"] == KEYS and stats["warmup_misses"] == KEYS - 5  # the rest lazily
+
+
+@pytest.mark.cpu
+def test_kv_buffers_that_would_pass_the_floor_stop_it_before_anything_is_allocated(cpu_backend, log_records):
+    records = log_records(startup.logger)
+    floor = 1 << 30
+    arena = 2 * POSITIONS * 2 * 2 * 64 * 4  # two sides x positions x layers x K/V x d_model x float32
+
+    class Backend(cpu_backend):
+        def free_bytes(self, device):
+            return floor + arena - 1  # the arena would leave one byte less than the floor
+
+    model = thinker(Backend, vision=False, min_free_bytes=floor)
+    report = startup.capture_at_startup(model, duplex_config())
+    assert report.num_graphs == 0 and model._streaming_audio_arenas == {} and report.total_bytes == 0
+    (warning,) = records.messages(logging.WARNING)
+    assert f"K/V buffers take {arena} bytes" in warning and "captured lazily" in warning
 
 
 @pytest.mark.cpu
@@ -256,15 +273,18 @@ def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
 @pytest.mark.cpu
 def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch):
     runner_mod = pytest.importorskip("vllm_omni.worker.gpu_ar_model_runner")
-    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    runner = object.__new__(runner_mod.GPUARModelRunner)
-    monkeypatch.setattr(OmniGPUModelRunner, "capture_model", lambda self: 1000)
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "_capture_talker_mtp_graphs", lambda self: None)
-    model = SimpleNamespace(capture_graphs_at_startup=lambda: 234)
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "get_model", lambda self: model)
-    assert runner.capture_model() == 1234
-    monkeypatch.setattr(runner_mod.GPUARModelRunner, "get_model", lambda self: SimpleNamespace())
+    order = []
+    monkeypatch.setattr(GPUModelRunner, "capture_model", lambda self: order.append("vllm") or 1000)
+    monkeypatch.setattr(
+        runner_mod.GPUARModelRunner, "_capture_talker_mtp_graphs", lambda self: order.append("mtp")
+    )
+    model = SimpleNamespace(capture_graphs_at_startup=lambda: order.append("model") or 234)
+    monkeypatch.setattr(GPUModelRunner, "get_model", lambda self: model)
+    runner = object.__new__(runner_mod.GPUARModelRunner)  # the AR stages' runner
+    assert runner.capture_model() == 1234 and order == ["vllm", "model", "mtp"]
+    monkeypatch.setattr(GPUModelRunner, "get_model", lambda self: SimpleNamespace())
     assert runner.capture_model() == 1000  # a model without the hook
 
 

@@ -177,6 +177,16 @@ class DuplexBatchEncoder:
             self._pools[(device, stream)] = pool
         return pool
 
+    def pool_bytes(self) -> int:
+        """Bytes of one page pool of this encoder (what :meth:`pool` allocates per device and stream)."""
+        apm = self.model.apm
+        positions = apm.embed_positions.weight.shape[0]
+        pages = KVPagePool.page_count(
+            sessions=self.sessions, rows=self.largest, chunk=self.chunk, max_positions=positions
+        )
+        per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
+        return pages * PAGE_SIZE * per_position
+
     def attention(self, device: torch.device) -> str:
         dtype = self.model.apm.conv1.weight.dtype
         if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
@@ -305,9 +315,9 @@ class _ThreadState:
     def __init__(self) -> None:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        self.cuda = None
+        self.device = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+            self.device = (torch.accelerator.current_device_index(), torch.accelerator.current_stream())
         self.context = contextvars.copy_context()
 
     @contextlib.contextmanager
@@ -315,9 +325,9 @@ class _ThreadState:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode(self.inference))
             stack.enter_context(torch.set_grad_enabled(self.grad))
-            if self.cuda is not None:
-                stack.enter_context(torch.cuda.device(self.cuda[0]))
-                stack.enter_context(torch.cuda.stream(self.cuda[1]))
+            if self.device is not None:  # the device, then its stream (a torch.Stream sets itself current)
+                stack.enter_context(torch.accelerator.device_index(self.device[0]))
+                stack.enter_context(self.device[1])
             yield
 
 

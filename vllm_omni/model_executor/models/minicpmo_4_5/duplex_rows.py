@@ -73,13 +73,20 @@ class KVPagePool:
         self.max_positions = max_positions
         self.pages_per_session = math.ceil(max_positions / PAGE_SIZE)
         self.scratch_pages = math.ceil(rows * chunk / PAGE_SIZE)
-        self.num_pages = sessions * self.pages_per_session + self.scratch_pages
+        self.num_pages = self.page_count(
+            sessions=sessions, rows=rows, chunk=chunk, max_positions=max_positions
+        )
         with torch.inference_mode(False):
             self.kv = torch.zeros(
                 (layers, 2, self.num_pages, PAGE_SIZE, heads, head_dim), dtype=dtype, device=device
             )
         self.scratch_start = self.num_pages - self.scratch_pages
         self._free = list(range(self.scratch_start - 1, -1, -1))  # popped from the end: lowest first
+
+    @staticmethod
+    def page_count(*, sessions: int, rows: int, chunk: int, max_positions: int) -> int:
+        """Pages of a pool for ``sessions`` full caches and the scratch of ``rows`` padding rows."""
+        return sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kv.device}, {self.scratch_start} pages of {PAGE_SIZE})"

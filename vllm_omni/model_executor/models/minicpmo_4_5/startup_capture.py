@@ -227,6 +227,20 @@ def _kv_buffers(thinker: Any) -> dict[Any, torch.Tensor]:
     return buffers
 
 
+def _buffers_to_allocate(thinker: Any) -> int:
+    """Bytes of the K/V buffers start-up capture allocates: the streaming arena and the batched
+    path's page pool, where they do not exist yet."""
+    apm = thinker.apm
+    per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
+    needed = 0
+    if not getattr(thinker, "_streaming_audio_arenas", None):
+        needed += 2 * apm.embed_positions.weight.shape[0] * per_position  # two sides
+    encoder = getattr(thinker, "_duplex_batch", None)
+    if encoder is not None and getattr(encoder, "graph", None) is not None and not encoder._pools:
+        needed += encoder.pool_bytes()
+    return needed
+
+
 def _arena_bytes(thinker: Any, before: dict) -> int:
     return sum(t.numel() * t.element_size() for key, t in _kv_buffers(thinker).items() if key not in before)
 
@@ -273,8 +287,18 @@ def capture_at_startup(
     arenas_before = _kv_buffers(thinker)
     start = clock()
     proxies = []
+    adapter = streaming if streaming is not None else vision
+    device = next((thinker.apm if streaming is not None else vpm).parameters()).device
+    needed = _buffers_to_allocate(thinker) if streaming is not None else 0
+    if options.min_free_bytes and needed:
+        free = adapter.backend.free_bytes(device)
+        if free - needed < options.min_free_bytes:
+            report.stopped = (
+                f"its K/V buffers take {needed} bytes and {free} are free on {device}, which would leave less "
+                f"than encoder_cuda_graph_min_free_bytes={options.min_free_bytes}"
+            )
     with torch.inference_mode():
-        if streaming is not None:
+        if streaming is not None and report.stopped is None:
             proxies.append(_CaptureNow(streaming, "streaming audio", report, options.min_free_bytes))
             _streaming_session(thinker, proxies[-1])
         if vision is not None and report.stopped is None:
