@@ -127,7 +127,8 @@ def test_siglip_patch_embedding_runs_as_a_gemm_with_the_convolutions_values():
     # another layout (two rows of patches) keeps the convolution
     square = torch.randn(1, 3, 28, 28)
     torch.testing.assert_close(
-        fused.siglip_patch_embeddings(vpm, square), vpm.embeddings.patch_embedding(square).flatten(2).transpose(1, 2)
+        fused.siglip_patch_embeddings(vpm, square),
+        vpm.embeddings.patch_embedding(square).flatten(2).transpose(1, 2),
     )
 
 
@@ -191,7 +192,9 @@ def test_resampler_output_without_weights_matches_in_float32():
     want = resampler(x, tgt_sizes)
     resampler._fused_layers = True
     calls = []
-    resampler.attn.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("need_weights")), with_kwargs=True)
+    resampler.attn.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(kw.get("need_weights")), with_kwargs=True
+    )
     torch.testing.assert_close(resampler(x, tgt_sizes), want, **TOL)
     assert calls == [False]
 
@@ -325,7 +328,9 @@ def test_streaming_graphs_drop_the_zero_mask_with_the_fused_layers(fused_on):
 
 
 def storage_bytes(module):
-    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}.values())
+    return sum(
+        {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}.values()
+    )
 
 
 @torch.no_grad()
@@ -348,7 +353,9 @@ def test_packing_keeps_one_copy_of_the_weights_and_loading_writes_through_it():
     # in-place loading (load_state_dict copies into the parameters) reaches the packed tensor
     state["layers.0.self_attn.k_proj.weight"] = torch.full((64, 64), 0.5)
     apm.load_state_dict(state)
-    assert fused.pack_qkv(attention) is packed and torch.equal(packed.weight[64:128], torch.full((64, 64), 0.5))
+    assert fused.pack_qkv(attention) is packed and torch.equal(
+        packed.weight[64:128], torch.full((64, 64), 0.5)
+    )
     assert set(apm.state_dict()) == set(state)
 
 
@@ -397,7 +404,9 @@ def test_add_layer_norm_falls_back_to_torch_with_one_log_line(monkeypatch, log_r
     torch.testing.assert_close(normed, want, **TOL)
     normed2, none = aln.add_layer_norm(residual, None, None, weight, ln_bias, 1e-5, store_sum=False)
     assert none is None
-    torch.testing.assert_close(normed2, torch.nn.functional.layer_norm(residual, (40,), weight, ln_bias, 1e-5))
+    torch.testing.assert_close(
+        normed2, torch.nn.functional.layer_norm(residual, (40,), weight, ln_bias, 1e-5)
+    )
     monkeypatch.setattr(aln, "HAS_TRITON", False)
     assert aln.triton_unavailable_reason(torch.device("cuda", 0)).startswith("Triton is not available")
     aln.add_layer_norm(residual, update, bias, weight, ln_bias, 1e-5)
@@ -497,7 +506,9 @@ def test_option_is_registered_and_validated_with_the_other_keys(ecg):
 )
 def test_configure_sets_each_encoder_and_logs_one_line(log_records, choice, vision, audio):
     records = log_records(fused.logger)
-    model = SimpleNamespace(config=SimpleNamespace(encoder_fused_layers=choice), vpm=siglip(), apm=whisper().apm)
+    model = SimpleNamespace(
+        config=SimpleNamespace(encoder_fused_layers=choice), vpm=siglip(), apm=whisper().apm
+    )
     states = fused.configure_fused_layers(model)
     assert states["vision"].startswith(vision) and states["audio"].startswith(audio)
     assert model.vpm._fused_layers is (vision == "on") and model.apm._fused_layers is (audio == "on")
