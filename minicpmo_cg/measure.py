@@ -111,7 +111,7 @@ class Timer:
         if self.cuda:
             import torch
 
-            torch.cuda.synchronize(self.device)
+            torch.accelerator.synchronize(self.device)
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """Run ``fn()`` once; return ``(milliseconds, its output)``."""

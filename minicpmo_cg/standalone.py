@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
 
-The demo, the benchmark and the CUDA tests need the input encoders at the checkpoint's
+Standalone runs and the CUDA tests need the input encoders at the checkpoint's
 dimensions, but neither the checkpoint (``openbmb/MiniCPM-o-4_5``, about 17 GB) nor its
 Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
 builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
@@ -53,8 +53,7 @@ WIRING_MISSING = (
 # Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
 #
 # "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (checked by
-# tests/demo/test_demo.py::test_config_values_match_installed_defaults).
+# installed minicpmo_4_5_omni_llm.py (a test checks each against the installed file).
 # "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
 # absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +183,7 @@ def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> Non
 
 @dataclass(frozen=True)
 class EncoderBuildInfo:
-    """What :func:`build_thinker_encoders` built (for logs and the demo's JSON).
+    """What :func:`build_thinker_encoders` built (for logs and reports).
 
     Attributes:
         vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
@@ -397,10 +396,10 @@ def wire_encoder_graphs(
 
     Args:
         model: from :func:`build_thinker_encoders`.
-        vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
+        vllm_config: a ``VllmConfig``, e.g. ``standalone_vllm_config()`` (a standalone one, no checkpoint).
         enabled: value of ``encoder_cuda_graph`` (a bool).
-        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. the
-            benchmark's CPU stand-in; None keeps the adapter's CUDA backend.
+        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. a CPU
+            stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
             ``encoder_cuda_graph_max_graphs``, ``streaming_audio=False`` sets
             ``encoder_cuda_graph_streaming_audio``.
@@ -420,7 +419,12 @@ def wire_encoder_graphs(
     for attr, value in values.items():
         setattr(model.config, hf_keys[attr], value)
     model._init_encoder_cuda_graphs(vllm_config)
-    adapters = (vision_graph(model), audio_graph(model), streaming_audio_graph(model))
+    adapters = (
+        vision_graph(model),
+        audio_graph(model),
+        streaming_audio_graph(model),
+        duplex_batch_graph(model),
+    )
     for adapter in adapters:
         if adapter is not None and backend is not None:
             adapter.backend = backend  # before the first call, as the adapter allows
@@ -444,3 +448,8 @@ def audio_graph(model: Any) -> Any:
 def streaming_audio_graph(model: Any) -> Any:
     """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
     return getattr(model, "_streaming_audio_encoder_graph", None)
+
+
+def duplex_batch_graph(model: Any) -> Any:
+    """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
+    return getattr(getattr(model, "_duplex_batch", None), "graph", None)

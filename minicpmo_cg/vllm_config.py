@@ -1,4 +1,4 @@
-"""A ``VllmConfig`` for running the encoders outside an engine (tests, demo, benchmark).
+"""A ``VllmConfig`` for running the encoders outside an engine (tests and standalone runs).
 
 vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and the
 compilation/parallel configs; a full ``ModelConfig`` would need the checkpoint, which
@@ -32,4 +32,18 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     object.__setattr__(model_config, "enforce_eager", enforce_eager)
     object.__setattr__(config, "model_config", model_config)
     config.cache_config.num_gpu_blocks = 0  # profiling is over (see the module docstring)
+    return config
+
+
+def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
+    """``base`` (a :func:`standalone_vllm_config`) as a duplex deployment's: ``model_config`` with
+    vllm-omni's ``session_mode = "duplex"`` and ``duplex_max_sessions``, which start-up capture
+    and batched duplex steps read. A shallow copy; ``base`` is not changed."""
+    import copy
+
+    config = copy.copy(base)
+    model_config = copy.copy(base.model_config)
+    object.__setattr__(model_config, "session_mode", "duplex")
+    object.__setattr__(model_config, "duplex_max_sessions", max_sessions)
+    object.__setattr__(config, "model_config", model_config)
     return config

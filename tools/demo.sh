@@ -14,6 +14,10 @@ case "${1:-}" in
     fi
     lane="$1"; shift ;;
 esac
-venv="$(bash "$root/tools/setup_lane.sh" "$lane" | tail -n 1)"
+# shellcheck source=tools/lane_env.sh
+source "$root/tools/lane_env.sh"
+venv="$(lane_venv "$lane")"
+lock_lane_venv "$venv"  # kept by the demo process (exec): setup, apply and the demo see one checkout
+bash "$root/tools/setup_lane.sh" "$lane" >/dev/null
 "$venv/bin/minicpmo-cg-patch" apply >&2
 exec "$venv/bin/minicpmo-cg-demo" "$@"

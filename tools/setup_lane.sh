@@ -5,16 +5,18 @@
 # lanes/<lane>.txt and the Python version, so a change of pins builds a new one (~4 min, ~9 GB) and
 # anything else reuses it. The pip prefix ignores a machine-wide pip config / PIP_FIND_LINKS whose
 # CPU torch breaks vLLM's CUDA torchvision (see README "Install"); on an ordinary machine it is a no-op.
+# The venv is locked while this runs (tools/lane_env.sh): another checkout's run waits, saying so.
 set -euo pipefail
 lane="${1:-}"; [ -n "$lane" ] || { echo "usage: tools/setup_lane.sh LANE (a lanes/LANE.txt)" >&2; exit 2; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 pins="$root/lanes/$lane.txt"
 [ -f "$pins" ] || { echo "setup_lane: unknown lane '$lane' (have: $(ls "$root/lanes" | sed 's/\.txt//' | tr '\n' ' '))" >&2; exit 2; }
 py="${PYTHON:-python3}"
-pyver="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-key="$( (cat "$pins"; echo "$pyver") | sha256sum | cut -c1-12)"
-cache="${MINICPMO_CG_CACHE:-$HOME/.cache/minicpmo-cg}"
-venv="$cache/venv-$lane-py$pyver-$key"
+# shellcheck source=tools/lane_env.sh
+source "$root/tools/lane_env.sh"
+venv="$(lane_venv "$lane")"
+cache="$(dirname "$venv")"
+lock_lane_venv "$venv"  # held until this script exits, or already held by the caller (tools/test.sh)
 pip=(env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip)
 if [ ! -f "$venv/.complete" ]; then
   echo "setup_lane: building $venv from lanes/$lane.txt (first time: ~4 min, ~9 GB)" >&2

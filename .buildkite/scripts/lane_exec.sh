@@ -10,7 +10,11 @@ if [ -z "$lane" ] || [ ! -f "$root/lanes/$lane.txt" ]; then
   exit 2
 fi
 [ $# -gt 0 ] || { echo "lane_exec: no command" >&2; exit 2; }
-venv="$(bash "$root/tools/setup_lane.sh" "$lane" | tail -n 1)"
+# shellcheck source=tools/lane_env.sh
+source "$root/tools/lane_env.sh"
+venv="$(lane_venv "$lane")"
+lock_lane_venv "$venv"  # kept by the command (exec), as tools/test.sh keeps it for pytest
+bash "$root/tools/setup_lane.sh" "$lane" >/dev/null
 "$venv/bin/minicpmo-cg-patch" apply >&2
 "$venv/bin/minicpmo-cg-patch" status >&2 || true
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"

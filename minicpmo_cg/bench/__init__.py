@@ -94,7 +94,8 @@ Usage::
 Without CUDA it exits with status 2 unless ``--allow-cpu``: then it runs every section on tiny
 shapes with 2+2 encoder layers and a CPU stand-in for graph capture
 (:class:`~.cpu_backend.CpuGraphBackend`: the adapter's real admission policy and cost rule on
-scripted timings, eager "replays"); only the logic is exercised, the numbers mean nothing. The
+scripted timings, captures timed by a scripted clock, eager "replays"), so its decisions do not
+depend on the host's load; only the logic is exercised, the numbers mean nothing. The
 report goes to stdout, progress and logs to stderr. Exit status: 0 done (targets are reported,
 not enforced), 1 a graphed output differed from eager or a section failed, 2 usage/environment
 error.

@@ -107,7 +107,9 @@ def _admission_cases(ctx: Ctx, noop: Callable[..., torch.Tensor]) -> list[tuple[
     new = ctx.new_adapter
     # a no-op forward saves nothing when replayed: the cost rule declines it
     noop_backend = (
-        CpuGraphBackend(host_ms=NOOP_MS, busy_ms_per_item=NOOP_MS) if ctx.cpu else ctx.real_backend()
+        CpuGraphBackend(host_ms=NOOP_MS, busy_ms_per_item=NOOP_MS, clock=ctx.backend.clock)
+        if ctx.cpu
+        else ctx.real_backend()
     )
     declined = new(noop, "bench-bk-declined", admission="cost", min_free_bytes=0, backend=noop_backend)
     budget = new(noop, "bench-bk-budget", min_free_bytes=0, max_bytes=1)

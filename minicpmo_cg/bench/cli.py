@@ -17,9 +17,18 @@ from typing import Any
 import torch
 
 import minicpmo_cg.bench
-from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming, vision_path
+from minicpmo_cg.bench import (
+    bookkeeping,
+    duplex,
+    duplex_concurrency,
+    offline,
+    per_shape,
+    pools,
+    streaming,
+    vision_path,
+)
 from minicpmo_cg.bench.context import PROFILES, ROTATE, TARGETS, Ctx, log
-from minicpmo_cg.bench.cpu_backend import CpuGraphBackend
+from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, ScriptedClock, adapter_clock
 from minicpmo_cg.bench.report import format_report
 from minicpmo_cg.measure import Timer, versions
 
@@ -32,6 +41,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
     "duplex": duplex.run,
+    "duplex_concurrency": duplex_concurrency.run,
     "offline": offline.run,
     "pools": pools.run,
 }
@@ -127,7 +137,8 @@ def make_context(args: argparse.Namespace, mode: str) -> Ctx:
         vllm_config=standalone_vllm_config(),
         adapter_mod=adapter_mod,
         rng=torch.Generator().manual_seed(args.seed),
-        backend=CpuGraphBackend() if device.type != "cuda" else None,
+        # a CPU run scripts time: its decisions must not depend on how loaded the host is
+        backend=CpuGraphBackend(clock=ScriptedClock()) if device.type != "cuda" else None,
         build_args=build_args,
     )
 
@@ -155,7 +166,8 @@ def run_scenarios(ctx: Ctx, sections: list[str], res: dict[str, Any]) -> bool:
         True when every scenario ran to the end.
     """
     complete = True
-    with torch.inference_mode():
+    clock = ctx.backend.clock if ctx.cpu else None
+    with torch.inference_mode(), adapter_clock(ctx.adapter_mod, clock):
         for section in sections:
             t0 = time.perf_counter()
             log(f"section {section} ...")

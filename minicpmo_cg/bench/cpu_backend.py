@@ -7,13 +7,22 @@ so the benchmark's own logic (recording, admission through the adapter's real ``
 and ``CaptureCostModel``, stats, memory and table code) runs end to end on a machine without CUDA.
 Everything CUDA-specific about the CPU dry run lives in this module; the adapter is used
 unmodified, with this object passed as its ``backend``.
+
+Time is scripted too. The adapter calibrates its capture estimate with the capture time it
+measures (``perf_counter`` around the backend's ``capture``); on a CPU that time would be the host's
+wall clock, which a loaded machine stretches, so the cost rule's decisions would depend on the
+load. With a :class:`ScriptedClock`, a capture advances the clock by its scripted duration instead
+of sleeping, and :func:`adapter_clock` lets the adapter read that clock: every decision of a dry
+run (and of a CPU test) is then a function of the scripted times alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +36,69 @@ HOST_MS = 8.0
 BUSY_MS_PER_ITEM = 6.5
 #: Scripted fixed part of a capture (ms): manager construction, graph instantiation, synchronisation.
 CAPTURE_FIXED_MS = 3.0
+
+
+class ScriptedClock:
+    """A clock that moves only when told to: the scripted duration of what "took" time.
+
+    Args:
+        start_s: the reading before anything happened (seconds).
+    """
+
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self.now_s = start_s
+
+    def perf_counter(self) -> float:
+        """The current reading (seconds), as :func:`time.perf_counter` would give it."""
+        return self.now_s
+
+    def advance_ms(self, ms: float) -> None:
+        """Let ``ms`` milliseconds pass.
+
+        Raises:
+            ValueError: ``ms`` < 0.
+        """
+        if ms < 0:
+            raise ValueError(f"a clock cannot go back: advance_ms({ms})")
+        self.now_s += ms / 1e3
+
+
+class _TimeReadingClock:
+    """The ``time`` module as the adapter sees it under :func:`adapter_clock`: ``perf_counter``
+    reads the scripted clock, everything else (``monotonic`` of the stats interval, ...) is real."""
+
+    def __init__(self, clock: ScriptedClock) -> None:
+        self.perf_counter = clock.perf_counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def adapter_clock(adapter_mod: Any, clock: ScriptedClock | None) -> Iterator[None]:
+    """Within the block, the adapter times its captures with ``clock`` (None: the real clock).
+
+    The adapter module is not edited: the ``time`` it imported is replaced, in the module that
+    defines ``EncoderCudaGraph._capture`` (where the capture is timed), by a view whose
+    ``perf_counter`` is ``clock``'s; the real module is put back on exit.
+
+    Raises:
+        RuntimeError: that module does not time captures with ``time.perf_counter`` any more
+            (the adapter changed; so must this function).
+    """
+    if clock is None:
+        yield
+        return
+    timed = sys.modules[adapter_mod.EncoderCudaGraph._capture.__module__]
+    if getattr(timed, "time", None) is not time:
+        raise RuntimeError(
+            f"{timed.__name__} no longer imports time for its capture timing; adapter_clock cannot script it"
+        )
+    timed.time = _TimeReadingClock(clock)
+    try:
+        yield
+    finally:
+        timed.time = time
 
 
 class _EagerGraph:
@@ -68,22 +140,28 @@ class CpuGraphBackend:
     single item idles 1.5 of its 8 ms (as a SigLIP slice does on an H200): recurring every call
     it pays even with the least saving and is captured at its second call; recurring less often
     it is held once, and captured if its idle time pays; a batch of 2 or more keeps the GPU busy
-    and is declined. A capture takes (sleeps) what one takes on a GPU, an eager run and a
-    recorded run plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate
-    with the measured capture times. Peak bytes and pool growth are 0; graph bytes are the
-    static buffers.
+    and is declined. A capture takes what one takes on a GPU, an eager run and a recorded run
+    plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate with the
+    measured capture times: with a ``clock`` it advances the clock by that much (read by the
+    adapter under :func:`adapter_clock`), without one it sleeps that long. Peak bytes and pool
+    growth are 0; graph bytes are the static buffers.
 
     Args:
         free_bytes: the free-memory reading the memory floor sees (default: plenty).
         host_ms: scripted host time of every measured eager call (ms, > 0).
         busy_ms_per_item: scripted GPU busy time per batch item (ms, > 0).
+        clock: the clock captures advance (None: they sleep, and the adapter reads the wall clock).
 
     Raises:
         ValueError: a time that is not > 0.
     """
 
     def __init__(
-        self, free_bytes: int = 1 << 62, host_ms: float = HOST_MS, busy_ms_per_item: float = BUSY_MS_PER_ITEM
+        self,
+        free_bytes: int = 1 << 62,
+        host_ms: float = HOST_MS,
+        busy_ms_per_item: float = BUSY_MS_PER_ITEM,
+        clock: ScriptedClock | None = None,
     ) -> None:
         if not (host_ms > 0 and busy_ms_per_item > 0):
             raise ValueError(
@@ -92,6 +170,7 @@ class CpuGraphBackend:
         self._free_bytes = free_bytes
         self.host_ms = host_ms
         self.busy_ms_per_item = busy_ms_per_item
+        self.clock = clock
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
         tensors = [x for x in inputs if torch.is_tensor(x)]  # None and static arguments do not count
@@ -129,7 +208,11 @@ class CpuGraphBackend:
 
     def capture(self, encoder: Any, vllm_config: Any, device: torch.device, pool: Any | None) -> Any:
         captured = importlib.import_module(ADAPTER_MODULE).CapturedGraph
-        time.sleep(self.capture_ms(encoder.output_shape) / 1e3)
+        took = self.capture_ms(encoder.output_shape)
+        if self.clock is not None:
+            self.clock.advance_ms(took)
+        else:
+            time.sleep(took / 1e3)
         pool = pool if pool is not None else object()
         return captured(_EagerGraph(encoder), pool, 0, encoder.static_bytes)
 

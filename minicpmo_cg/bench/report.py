@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from minicpmo_cg.bench import bookkeeping, duplex, offline, per_shape, pools, streaming, vision_path
+from minicpmo_cg.bench import (
+    bookkeeping,
+    duplex,
+    duplex_concurrency,
+    offline,
+    per_shape,
+    pools,
+    streaming,
+    vision_path,
+)
 
 
 def _header(meta: dict[str, Any]) -> list[str]:
@@ -33,6 +42,7 @@ def format_report(res: dict[str, Any]) -> str:
         ("bookkeeping", bookkeeping.format_section),
         ("streaming", streaming.format_section),
         ("duplex", duplex.format_section),
+        ("duplex_concurrency", duplex_concurrency.format_section),
         ("offline", offline.format_section),
         ("pools", pools.format_section),
     ):

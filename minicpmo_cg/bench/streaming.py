@@ -44,7 +44,7 @@ def _speech_chunks(ctx: Ctx) -> list[dict[str, Any]]:
         wav = mi.load_wav_16k(mi.voice_file(stem))
         for s in range(int(len(wav) // mi.SAMPLING_RATE)):
             mel = mi.mel_features(extractor, wav[s * mi.SAMPLING_RATE : (s + 1) * mi.SAMPLING_RATE])
-            lens = [torch.tensor([mel.shape[-1]], dtype=torch.int64, device=ctx.device)]
+            lens = [torch.tensor([mel.shape[-1]], dtype=torch.int64)]  # on the host, as vLLM passes it
             chunks.append({"audio_features": mel[None].to(ctx.device, ctx.dtype), "audio_feature_lens": lens})
     return chunks
 

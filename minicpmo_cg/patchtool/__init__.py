@@ -6,7 +6,8 @@ Usage::
                       [--owned-dir DIR] [--json] [--verbose]
     minicpmo-cg-patch base [--before PATCH] [--out DIR] [FILE ...]
     minicpmo-cg-patch index [--write | --check] [--patches-dir DIR]
-    minicpmo-cg-patch export [--out DIR] [--author 'NAME <EMAIL>'] [--verify] [--run-tests] [--checkout DIR]
+    minicpmo-cg-patch export [--out DIR] [--author 'NAME <EMAIL>'] [--verify] [--run-tests [--marks EXPR]...]
+                             [--checkout DIR [--branch PREFIX]]
     python -m minicpmo_cg.patchtool ...            # same
 
 Commands:
@@ -26,12 +27,13 @@ Commands:
   active patches of the series applied, all of them or those before ``--before PATCH``,
   the starting point to diff a new or refreshed patch from.
 - ``index``   the one-page ``patches/INDEX.md`` generated from the patch headers.
-- ``export``  the lane's change set as a vllm-omni pull request: a ``git format-patch``
-  series against the pinned release, the vLLM series it depends on and the PR text
-  (:mod:`minicpmo_cg.export`; CONTRIBUTING.md "The upstream pull request").
+- ``export``  the lane's change set as a stack of vllm-omni pull requests, one folder each
+  (a ``git format-patch`` series applying on the pinned release after the PRs before it, and
+  its text), and the vLLM one they depend on (:mod:`minicpmo_cg.export`; CONTRIBUTING.md
+  "The upstream pull requests").
 
-Exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format or I/O
-error (nothing changed); 3 an I/O error stopped apply/revert part-way and the roll-back
+Exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format, damaged
+state or I/O error (nothing changed; a message, never a traceback); 3 an I/O error stopped apply/revert part-way and the roll-back
 failed too (each file's state is listed; apply or revert finishes). An output that cannot
 be written (stdout closed, full or a closed pipe) never changes the exit code.
 
@@ -49,7 +51,10 @@ installation byte-identical to applied or to pristine; temporary files of a kill
 removed by the next apply/revert. Without a record, pristine is what the installed wheels'
 RECORD hashes say; a file that is neither pristine nor explained by the series is a conflict,
 never half-reverted. Symbolic links (a target, or a directory on its way) are refused with a
-message, never written through or replaced.
+message, never written through or replaced. Nothing read back is trusted: the state directory
+and the directories below it must not be links, ``state.json`` and every file read must be
+regular files (a FIFO is refused, never waited on), and every path the record names must lie
+inside ``vllm/`` or ``vllm_omni/`` (:mod:`.state`); otherwise the state is damaged (exit 2).
 
 The installation is the site-packages directory holding the importable ``vllm`` and
 ``vllm_omni`` (found with :func:`importlib.util.find_spec`, without importing them), or

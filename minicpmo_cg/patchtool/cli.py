@@ -13,6 +13,7 @@ from pathlib import Path
 from minicpmo_cg import resources
 from minicpmo_cg.patchtool import commands, index
 from minicpmo_cg.patchtool.errors import EXIT_CODES_HELP, EXIT_CONFLICT, EXIT_OK, PROG, ToolError
+from minicpmo_cg.patchtool.gnupatch import PatchToolMissingError, ScratchDirError
 from minicpmo_cg.patchtool.install import discover_installation
 from minicpmo_cg.patchtool.plan import build_plan
 from minicpmo_cg.patchtool.report import WIDTH, render_json, render_text
@@ -28,7 +29,7 @@ COMMANDS = {
     "revert": "restore every file apply changed, byte-identical (all-or-nothing, crash-safe)",
     "base": "write the starting file of a new or refreshed patch (the file with the earlier patches applied)",
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
-    "export": "export the lane's change set as a vllm-omni pull request (series + PR text; see CONTRIBUTING)",
+    "export": "export the lane's change set as a stack of vllm-omni pull requests (see CONTRIBUTING)",
 }
 
 
@@ -107,6 +108,8 @@ def _run_index(args: argparse.Namespace) -> tuple[int, str, str]:
         raise ToolError(f"{PROG}: bad patch series: {exc}") from None
     path = index.index_path(patches_dir)
     if args.write:
+        if os.path.lexists(path) and not path.is_file():
+            raise ToolError(f"{PROG}: index --write: {path} is not a regular file; remove it and re-run")
         path.write_text(text, encoding="utf-8")
         return EXIT_OK, f"index: wrote {path}\n", ""
     if args.check:
@@ -123,17 +126,11 @@ def _run_export(args: argparse.Namespace) -> int:
     from minicpmo_cg.export.transform import ExportError
     from minicpmo_cg.export.upstream_edits import EditError
 
+    if os.path.lexists(args.out) and not args.out.is_dir():
+        raise ToolError(f"{PROG}: export --out {args.out}: exists and is not a directory; pick another --out")
     try:
         return export_cli.run(args)
-    except (
-        ExportError,
-        EditError,
-        FetchError,
-        FileExistsError,
-        FileNotFoundError,
-        ValueError,
-        RuntimeError,
-    ) as exc:
+    except (ExportError, EditError, FetchError, OSError, ValueError, RuntimeError) as exc:
         raise ToolError(f"{PROG}: export: {exc}") from None
 
 
@@ -155,7 +152,7 @@ def _execute(args: argparse.Namespace) -> tuple[commands.Outcome, object]:
         if command in ("apply", "revert") and outcome.result not in ("conflict", "unchanged"):
             try:
                 plan = build_plan(install, args.patches_dir, args.owned_dir)
-            except ToolError as exc:
+            except (ToolError, OSError, PatchToolMissingError) as exc:  # the command itself is done
                 outcome.warnings.append(f"cannot describe the result: {exc}")
     return outcome, plan
 
@@ -198,18 +195,36 @@ def _emit(text: str, stream_name: str) -> None:
             )
 
 
+def _io_error(command: str, exc: OSError) -> ToolError:
+    """An I/O error no step handled (reading the site, the series, a scratch directory) as exit 2.
+
+    Writes to the installation handle their own errors (rolled back, exit 2 or 3), so one that
+    reaches here happened before anything was changed.
+    """
+    detail = str(exc)
+    if exc.strerror and exc.filename and not isinstance(exc, ScratchDirError):
+        detail = f"{exc.strerror}: {exc.filename}"
+    unchanged = "; nothing was changed" if command not in ("export", "index", "base") else ""
+    return ToolError(f"{PROG}: {command}: I/O error: {detail}{unchanged}")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code instead of exiting (tests call this)."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "export":
-            return _run_export(args)
-        if args.command == "index":
-            code, out, err = _run_index(args)
-            _emit(out, "stdout")
-            _emit(err, "stderr")
-            return code
-        outcome, plan = _execute(args)
+        try:
+            if args.command == "export":
+                return _run_export(args)
+            if args.command == "index":
+                code, out, err = _run_index(args)
+                _emit(out, "stdout")
+                _emit(err, "stderr")
+                return code
+            outcome, plan = _execute(args)
+        except OSError as exc:
+            raise _io_error(args.command, exc) from None
+        except PatchToolMissingError as exc:
+            raise ToolError(f"{PROG}: {exc}") from None
     except ToolError as exc:
         _emit(f"{exc}\n", "stderr")
         if getattr(args, "json", False):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minicpmo_cg.patchtool import journal
+from minicpmo_cg.patchtool import fsops, journal
 from minicpmo_cg.patchtool.errors import EXIT_CONFLICT, EXIT_ERROR, EXIT_OK, PROG, ToolError
 from minicpmo_cg.patchtool.gnupatch import GnuPatch, PatchToolMissingError, ambiguous_hunks, summarize_failure
-from minicpmo_cg.patchtool.series import Patch
+from minicpmo_cg.patchtool.series import Patch, package_relpath_problem
 from minicpmo_cg.patchtool.state import StateRecord
 from minicpmo_cg.patchtool.views import (
     CONFLICT,
@@ -175,12 +176,20 @@ def _base_contents(
     return {rel: contents[rel] for rel in rels}, used
 
 
+def _write_base(path: Path, data: bytes) -> None:
+    if os.path.lexists(path) and fsops.read_regular(path) != data:
+        raise ToolError(f"{PROG}: base: {path} exists with other content; remove it or pick another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
 def cmd_base(plan: Plan, rels: list[str], before_name: str | None, out: Path) -> Outcome:
     """Write ``out/a/<rel>`` and ``out/b/<rel>``: the file a new (or refreshed) patch is diffed from.
 
     Raises:
-        ToolError: no file named, an unknown patch, an earlier patch that does not apply, or an
-            output file that exists with other content (exit 2).
+        ToolError: no file named, a file outside ``vllm/`` and ``vllm_omni/`` (absolute, with
+            ``..``), an unknown patch, an earlier patch that does not apply, an output file
+            that exists with other content, or an output that cannot be written (exit 2).
     """
     before = _find_patch(plan, before_name) if before_name else None
     rels = list(rels) or (list(before.file_paths) if before else [])
@@ -188,17 +197,21 @@ def cmd_base(plan: Plan, rels: list[str], before_name: str | None, out: Path) ->
         raise ToolError(
             f"{PROG}: base: name the file(s) (site-relative, e.g. vllm_omni/...) or pass --before PATCH"
         )
+    for rel in rels:  # a patch can only change files there, and out/a/<rel> must stay inside out/a
+        problem = package_relpath_problem(rel)
+        if problem:
+            raise ToolError(f"{PROG}: base: {rel!r} {problem}; name it relative to site-packages")
+    if os.path.lexists(out) and not out.is_dir():
+        raise ToolError(f"{PROG}: base: --out {out} exists and is not a directory; pick another --out")
     contents, used = _base_contents(plan, rels, before)
     written = []
     for rel, data in contents.items():
         for side in ("a", "b"):
             path = out / side / rel
-            if path.exists() and path.read_bytes() != (data or b""):
-                raise ToolError(
-                    f"{PROG}: base: {path} exists with other content; remove it or pick another --out"
-                )
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data or b"")
+            try:
+                _write_base(path, data or b"")
+            except OSError as exc:
+                raise ToolError(f"{PROG}: base: cannot write {path}: {exc.strerror or exc}") from None
             written.append(str(path))
     upto = f"before {before.name}" if before else "at the end of the series"
     applied = ", ".join(used) if used else "none"

@@ -10,16 +10,16 @@ PROG = "minicpmo-cg-patch"
 EXIT_OK = 0
 #: refused because of a conflict; nothing was written
 EXIT_CONFLICT = 1
-#: usage, environment, patch-format or I/O error; nothing was changed (an I/O error while
-#: writing was rolled back completely)
+#: usage, environment, patch-format, damaged-state or I/O error; nothing was changed (an I/O
+#: error while writing was rolled back completely)
 EXIT_ERROR = 2
 #: an I/O error stopped apply/revert part-way and the roll-back did not finish either; the
 #: message lists every file's state, and apply or revert finishes from there
 EXIT_INCOMPLETE = 3
 
 EXIT_CODES_HELP = (
-    "exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format or I/O "
-    "error (nothing changed); 3 an I/O error left apply/revert unfinished (each file's state is "
+    "exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format, damaged "
+    "state or I/O error (nothing changed); 3 an I/O error left apply/revert unfinished (each file's state is "
     "listed; run apply or revert again to finish)"
 )
 

@@ -8,6 +8,11 @@ rename replaces this directory's entry only). Deletions are single ``unlink``/``
 calls. A temporary file left by a killed run is removed by the next ``apply``/``revert``
 (:func:`remove_litter`).
 
+Reading is the other direction of the same distrust: :func:`read_regular` is how the tool reads
+a file of the installation or of its state directory, opening it without blocking and refusing
+anything that is not a regular file (a FIFO would block every command, a device would be read
+forever), and, for its own state, refusing a symbolic link instead of following it.
+
 Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
 ``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
 runs before each step with ``(step, path)``; it may raise (an ``OSError`` models an I/O or
@@ -20,15 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
     "TMP_SUFFIX",
+    "NotRegularFileError",
     "SimulatedKill",
+    "file_kind",
     "find_litter",
     "make_dirs",
+    "read_regular",
     "remove_dir",
     "remove_file",
     "remove_litter",
@@ -45,6 +54,73 @@ _killed = False
 
 class SimulatedKill(BaseException):
     """Raised by a test hook to stop the tool as a ``kill -9`` would (no cleanup runs)."""
+
+
+class NotRegularFileError(OSError):
+    """A path that should hold a regular file holds something else; the message names it and what it is."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISREG, "a regular file"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """``"a FIFO"``, ``"a directory"``, ... for an ``st_mode``."""
+    return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
+
+
+def read_regular(path: Path, *, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file at ``path``, read without ever blocking on it.
+
+    The file is opened with ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a
+    writer) and checked with ``fstat`` on the open descriptor before anything is read, so what
+    is read is what was checked.
+
+    Args:
+        follow_links: False refuses a symbolic link at ``path`` itself (``O_NOFOLLOW``).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        NotRegularFileError: a directory, FIFO, socket or device (or a link, without
+            ``follow_links``); the message names the path and its kind.
+        OSError: any other error of ``open``/``read``.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a link refused by O_NOFOLLOW (ELOOP), a socket (ENXIO), ...
+        try:
+            mode = os.stat(path, follow_symlinks=follow_links).st_mode
+        except OSError:
+            raise exc from None
+        if stat.S_ISLNK(mode):
+            raise NotRegularFileError(
+                f"{path} is not a regular file (a symbolic link to {os.readlink(path)})"
+            ) from None
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"{path} is not a regular file ({file_kind(mode)})") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"{path} is not a regular file ({file_kind(mode)})")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def set_hook(hook: Hook | None) -> None:

@@ -33,14 +33,25 @@ from pathlib import Path
 
 from minicpmo_cg.patchtool.series import FileChange
 
-__all__ = ["GnuPatch", "PatchRun", "PatchToolMissingError", "ambiguous_hunks", "summarize_failure"]
+__all__ = [
+    "GnuPatch",
+    "PatchRun",
+    "PatchToolMissingError",
+    "ScratchDirError",
+    "ambiguous_hunks",
+    "summarize_failure",
+]
 
 Contents = dict[str, "bytes | None"]
 """site-packages-relative POSIX path -> file bytes, or None for an absent file."""
 
 
 class PatchToolMissingError(RuntimeError):
-    """GNU ``patch`` is not on ``PATH`` or is not GNU patch."""
+    """GNU ``patch`` is not on ``PATH``, is not GNU patch, or cannot be run."""
+
+
+class ScratchDirError(OSError):
+    """The temporary directory (``TMPDIR``) cannot hold the scratch copies: full, unwritable, gone."""
 
 
 @dataclass(frozen=True)
@@ -136,47 +147,67 @@ class GnuPatch:
         )
 
     def _run(self, diff: str, files: Contents, reverse: bool) -> PatchRun:
-        with tempfile.TemporaryDirectory(prefix="minicpmo-cg-patch-") as tmp:
-            root = Path(tmp) / "tree"
-            root.mkdir()
-            for rel, data in files.items():
-                if data is None:
-                    continue
-                target = root / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-            diff_file = Path(tmp) / "change.diff"
-            diff_file.write_text(diff, encoding="utf-8")
-            argv = [
-                self.executable,
-                "-p1",
-                "--force",
-                "--fuzz=0",
-                "--no-backup-if-mismatch",
-                "--reject-file=-",
-                "--quoting-style=literal",
-                "-d",
-                str(root),
-                "-i",
-                str(diff_file),
-            ]
-            if reverse:
-                argv.insert(1, "--reverse")
-            env = {
-                k: v
-                for k, v in os.environ.items()
-                if k not in ("POSIXLY_CORRECT", "PATCH_GET", "SIMPLE_BACKUP_SUFFIX")
-            }
-            env["LC_ALL"] = "C"
+        """One ``patch`` run in a fresh scratch directory.
+
+        Raises:
+            ScratchDirError: the scratch directory cannot be made, written, read or removed.
+            PatchToolMissingError: ``patch`` cannot be started.
+        """
+        try:
+            with tempfile.TemporaryDirectory(prefix="minicpmo-cg-patch-") as tmp:
+                return self._run_in(Path(tmp), diff, files, reverse)
+        except OSError as exc:
+            where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
+            detail = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+            raise ScratchDirError(
+                f"cannot use the temporary directory {where} (TMPDIR) for GNU patch's scratch copies: "
+                f"{detail}; free space there or point TMPDIR at a writable directory"
+            ) from None
+
+    def _run_in(self, tmp: Path, diff: str, files: Contents, reverse: bool) -> PatchRun:
+        root = tmp / "tree"
+        root.mkdir()
+        for rel, data in files.items():
+            if data is None:
+                continue
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        diff_file = tmp / "change.diff"
+        diff_file.write_text(diff, encoding="utf-8")
+        argv = [
+            self.executable,
+            "-p1",
+            "--force",
+            "--fuzz=0",
+            "--no-backup-if-mismatch",
+            "--reject-file=-",
+            "--quoting-style=literal",
+            "-d",
+            str(root),
+            "-i",
+            str(diff_file),
+        ]
+        if reverse:
+            argv.insert(1, "--reverse")
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("POSIXLY_CORRECT", "PATCH_GET", "SIMPLE_BACKUP_SUFFIX")
+        }
+        env["LC_ALL"] = "C"
+        try:
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=120)
-            output = (proc.stdout + proc.stderr).strip()
-            if proc.returncode != 0:
-                return PatchRun(False, None, output)
-            result: Contents = {}
-            for rel in files:
-                target = root / rel
-                result[rel] = target.read_bytes() if target.is_file() else None
-            return PatchRun(True, result, output)
+        except OSError as exc:  # not a scratch problem: the program itself
+            raise PatchToolMissingError(f"cannot run {self.executable}: {exc}") from None
+        output = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0:
+            return PatchRun(False, None, output)
+        result: Contents = {}
+        for rel in files:
+            target = root / rel
+            result[rel] = target.read_bytes() if target.is_file() else None
+        return PatchRun(True, result, output)
 
 
 def summarize_failure(output: str, limit: int = 3) -> str:

@@ -292,6 +292,8 @@ def _load_record(
             "ignored (the packages were reinstalled); apply/revert replace it"
         )
         return None, loaded, [note]
+    if loaded is not None:
+        _check_against_wheels(loaded, store, install)
     notes = []
     if loaded is not None and not loaded.complete:
         notes.append(
@@ -299,6 +301,27 @@ def _load_record(
             "or revert to undo it"
         )
     return loaded, loaded, notes
+
+
+def _check_against_wheels(record: StateRecord, store: StateStore, install: Installation) -> None:
+    """Refuse a record that claims apply created what pip installed (revert would delete it).
+
+    Raises:
+        ToolError: a file recorded as absent before apply that a wheel's RECORD lists, or a
+            directory recorded as created by apply that holds files RECORD lists (exit 2).
+    """
+    for rel, entry in sorted(record.files.items()):
+        wheel = install.wheel_file(rel)
+        if entry.original_sha256 is None and wheel is not None:
+            what = (
+                f"{rel} is recorded as absent before apply, but the {wheel.dist} {wheel.version} "
+                "wheel installs it"
+            )
+            raise ToolError(f"{PROG}: {store.damaged(what)}")
+    for rel in record.created_dirs:
+        if install.wheel_has_dir(rel):
+            what = f"{rel}/ is recorded as created by apply, but the installed wheels have files in it"
+            raise ToolError(f"{PROG}: {store.damaged(what)}")
 
 
 def _new_record(plan: Plan, active: list[Patch]) -> StateRecord | None:

@@ -17,9 +17,12 @@ vLLM's import time).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from minicpmo_cg.patchtool.fsops import file_kind
 
 __all__ = [
     "KNOWN_PACKAGES",
@@ -31,6 +34,7 @@ __all__ = [
     "canonical_package",
     "load_all_series",
     "load_series",
+    "package_relpath_problem",
     "parse_patch",
     "parse_version",
     "version_at_least",
@@ -280,6 +284,32 @@ def _parse_header(lines: list[str], where: str) -> tuple[dict[str, str], int]:
     raise PatchFormatError(f"{where}: no line '---' ends the header block")
 
 
+def package_relpath_problem(
+    rel: object, import_dirs: tuple[str, ...] = tuple(KNOWN_PACKAGES.values())
+) -> str | None:
+    """Why ``rel`` is not a site-relative path of a file below one of ``import_dirs``, or None.
+
+    The rule diff paths follow, applied to every path the tool reads from elsewhere (its state
+    record, ``base FILE``): a relative POSIX path of plain parts (``[A-Za-z0-9_.-]``, no empty,
+    ``.`` or ``..`` part) whose first part is an import directory of a patched package
+    (``vllm``, ``vllm_omni``) and that names something inside it.
+    """
+    inside = " or ".join(f"{d}/" for d in import_dirs)
+    if not isinstance(rel, str) or not rel:
+        return f"is not a path (expected a site-relative path inside {inside})"
+    if rel.startswith("/"):
+        return f"is an absolute path (expected a site-relative path inside {inside})"
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") for part in parts) or not _SAFE_PATH_RE.match(rel):
+        return (
+            "is not a plain relative path (no '..', '.' or empty parts, no unusual characters) "
+            f"inside {inside}"
+        )
+    if parts[0] not in import_dirs or len(parts) < 2:
+        return f"is outside {inside} (the packages the series patches)"
+    return None
+
+
 def _validate_rel_path(raw: str, prefix: str, where: str, lineno: int, import_dir: str) -> str:
     path = raw.split("\t", 1)[0].rstrip()
     if not path.startswith(prefix):
@@ -481,15 +511,25 @@ def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
     )
 
 
+def _kind(path: Path) -> str:
+    """What is at ``path`` (following links), for messages; "a dangling symbolic link" when nothing."""
+    try:
+        return file_kind(path.stat().st_mode)
+    except OSError:
+        return "a dangling symbolic link" if path.is_symlink() else "unreadable"
+
+
 def load_series(folder: Path) -> list[Patch]:
     """Parse ``folder/series`` and every patch it lists, in order.
 
-    A folder without a ``series`` file has no patches. The folder name must be
-    a key of :data:`KNOWN_PACKAGES`.
+    A folder without a ``series`` file has no patches; a ``series`` that is there but is
+    not a regular file (a directory, a FIFO, a dangling link) is an error, never "no
+    patches". The folder name must be a key of :data:`KNOWN_PACKAGES`.
 
     Raises:
-        PatchFormatError: unknown folder, a listed file that is missing or
-            listed twice, a name with a path separator, or any patch error.
+        PatchFormatError: unknown folder, a ``series`` that is not a regular file, a listed
+            file that is missing, not a regular file or listed twice, a name with a path
+            separator, or any patch error.
     """
     package = canonical_package(folder.name)
     if package not in KNOWN_PACKAGES or folder.name != package:
@@ -497,8 +537,13 @@ def load_series(folder: Path) -> list[Patch]:
             f"{folder}: unknown patch folder (expected one of: {', '.join(sorted(KNOWN_PACKAGES))})"
         )
     series = folder / "series"
-    if not series.is_file():
+    if not os.path.lexists(series):
         return []
+    if not series.is_file():  # read as "no series", a directory or FIFO would un-apply the folder
+        raise PatchFormatError(
+            f"{series}: not a regular file ({_kind(series)}); a series is a file of patch names "
+            "(a folder without patches has no series file)"
+        )
     patches: list[Patch] = []
     seen: set[str] = set()
     for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), start=1):
@@ -514,7 +559,8 @@ def load_series(folder: Path) -> list[Patch]:
         seen.add(entry)
         path = folder / entry
         if not path.is_file():
-            raise PatchFormatError(f"{series}: line {lineno}: {entry} does not exist in {folder}")
+            what = f"is not a regular file ({_kind(path)})" if os.path.lexists(path) else "does not exist"
+            raise PatchFormatError(f"{series}: line {lineno}: {entry} {what} in {folder}")
         patches.append(parse_patch(path, package))
     return patches
 
@@ -527,15 +573,22 @@ def load_all_series(patches_dir: Path) -> list[Patch]:
     not edit the same file across folders (folders own disjoint trees).
 
     Raises:
-        PatchFormatError: see :func:`load_series`; also a missing ``patches_dir``.
+        PatchFormatError: see :func:`load_series`; also a missing ``patches_dir`` and a
+            package folder that is not a directory.
     """
     if not patches_dir.is_dir():
-        raise PatchFormatError(f"{patches_dir}: patch directory not found")
+        found = f"not a directory ({_kind(patches_dir)})" if os.path.lexists(patches_dir) else "not found"
+        raise PatchFormatError(f"{patches_dir}: patch directory {found}")
     patches: list[Patch] = []
     for package in sorted(KNOWN_PACKAGES):
         folder = patches_dir / package
         if folder.is_dir():
             patches.extend(load_series(folder))
+        elif os.path.lexists(folder):
+            raise PatchFormatError(
+                f"{folder}: not a directory ({_kind(folder)}); a package's patches live in a folder "
+                "(leave it out for a package without patches)"
+            )
     for child in sorted(patches_dir.iterdir()):
         if child.is_dir() and child.name not in KNOWN_PACKAGES and (child / "series").exists():
             load_series(child)  # raises with the folder named

@@ -25,6 +25,15 @@ e.g. an older revision of a patch); ``complete: true`` is written after the last
 (the first release: no ``complete``, ``interim_sha256`` or ``created_dirs``, role
 ``adapter``) is read as a complete record. A record made for other package versions is
 stale (pip replaced the files) and is ignored.
+
+Nothing read back is trusted. Every path (``files`` keys, ``created_dirs``) must be a plain
+site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``), every hash
+64 hex digits or null, every role known; the state directory and every directory below it must
+be directories, not symbolic links, and ``state.json`` a regular file (a link or a FIFO is
+never opened as the record). Anything else makes :meth:`StateStore.load` raise
+:class:`StateError` (the state is damaged) before a command acts on the record. A stored
+original that is not a regular file is damaged like one with the wrong hash
+(:meth:`StateStore.load_original`).
 """
 
 from __future__ import annotations
@@ -34,11 +43,14 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from minicpmo_cg.patchtool import fsops
+from minicpmo_cg.patchtool.series import KNOWN_PACKAGES, package_relpath_problem
 
 __all__ = [
     "STATE_DIRNAME",
@@ -53,6 +65,10 @@ __all__ = [
 STATE_DIRNAME = "minicpmo_cg_patch_state"
 FORMAT = 2
 _READABLE_FORMATS = (1, 2)
+_HEX = re.compile(r"[0-9a-f]{64}")
+_ROLES = {"patch": "patch", "owned": "owned", "adapter": "owned"}  # "adapter": format 1
+#: owned files are this project's modules in vllm-omni's tree
+_OWNED_DIRS = (KNOWN_PACKAGES["vllm-omni"],)
 
 
 class StateError(RuntimeError):
@@ -117,24 +133,70 @@ class StateRecord:
         return replace(self, files=files, complete=True)
 
 
+def _digest(value: object, where: str) -> str | None:
+    if value is None or (isinstance(value, str) and _HEX.fullmatch(value)):
+        return value
+    raise ValueError(f"{where}: {value!r} is not a sha256 (64 hex digits) or null")
+
+
+def _path(rel: object, where: str, import_dirs: tuple[str, ...] = tuple(KNOWN_PACKAGES.values())) -> str:
+    problem = package_relpath_problem(rel, import_dirs)
+    if problem:
+        raise ValueError(f"{where}: {rel!r} {problem}")
+    assert isinstance(rel, str)
+    return rel
+
+
+def _file_record(rel: str, v: object) -> FileRecord:
+    if not isinstance(v, dict):
+        raise TypeError(f"files: {rel!r}: not an object")
+    role = _ROLES.get(v.get("role", "patch"))
+    if role is None:
+        raise ValueError(f"files: {rel!r}: unknown role {v.get('role')!r}")
+    if role == "owned":
+        _path(rel, "files", _OWNED_DIRS)
+    else:
+        _path(rel, "files")
+    interim = v.get("interim_sha256", ())
+    if not isinstance(interim, list | tuple):
+        raise TypeError(f"files: {rel!r}: interim_sha256 is not a list")
+    return FileRecord(
+        _digest(v["original_sha256"], f"files: {rel!r}: original_sha256"),
+        _digest(v["written_sha256"], f"files: {rel!r}: written_sha256"),
+        role,
+        tuple(_digest(d, f"files: {rel!r}: interim_sha256") for d in interim),
+    )
+
+
 def _record_from_json(raw: dict) -> StateRecord:
+    """The record ``raw`` describes, every path and hash checked (nothing read back is trusted).
+
+    Raises:
+        ValueError: an unknown format, a path outside the patched packages, a malformed hash
+            or role (the message names the entry); KeyError/TypeError/AttributeError for a
+            missing or mistyped field.
+    """
     if raw.get("format") not in _READABLE_FORMATS:
         raise ValueError(f"unknown format {raw.get('format')!r}")
-    files = {}
-    for rel, v in raw["files"].items():
-        role = v.get("role", "patch")
-        files[rel] = FileRecord(
-            v["original_sha256"],
-            v["written_sha256"],
-            "owned" if role == "adapter" else role,
-            tuple(v.get("interim_sha256", ())),
-        )
+    files = {rel: _file_record(rel, v) for rel, v in raw["files"].items()}
+    patches = {str(name): _digest(d, f"patches: {name!r}") for name, d in dict(raw["patches"]).items()}
+    versions = {str(k): str(v) for k, v in dict(raw["versions"]).items()}
+    dirs = raw.get("created_dirs", ())
+    if not isinstance(dirs, list | tuple):
+        raise TypeError("created_dirs is not a list")
     return StateRecord(
-        dict(raw["versions"]),
-        dict(raw["patches"]),
+        versions,
+        patches,
         files,
         bool(raw.get("complete", True)),
-        tuple(raw.get("created_dirs", ())),
+        tuple(_path(d, "created_dirs") for d in dirs),
+    )
+
+
+def _damaged_hint(root: Path) -> str:
+    return (
+        f"the state is damaged. Move {root} aside and run revert: without a record it un-applies the "
+        "series and checks the result against the installed wheels' RECORD hashes"
     )
 
 
@@ -160,23 +222,62 @@ class StateStore:
         self.json_path = self.root / "state.json"
         self.originals = self.root / "originals"
 
+    def damaged(self, what: str) -> StateError:
+        """The error for a record that says ``what`` (a reason naming the entry), with the remedy."""
+        return StateError(f"{self.json_path}: {what}: {_damaged_hint(self.root)}")
+
+    def check_tree(self) -> None:
+        """Refuse a state directory that is not what the tool made: links are never followed.
+
+        Raises:
+            StateError: the state directory is a symbolic link or not a directory, or a
+                directory below it is a symbolic link; the message names it.
+        """
+        try:
+            mode = os.lstat(self.root).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StateError(f"cannot inspect {self.root} ({exc}); {_damaged_hint(self.root)}") from None
+        if stat.S_ISLNK(mode):
+            raise StateError(
+                f"{self.root} is a symbolic link (to {os.readlink(self.root)}); the tool never follows links "
+                "in its state directory. If it holds this installation's state, replace the link by the "
+                "directory it points to (mv), otherwise remove the link; then re-run"
+            )
+        if not stat.S_ISDIR(mode):
+            raise StateError(
+                f"{self.root} is not a directory ({fsops.file_kind(mode)}); move it aside and re-run"
+            )
+        for dirpath, dirnames, _ in os.walk(self.root, onerror=None, followlinks=False):
+            for name in dirnames:
+                path = Path(dirpath) / name
+                if path.is_symlink():
+                    raise StateError(
+                        f"{path} is a symbolic link (to {os.readlink(path)}) inside the state directory; "
+                        f"the tool never stores or reads originals through links: {_damaged_hint(self.root)}"
+                    )
+
     def load(self) -> StateRecord | None:
         """The record, or None when there is none.
 
         Raises:
-            StateError: ``state.json`` is not valid JSON of a known format.
+            StateError: the state directory fails :meth:`check_tree`, or ``state.json`` is not a
+                regular file (a link, a FIFO, ...) holding valid JSON of a known format whose
+                paths and hashes pass the checks of the module docstring.
         """
-        if not os.path.lexists(self.json_path):
-            return None
+        self.check_tree()
         try:
-            if self.json_path.is_symlink():
-                raise ValueError("it is a symbolic link")
-            return _record_from_json(json.loads(self.json_path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            data = fsops.read_regular(self.json_path, follow_links=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"cannot read {self.json_path} ({exc}): {_damaged_hint(self.root)}") from None
+        try:
+            return _record_from_json(json.loads(data.decode("utf-8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
             raise StateError(
-                f"cannot read {self.json_path} ({exc}): the state is damaged. Move {self.root} aside and "
-                "run revert: without a record it un-applies the series and checks the result against "
-                "the installed wheels' RECORD hashes"
+                f"{self.json_path} is not a valid record ({exc}): {_damaged_hint(self.root)}"
             ) from None
 
     def load_original(self, rel: str, record: FileRecord) -> bytes | None:
@@ -189,9 +290,9 @@ class StateStore:
             return None
         path = self.originals / rel
         try:
-            if path.is_symlink():
-                raise OSError("it is a symbolic link")
-            data = path.read_bytes()
+            data = fsops.read_regular(path, follow_links=False)
+        except fsops.NotRegularFileError as exc:
+            raise StateError(f"stored original {exc}; the state is damaged") from None
         except OSError as exc:
             raise StateError(f"stored original {path} is unreadable ({exc}); the state is damaged") from None
         if sha256_or_none(data) != record.original_sha256:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minicpmo_cg import resources
+from minicpmo_cg.patchtool import fsops
 from minicpmo_cg.patchtool.errors import PROG, ToolError
 from minicpmo_cg.patchtool.install import Installation
 from minicpmo_cg.patchtool.series import Patch
@@ -146,17 +147,17 @@ class Plan:
 
 
 def read_file(path: Path) -> bytes | None:
-    """The bytes at ``path`` (None when absent).
+    """The bytes at ``path`` (None when absent), never blocking (:func:`fsops.read_regular`).
 
     Raises:
-        ToolError: a directory or an unreadable file (exit 2).
+        ToolError: a directory, FIFO, socket or device, or an unreadable file (exit 2).
     """
     try:
-        return path.read_bytes()
+        return fsops.read_regular(path)
     except FileNotFoundError:
         return None
-    except IsADirectoryError:
-        raise ToolError(f"{PROG}: {path} is a directory, expected a file") from None
+    except fsops.NotRegularFileError as exc:
+        raise ToolError(f"{PROG}: {exc}; expected a file (move it aside and re-run)") from None
     except OSError as exc:
         raise ToolError(f"{PROG}: cannot read {path}: {exc}") from None
 

@@ -57,6 +57,7 @@ import time
 import urllib.error
 import urllib.request
 import wave
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -426,15 +427,26 @@ class ServeProcess:
             return "<no log>"
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_ready(self, timeout: float, poll: float = 2.0) -> None:
+    def wait_ready(
+        self,
+        timeout: float,
+        poll: float = 2.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """Poll ``/health`` until 200; fail fast if the process exits.
+
+        Args:
+            clock, sleep: the time source of the deadline and the pause between polls (seconds);
+                tests script them.
 
         Raises:
             ServerError: the process exited before becoming ready.
             TimeoutError: not ready within ``timeout`` seconds.
         """
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
+        deadline = clock() + timeout
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -447,12 +459,12 @@ class ServeProcess:
                     return
             except OSError:
                 pass  # not listening yet
-            if time.monotonic() >= deadline:
+            if clock() >= deadline:
                 raise TimeoutError(
                     f"server not ready after {timeout:.0f} s ({self.base_url}/health)\n"
                     f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
                 )
-            time.sleep(poll)
+            sleep(poll)
 
     def stop(self, grace: float = 30.0, reap_timeout: float = 60.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``grace`` s, then wait until no member is alive."""

@@ -20,6 +20,7 @@ def tiny_audio_model(
     heads: int = 4,
     embed: int = 32,
     pool: int = 2,
+    llm=None,
     **config,
 ) -> nn.Module:
     """A ``MiniCPMO45OmniLLMForConditionalGeneration`` holding only what the audio paths read.
@@ -28,9 +29,11 @@ def tiny_audio_model(
     80 mel bins, attention ``attn``), the projection to ``embed`` and the ``pool``-step average
     pooler; ``config`` carries ``audio_chunk_length=chunk_seconds``, ``audio_pool_step=pool`` and
     ``config``. Weights come from ``torch.manual_seed(0)``, float32 on the CPU, training mode:
-    the caller moves, casts and sets the mode.
+    the caller moves, casts and sets the mode. ``llm`` is the model module to take the classes
+    from (default: the installed one; e.g. a rebuilt earlier version of it).
     """
-    from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+    if llm is None:
+        from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
 
     torch.manual_seed(0)
     whisper = llm.WhisperConfig(

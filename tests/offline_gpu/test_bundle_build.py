@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -84,9 +85,11 @@ def test_build_reports_a_failed_lane_and_keeps_the_old_bundle(
         raise RuntimeError("pip download failed (exit 1): no network")
 
     monkeypatch.setattr(wheels, "fetch", no_network)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the failed lane's work directory is kept
     opts = build.BuildOptions(repo=cli.REPO, out=tmp_path / "out", cache=tmp_path / "cache", verify="no")
     assert build.build([get_lane("current")], opts) == 1
     assert (old / payload.MANIFEST).read_text() == before
+    assert len(list(tmp_path.glob("offline-gpu-current-*"))) == 1  # kept for a look, as the message says
 
 
 @pytest.mark.cpu

@@ -180,12 +180,11 @@ def test_a_part_over_its_time_limit_is_killed_with_its_children(
     tmp_path: Path, make_bundle, fake_python, capsys
 ):
     make_bundle(tmp_path / "bundles")
-    t0 = time.monotonic()
     code, out, _ = _run(
         tmp_path, fake_python, "bench", "tests", "--bench-args=--hang", "--timeout", "bench=2"
     )
     text = capsys.readouterr().out
-    assert time.monotonic() - t0 < 60
+    # the hanging part would print its results after 120 s: "timeout" says the runner killed it
     assert code == 1 and "[bench] timeout" in text and "TIMEOUT" in text.split("SUMMARY")[1]
     assert "tests  ok" in text.split("SUMMARY")[1]  # the next part still ran
     grandchild = int((out / "grandchild.pid").read_text())

@@ -53,7 +53,7 @@ def cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedPr
         capture_output=kwargs.pop("capture_output", "stdout" not in kwargs),
         text=True,
         env=env,
-        timeout=300,
+        timeout=kwargs.pop("timeout", 300),
         **kwargs,
     )
 

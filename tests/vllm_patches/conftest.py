@@ -7,9 +7,6 @@ patches of ``patches/vllm/`` applied to the installed vLLM, on the current lane
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 
@@ -52,14 +49,14 @@ def _patched_or_upstream():
 
 
 @pytest.fixture(scope="session")
-def tp_group():
+def tp_group(tmp_path_factory):
     """A single-process tensor-parallel group, needed to build vLLM's parallel linear layers."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        init_file = os.path.join(tempfile.mkdtemp(prefix="minicpmo-cg-dist-"), "init")
+        init_file = tmp_path_factory.mktemp("minicpmo-cg-dist") / "init"
         with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
             parallel_state.init_distributed_environment(
                 world_size=1,

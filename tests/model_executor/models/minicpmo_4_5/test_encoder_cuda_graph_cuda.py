@@ -9,6 +9,14 @@ modules at checkpoint dimensions are in ``test_encoder_cuda_graph_models.py``.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -270,6 +278,193 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
     fresh = counting(ecg, TinyEncoder(), vllm_config)
     fresh(x), fresh(x)
     assert len(fresh.graphs) == 1
+
+
+class HostSyncEncoder(TinyEncoder):
+    """:class:`TinyEncoder` with a host sync in its forward (``Tensor.item``): eager calls work, a
+    capture of it is invalidated, so ``capture_end`` itself fails and skips torch's bookkeeping."""
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().__call__(x, mask)
+        y.sum().item()  # reads the GPU back: not allowed while the stream is capturing
+        return y
+
+
+RESULT_TAG = "FAILED_CAPTURE_RESULT="
+#: what must still work after the failed capture (each True, else what it raised)
+AFTER_FAILURE_CHECKS = (
+    "randn",
+    "dropout",
+    "multinomial",
+    "earlier_graph_replays",
+    "eager_encoder",
+    "fresh_capture_replays",
+    "pool_routing_ended",
+    "adapter_refuses",
+)
+
+
+def after_a_failed_capture(ecg, vllm_config) -> dict[str, Any]:
+    """Capture a forward with a host sync (it fails), then try everything else the process does.
+
+    Runs in a fresh process (:func:`test_a_failed_capture_leaves_the_rest_of_the_process_working`):
+    before the cleanup, such a failure left the CUDA generator in capture mode for good. Returns
+    the capture's error, the backend's cleanup log and, per :data:`AFTER_FAILURE_CHECKS` entry,
+    True or what the check raised or returned.
+    """
+    device = torch.device("cuda", torch.accelerator.current_device_index())
+    handles = []
+    new_handle = torch.cuda.graph_pool_handle
+
+    def recording_handle():
+        handles.append(new_handle())
+        return handles[-1]
+
+    torch.cuda.graph_pool_handle = recording_handle  # the backend's pools, in creation order
+    cleanup_log = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: cleanup_log.append(record.getMessage())
+    ecg.backend.logger.addHandler(handler)
+    result: dict[str, Any] = {}
+    with torch.inference_mode():
+        earlier_enc = TinyEncoder(seed=1)
+        earlier = counting(ecg, earlier_enc, vllm_config, name="earlier")
+        y, y_later = rand(3, 64), rand(3, 64)
+        earlier(y), earlier(y)  # captured before the failure, in a pool of its own
+        result["earlier_graphs"] = len(earlier.graphs)
+        enc = HostSyncEncoder()
+        failing = counting(ecg, enc, vllm_config, name="failing")
+        x = rand(2, 64)
+        expected = enc(x)
+        failing(x)  # warmup: eager
+        try:
+            failing(x)  # the capture
+            result["capture_error"] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+            result["capture_error"] = f"{type(exc).__name__}: {exc} (during: {exc.__context__!r})"
+        result["capturing_after"] = bool(torch.cuda.is_current_stream_capturing())
+        result["cleanup_log"] = list(cleanup_log)
+
+        def dropout():
+            out = torch.nn.functional.dropout(torch.ones(4096, device=device), 0.5, training=True)
+            return bool(((out == 0) | (out == 2)).all()) and 0 < int((out == 0).sum()) < 4096
+
+        def multinomial():
+            drawn = torch.multinomial(torch.ones(4, device=device), 2).tolist()
+            return len(drawn) == 2 and len(set(drawn)) == 2 and all(0 <= i < 4 for i in drawn)
+
+        def earlier_graph_replays():
+            hits = earlier.get_cumulative_stats()["graph_hits"]
+            out = earlier(y_later)
+            return (
+                torch.equal(out, earlier_enc(y_later))
+                and earlier.get_cumulative_stats()["graph_hits"] == hits + 1
+            )
+
+        def fresh_capture_replays():
+            static = torch.zeros(16, device=device)
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                static * 2 + 1  # warm-up outside the capture
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                out = static * 2 + 1
+            static.copy_(torch.arange(16.0, device=device))
+            graph.replay()
+            torch.cuda.current_stream(device).wait_stream(side)
+            return torch.equal(out, torch.arange(16.0, device=device) * 2 + 1)
+
+        def pool_routing_ended():
+            try:  # the failing adapter's pool: the allocator must no longer route into it
+                torch._C._cuda_endAllocateToPool(device.index, handles[-1])
+            except RuntimeError as exc:
+                return "not currently recording" in str(exc) or str(exc)
+            return "the allocator was still routing into the failed capture's pool"
+
+        def adapter_refuses():
+            try:
+                failing(x)
+            except ecg.EncoderCudaGraphCaptureFailedError:
+                return failing.get_cumulative_stats()["capture_failures"] == 1 and enc.calls == calls
+            return "the failed adapter served a call"
+
+        calls = enc.calls + 1  # the eager check below calls the forward once
+        checks = {
+            "randn": lambda: bool(torch.randn(8, device=device).isfinite().all()),
+            "dropout": dropout,
+            "multinomial": multinomial,
+            "earlier_graph_replays": earlier_graph_replays,
+            "eager_encoder": lambda: torch.equal(enc(x), expected),
+            "fresh_capture_replays": fresh_capture_replays,
+            "pool_routing_ended": pool_routing_ended,
+            "adapter_refuses": adapter_refuses,
+        }
+        for name in AFTER_FAILURE_CHECKS:
+            try:
+                result[name] = checks[name]()
+            except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+                result[name] = f"raised {type(exc).__name__}: {exc}"
+    torch.cuda.graph_pool_handle = new_handle
+    return result
+
+
+_AFTER_FAILURE = """
+import importlib, importlib.util, json, os, sys
+sys.path.insert(0, {test_dir!r})
+importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
+package_dir = os.path.dirname({path!r})
+spec = importlib.util.spec_from_file_location({name!r}, {path!r}, submodule_search_locations=[package_dir])
+ecg = importlib.util.module_from_spec(spec)
+sys.modules[{name!r}] = ecg
+spec.loader.exec_module(ecg)
+import test_encoder_cuda_graph_cuda as scenario
+from minicpmo_cg.vllm_config import standalone_vllm_config
+result = scenario.after_a_failed_capture(ecg, standalone_vllm_config())
+print(scenario.RESULT_TAG + json.dumps(result), flush=True)
+"""
+
+
+def test_a_failed_capture_leaves_the_rest_of_the_process_working(ecg):
+    """After a capture that ``capture_end`` could not finish, the process keeps working: CUDA RNG
+    (``randn``, dropout, ``multinomial``, so vLLM's sampler), a graph captured earlier, the eager
+    encoder, a new capture elsewhere, the caching allocator (no longer routing into the failed
+    pool) and a clean exit; the adapter itself still refuses every call (the fatal contract).
+
+    In a fresh process: the failure changes process-wide state that earlier tests must not have
+    set up and later tests must not inherit.
+    """
+    test_dir = Path(__file__).resolve().parent
+    repo = test_dir.parents[3]
+    code = _AFTER_FAILURE.format(
+        test_dir=str(test_dir), name=ecg.__name__, path=str(Path(ecg.__file__).resolve())
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    assert len(lines) == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(lines[0][len(RESULT_TAG) :])
+    assert result["earlier_graphs"] == 1, result
+    # the capture failed inside CUDA's stream capture (not a Python error before it)
+    assert result["capture_error"] and "captur" in result["capture_error"].lower(), result
+    assert result["capturing_after"] is False, result
+    assert any("cleaned up after it" in m and "capture mark cleared" in m for m in result["cleanup_log"]), (
+        result
+    )
+    failed = {name: result[name] for name in AFTER_FAILURE_CHECKS if result[name] is not True}
+    assert not failed, (failed, result)
+    assert proc.returncode == 0, f"no clean exit after the failed capture: {proc.stderr[-4000:]}"
 
 
 @torch.inference_mode()

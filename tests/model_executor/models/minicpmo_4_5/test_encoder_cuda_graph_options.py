@@ -48,11 +48,11 @@ def test_bad_hf_override_names_key_value_and_allowed(ecg, key, value, allowed):
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("encoder_cuda_graph_max_graphs", "4", 'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0'),
-        ("encoder_cuda_graph_max_graphs", True, "encoder_cuda_graph_max_graphs=true: got a boolean, expected an integer >= 0"),
-        ("encoder_cuda_graph_max_graphs", 2.0, "encoder_cuda_graph_max_graphs=2.0: got a float, expected an integer >= 0"),
-        ("encoder_cuda_graph_max_graphs", None, "encoder_cuda_graph_max_graphs=null: got null, expected an integer >= 0"),
-        ("encoder_cuda_graph_min_capture_calls", 1, "encoder_cuda_graph_min_capture_calls=1: got an integer, expected an integer >= 2"),
+        ("encoder_cuda_graph_max_graphs", "4", 'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0 and <= 1024'),
+        ("encoder_cuda_graph_max_graphs", True, "encoder_cuda_graph_max_graphs=true: got a boolean, expected an integer >= 0 and <= 1024"),
+        ("encoder_cuda_graph_max_graphs", 2.0, "encoder_cuda_graph_max_graphs=2.0: got a float, expected an integer >= 0 and <= 1024"),
+        ("encoder_cuda_graph_max_graphs", None, "encoder_cuda_graph_max_graphs=null: got null, expected an integer >= 0 and <= 1024"),
+        ("encoder_cuda_graph_min_capture_calls", 1, "encoder_cuda_graph_min_capture_calls=1: got an integer, expected an integer >= 2 and <= 10000"),
         ("encoder_cuda_graph", "false", 'encoder_cuda_graph="false": got a string, expected a JSON boolean (true or false)'),
         ("encoder_cuda_graph_share_pools", [1], "encoder_cuda_graph_share_pools=[1]: got an array, expected a JSON boolean (true or false)"),
     ],
@@ -62,6 +62,80 @@ def test_message_names_key_json_value_type_received_and_allowed(ecg, key, value,
         ecg.read_hf_overrides(types.SimpleNamespace(**{key: value}))
     assert info.value.problems == [expected]
     assert isinstance(info.value, ValueError)
+
+
+#: (key, lowest allowed, highest allowed, just below, just above, the range as the error states it)
+BOUNDS = [
+    ("encoder_cuda_graph_max_graphs", 0, 1024, -1, 1025, "an integer >= 0 and <= 1024"),
+    ("encoder_cuda_graph_min_capture_calls", 2, 10_000, 1, 10_001, "an integer >= 2 and <= 10000"),
+    ("encoder_cuda_graph_min_free_bytes", 0, 1 << 40, -1, (1 << 40) + 1,
+     "an integer >= 0 and <= 1099511627776 (1 TiB)"),
+    ("encoder_cuda_graph_max_bytes", 0, 1 << 40, -1, (1 << 40) + 1, "an integer >= 0 and <= 1099511627776 (1 TiB)"),
+    ("encoder_cuda_graph_log_interval_s", 0, 86_400, -0.001, 86_400.001, "a number >= 0 and <= 86400"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, low, high, below, above, allowed", BOUNDS)
+def test_numeric_keys_are_bounded_on_both_sides(ecg, key, low, high, below, above, allowed):
+    """Each end of the range is accepted, the value just past it is refused with the range."""
+    for inside in (low, high):
+        assert ecg.read_hf_overrides(types.SimpleNamespace(**{key: inside}))[key] == inside
+    for outside in (below, above):
+        with pytest.raises(ecg.HfOverridesError) as info:
+            ecg.EncoderCudaGraphOptions.from_hf_config(types.SimpleNamespace(**{key: outside}))
+        kind = "a float" if isinstance(outside, float) else "an integer"
+        assert info.value.problems == [f"{key}={json.dumps(outside)}: got {kind}, expected {allowed}"]
+
+
+def test_every_numeric_key_has_a_maximum(ecg):
+    numeric = [spec for spec in ecg.HF_OVERRIDE_KEYS.values() if spec.kind in ("int", "number")]
+    assert {spec.name for spec in numeric} == {row[0] for row in BOUNDS}
+    assert all(spec.minimum <= spec.default <= spec.maximum for spec in numeric)
+    with pytest.raises(ValueError, match="needs a maximum"):
+        ecg.HfOverrideKey(name="encoder_cuda_graph_x", kind="int", default=1, minimum=0, doc="d")
+    with pytest.raises(ValueError, match="needs a maximum"):
+        ecg.HfOverrideKey(
+            name="encoder_cuda_graph_x", kind="number", default=1, minimum=2, maximum=1, doc="d"
+        )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "encoder_cuda_graph_min_capture_calls",
+        "encoder_cuda_graph_max_bytes",
+        "encoder_cuda_graph_log_interval_s",
+    ],
+)
+@pytest.mark.parametrize("value", [10**30, 10**400])
+def test_huge_values_are_refused_with_the_range(ecg, key, value):
+    """``10**30`` capture calls would never capture; ``10**400`` (JSON has no integer limit) does not
+    fit a float: both are refused, naming the range, instead of being accepted or crashing."""
+    with pytest.raises(ecg.HfOverridesError) as info:
+        ecg.read_hf_overrides(types.SimpleNamespace(**{key: value}))
+    [problem] = info.value.problems
+    assert problem.startswith(f"{key}={value}: got an integer, expected ")
+    assert problem.endswith(ecg.HF_OVERRIDE_KEYS[key].allowed) and " and <= " in problem
+
+
+def test_values_the_wiring_derives_may_pass_the_user_maximum(ecg, vllm_config):
+    """The maximum bounds what a user writes; the streaming audio adapter's cap is ``max_graphs``
+    times its past lengths (30 at the defaults), built with ``dataclasses.replace`` and passed to
+    the adapter, so direct construction checks the type and the minimum only."""
+    import dataclasses
+
+    options = ecg.EncoderCudaGraphOptions.from_hf_config(
+        types.SimpleNamespace(encoder_cuda_graph_max_graphs=1024)
+    )
+    derived = dataclasses.replace(options, max_graphs=options.max_graphs * 30, admission="count")
+    assert derived.max_graphs == 30720
+    adapter = ecg.EncoderCudaGraph(torch.neg, vllm_config, max_graphs=30720, admission="count")
+    assert adapter.options.max_graphs == 30720 and adapter.admission.max_graphs == 30720
+    with pytest.raises(ecg.HfOverridesError) as info:
+        dataclasses.replace(options, max_graphs=-1)
+    assert info.value.problems == [
+        "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0"
+    ]
 
 
 def test_every_bad_key_is_reported_in_one_error(ecg):
@@ -138,7 +212,8 @@ def test_describe_writes_the_options_as_json(ecg):
         "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
-        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true"
+        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true "
+        "encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=true"
     )
 
 
@@ -168,8 +243,8 @@ def test_admission_budget_and_log_interval_options(ecg, vllm_config):
         ecg.EncoderCudaGraphOptions.from_hf_config(bad)
     assert info.value.problems == [
         'encoder_cuda_graph_admission="lru": got a string, expected one of "cost", "count"',
-        "encoder_cuda_graph_max_bytes=-1: got an integer, expected an integer >= 0",
-        'encoder_cuda_graph_log_interval_s="60": got a string, expected a number >= 0',
+        "encoder_cuda_graph_max_bytes=-1: got an integer, expected an integer >= 0 and <= 1099511627776 (1 TiB)",
+        'encoder_cuda_graph_log_interval_s="60": got a string, expected a number >= 0 and <= 86400',
     ]
     with pytest.raises(ValueError, match="encoder_cuda_graph_admission"):
         ecg.EncoderCudaGraph(torch.neg, vllm_config, admission="Cost")
@@ -265,7 +340,7 @@ def test_vision_attn_implementation_is_registered_and_validated_with_the_rest(ec
     with pytest.raises(ecg.HfOverridesError) as info:
         ecg.EncoderCudaGraphOptions.from_hf_config(config)  # the model's first check reports both
     assert info.value.problems == [
-        "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0",
+        "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0 and <= 1024",
         (
             'vision_attn_implementation="SDPA": got a string, expected one of "sdpa", "eager", '
             '"flash_attention_2"'
@@ -280,6 +355,8 @@ def test_design_doc_options_table_lists_every_key_with_its_default(ecg):
         row = re.search(rf"^\| `{key}` \|(.*)$", table, re.MULTILINE)
         assert row, f"{key} missing from the design doc's options table"
         assert f"`{json.dumps(spec.default)}`" in row.group(1), row.group(0)
+        if spec.kind in ("int", "number"):
+            assert f"{spec.minimum} to {spec.maximum}" in row.group(1), row.group(0)  # the range
 
 
 def _key(name, kind, default, **extra):
@@ -307,13 +384,13 @@ def future_registry(ecg, monkeypatch):
         ("encoder_cuda_graph_admission", "count", 1,
          'encoder_cuda_graph_admission=1: got an integer, expected one of "cost", "count"'),
         ("encoder_cuda_graph_max_bytes", 1 << 40, 1.5,
-         "encoder_cuda_graph_max_bytes=1.5: got a float, expected an integer >= 0"),
+         "encoder_cuda_graph_max_bytes=1.5: got a float, expected an integer >= 0 and <= 1099511627776 (1 TiB)"),
         ("encoder_cuda_graph_log_interval_s", 0.5, -1,
-         "encoder_cuda_graph_log_interval_s=-1: got an integer, expected a number >= 0"),
+         "encoder_cuda_graph_log_interval_s=-1: got an integer, expected a number >= 0 and <= 86400"),
         ("encoder_cuda_graph_log_interval_s", 0, True,
-         "encoder_cuda_graph_log_interval_s=true: got a boolean, expected a number >= 0"),
+         "encoder_cuda_graph_log_interval_s=true: got a boolean, expected a number >= 0 and <= 86400"),
         ("encoder_cuda_graph_log_interval_s", 10, math.nan,
-         "encoder_cuda_graph_log_interval_s=NaN: got a float, expected a number >= 0"),
+         "encoder_cuda_graph_log_interval_s=NaN: got a float, expected a number >= 0 and <= 86400"),
         ("encoder_cuda_graph_streaming_audio", False, "no",
          'encoder_cuda_graph_streaming_audio="no": got a string, expected a JSON boolean (true or false)'),
     ],
@@ -337,7 +414,7 @@ def test_look_alikes_of_any_registered_key_fail(ecg, future_registry, typo, sugg
 
 def test_registry_entry_with_an_invalid_default_is_refused(ecg):
     with pytest.raises(ValueError, match="default"):
-        ecg.HfOverrideKey(name="encoder_cuda_graph_x", kind="int", default=-1, minimum=0, doc="d")
+        ecg.HfOverrideKey(name="encoder_cuda_graph_x", kind="int", default=-1, minimum=0, maximum=10, doc="d")
     with pytest.raises(ValueError, match="default"):
         ecg.HfOverrideKey(name="x", kind="choice", default="c", choices=("a", "b"), doc="d")
 

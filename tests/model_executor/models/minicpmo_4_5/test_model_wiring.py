@@ -507,7 +507,7 @@ def test_every_bad_override_is_reported_by_model_construction():
     with pytest.raises(adapter_mod.HfOverridesError) as info:
         Model(vllm_config=SimpleNamespace(model_config=tiny_encoders.ModelConfigTripwire(hf_config)))
     assert info.value.problems == [
-        'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0',
+        'encoder_cuda_graph_max_graphs="4": got a string, expected an integer >= 0 and <= 1024',
         "encoder_cuda_graphs=false: unknown key, did you mean encoder_cuda_graph?",
     ]
 

@@ -4,9 +4,10 @@
 
 - SigLIP position ids on the device: the table against the model's host mapping for every grid
   side and every patch grid the image slicer emits; resampler positions against its 2-D cache.
-- ``get_vision_hidden_states`` reads no tensor value on the host (a ``TorchFunctionMode`` watches
-  ``item``/``tolist``/``__bool__``/...); with eager attention its output is bitwise that of the
-  model file before the change, where that file can be rebuilt from the installed one.
+- ``get_vision_hidden_states`` reads no tensor value on the host (:class:`helpers.host_reads.HostReads`
+  watches ``item``/``tolist``/``__bool__``/... and the operators that copy values out); with eager
+  attention its output is bitwise that of the model file before the change, where that file can be
+  rebuilt from the installed one.
 - SigLIP's hidden states are contiguous in every encoder layer: no layer copies its input
   before a LayerNorm (operators counted per layer with ``torch.profiler``), and the layout does
   not change a bit of the output with either attention.
@@ -18,13 +19,12 @@ import importlib.util
 import math
 import sys
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 import torch
+from helpers.host_reads import HostReads
 from helpers.tiny_encoders import copies_per_region, tiny_siglip_config
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -106,7 +106,7 @@ def padded_valid(lengths, n):
 
 # project-only
 @pytest.fixture(scope="module")
-def pristine():
+def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file.
 
     Skips where the patch tool is not importable: in a source tree that carries the change
@@ -119,10 +119,7 @@ def pristine():
         source = patchtool.build_plan(patchtool.discover_installation()).revert_contents[MODEL_REL]
     except (patchtool.ToolError, KeyError) as exc:
         pytest.skip(f"cannot rebuild the unpatched model file: {exc}")
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.mkdtemp(prefix="pristine-minicpmo-")) / "pristine_minicpmo_4_5_omni_llm.py"
+    path = tmp_path_factory.mktemp("pristine-minicpmo") / "pristine_minicpmo_4_5_omni_llm.py"
     path.write_bytes(source)  # transformers' docstring decorators read the source with inspect
     name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_minicpmo_4_5_omni_llm"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -277,29 +274,6 @@ def test_eager_output_is_bitwise_the_unpatched_output(pristine, name, vision_bat
 # /project-only
 
 
-class HostReads(TorchFunctionMode):
-    """Records every tensor method that hands a tensor's values to Python."""
-
-    READS: ClassVar[set] = {
-        torch.Tensor.item,
-        torch.Tensor.tolist,
-        torch.Tensor.numpy,
-        torch.Tensor.__bool__,
-        torch.Tensor.__int__,
-        torch.Tensor.__float__,
-        torch.Tensor.__index__,
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize(
     "grids", [GRID_SETS["one_slice"], GRID_SETS["ten_padded"]], ids=["one", "ten_padded"]
@@ -318,7 +292,7 @@ def test_call_path_reads_no_tensor_value_on_the_host(grids, attn):
 def test_the_watch_sees_the_host_reads_of_the_former_call_path(pristine, grids):
     with torch.no_grad(), HostReads() as watch:
         vision_model(pristine, vision_batch_size=4).get_vision_hidden_states(vision_data(grids))
-    assert {"item", "tolist", "__bool__"} <= set(watch.reads)  # what the former call site read
+    assert {"item", "tolist", "__bool__"} <= watch.names()  # what the former call site read
 
 
 # /project-only

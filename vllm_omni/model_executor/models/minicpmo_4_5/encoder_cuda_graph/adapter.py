@@ -135,8 +135,11 @@ class EncoderCudaGraph:
     Fatal contract: if a capture raises, the original exception propagates,
     nothing is registered, and every later call raises
     :class:`EncoderCudaGraphCaptureFailedError` without capturing or running any
-    CUDA work (a failed capture can leave the CUDA context unusable). Restart
-    the worker, optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
+    CUDA work. The backend first cleans up what the capture left in the process
+    (for :class:`CudaGraphBackend`: graph pool routing, capture stream, the CUDA
+    generator's capture mark), so the rest of the process (RNG, other graphs,
+    eager encoders) keeps working; this adapter does not. Restart the worker,
+    optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
 
     Args:
         forward: the eager encoder, ``forward(*inputs) -> Tensor``; must be
@@ -566,7 +569,12 @@ class EncoderCudaGraph:
         )[0]
 
     def _capture(
-        self, key: GraphKey, record: _KeyRecord, inputs: Sequence[Any], device: torch.device
+        self,
+        key: GraphKey,
+        record: _KeyRecord,
+        inputs: Sequence[Any],
+        device: torch.device,
+        log_level: int = logging.INFO,
     ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
@@ -599,13 +607,14 @@ class EncoderCudaGraph:
         self.graph_info[key] = GraphInfo(captured.pool_bytes, captured.static_bytes, capture_ms)
         self.admission.record_captured(key)
         self._records.pop(key, None)
-        self._log_capture(key, record.verdict, self.graph_info[key])
+        self._log_capture(key, record.verdict, self.graph_info[key], log_level)
         return True
 
-    def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo) -> None:
+    def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo, level: int) -> None:
         if verdict is not None:
             self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
-        logger.info(
+        logger.log(
+            level,
             # the first literal is the prefix log readers match (tests/e2e/serve_smoke.CAPTURE_RE)
             "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
             ": %s (pool +%s, static %s); %s graphs hold %s%s",

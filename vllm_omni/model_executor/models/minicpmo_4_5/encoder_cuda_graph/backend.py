@@ -21,9 +21,12 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import vllm_omni.platforms as omni_platforms
+from vllm.logger import init_logger
 
 from .admission import EagerCallSample
 from .shapes import ExactShapeEncoder
+
+logger = init_logger(__name__)
 
 __all__ = [
     "CAPTURE_ERROR_MODE",
@@ -145,7 +148,10 @@ class EncoderGraphBackend(Protocol):
                 (the adapter passes it back to share it), or None for a new one.
 
         Raises:
-            whatever the capture raised; the adapter then applies its fatal contract.
+            whatever the capture raised; the adapter then applies its fatal contract. Before it
+            propagates, the backend cleans up what the failed capture left in the process
+            (:class:`CudaGraphBackend`: :func:`_release_failed_capture`), so that work outside
+            the adapter keeps running.
         """
         ...
 
@@ -282,6 +288,153 @@ def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
     )
 
 
+class _CaptureRuntime:
+    """The torch calls :func:`_release_failed_capture` makes, one method each (a seam for CPU tests)."""
+
+    def stream_capturing(self, device: torch.device, stream: Any) -> bool:
+        """Whether ``stream`` (on ``device``) is still in capture mode."""
+        with torch.accelerator.device_index(device.index), torch.cuda.stream(stream):
+            return bool(_stream_capturing())
+
+    def end_allocate_to_pool(self, device: torch.device, handle: Any) -> bool:
+        """End the caching allocator's routing of a capture's allocations into graph pool ``handle``.
+
+        Returns:
+            True when a capture was still routing into it (what ``capture_end`` would have
+            ended); False when none was (the capture ended it, or never began): the allocator
+            then raises "not currently recording to mempool_id", and nothing changed.
+        """
+        try:
+            torch._C._cuda_endAllocateToPool(device.index, handle)
+        except RuntimeError:
+            return False
+        return True
+
+    def release_pool(self, device: torch.device, handle: Any) -> None:
+        """Drop one reference on graph pool ``handle`` (what ``torch.cuda.use_mem_pool`` does on exit)."""
+        torch._C._cuda_releasePool(device.index, handle)
+
+    def synchronize(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def close_generator_capture(self, device: torch.device, stream: Any) -> None:
+        """Capture (and discard) a one-element in-place add on ``stream``: a complete capture.
+
+        Its ``capture_begin`` registers the device's default CUDA generator and its
+        ``capture_end`` runs that generator's capture epilogue, the one call that clears the
+        generator's capture mark. The graph gets a private pool, released by ``reset``. It is
+        captured in ``"thread_local"`` mode whatever :data:`CAPTURE_ERROR_MODE` says: it must
+        succeed while other threads of the process run CUDA work.
+        """
+        with torch.accelerator.device_index(device.index), torch.cuda.stream(stream):
+            scratch = torch.zeros(1, device=device)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                scratch.add_(1)
+            finally:
+                graph.capture_end()
+            graph.reset()
+
+
+_CAPTURE_RUNTIME = _CaptureRuntime()
+
+
+def _release_failed_capture(
+    device: torch.device, pool: _CudaPool, runtime: _CaptureRuntime | None = None
+) -> list[str]:
+    """Clean up what a capture that raised left in this process, so that the rest of it keeps working.
+
+    torch cannot abort a capture. ``torch.cuda.graph.__exit__`` calls
+    ``CUDAGraph.capture_end``, and when the capture was invalidated (a host sync
+    inside the captured forward, for instance) ``cudaStreamEndCapture`` fails and
+    ``capture_end`` raises before its own bookkeeping (torch 2.11 and 2.13,
+    ``aten/src/ATen/cuda/CUDAGraph.cpp``). What it skips, and what this does about
+    each, on ``device`` and the capture's ``pool`` (handle and capture stream):
+
+    1. Graph pool. The caching allocator still routes the capture's allocations
+       into the pool and, while it counts a capture as underway, never processes
+       the events of freed blocks that other streams used, so those blocks are
+       never reused. This ends the routing (``endAllocateToPool``, which ``capture_end``
+       calls) and, only when it was still active, drops the failed capture's
+       reference on the pool (``releasePool``, which ``CUDAGraph.reset`` skips for
+       a capture that never ended): the pool's memory goes back to the device once
+       nothing else holds it (a shared pool stays with the adapter's earlier graphs).
+    2. Capture stream. ``cudaStreamEndCapture`` ended its capture mode; the eager
+       warm-up work vLLM's manager queued on it before capturing may still run. It
+       is synchronized, which also surfaces a device error; then step 3 is skipped,
+       since a device in error cannot capture.
+    3. CUDA RNG. ``capture_begin`` marked the device's default generator as
+       capturing (``CUDAGeneratorState::capture_prologue``) and only the epilogue
+       in ``capture_end`` clears the mark; until then ``torch.randn``, dropout and
+       ``torch.multinomial`` outside a capture, and every graph replay (its
+       prologue advances the generator), raise "Offset increment outside graph
+       capture encountered unexpectedly" (torch 2.11). Nothing else clears it, so
+       this runs one complete capture of a one-element add on the capture stream
+       and discards it (:meth:`_CaptureRuntime.close_generator_capture`). A torch
+       that keeps RNG capture state per capture (2.13) is not affected; there the
+       extra capture changes nothing.
+
+    Left as it is: torch's table of capturing graphs keeps the failed graph's entry,
+    keyed by a capture id CUDA never hands out again, so nothing finds it. A capture
+    stream still in capture mode (the capture never reached ``capture_end``) is left
+    alone and logged as an error: only the ``CUDAGraph`` that began it could end it.
+
+    Never raises: the capture's own exception is what the caller sees (the
+    adapter's fatal contract). Every step's outcome is logged, in one WARNING when
+    all went through, else in one ERROR naming what did not. Step 1 does not
+    depend on the others; step 3 runs only after step 2 succeeded.
+
+    Returns:
+        One phrase per step, in order (what the log line lists).
+    """
+    runtime = _CAPTURE_RUNTIME if runtime is None else runtime
+    done: list[str] = []
+    failed = False
+    try:
+        if runtime.stream_capturing(device, pool.stream):
+            logger.error(
+                "encoder CUDA graph capture on %s failed and its capture stream is still capturing; "
+                "nothing was cleaned up: CUDA RNG calls and other graph captures in this process may "
+                "fail until the worker restarts",
+                device,
+            )
+            return ["capture stream still capturing: left as is"]
+    except Exception as exc:  # noqa: BLE001 - the capture's own exception must propagate, not this one
+        done.append(f"capture state unknown: {type(exc).__name__}: {exc}")
+        failed = True
+    if not failed:
+        try:  # independent of the device steps below: the allocator's bookkeeping is host state
+            if runtime.end_allocate_to_pool(device, pool.handle):
+                runtime.release_pool(device, pool.handle)
+                done.append("graph pool routing ended and the capture's reference on the pool dropped")
+            else:
+                done.append("graph pool routing already ended")
+        except Exception as exc:  # noqa: BLE001
+            done.append(f"graph pool not released: {type(exc).__name__}: {exc}")
+            failed = True
+        try:
+            runtime.synchronize(pool.stream)
+            done.append("capture stream synchronized")
+            runtime.close_generator_capture(device, pool.stream)
+            done.append("CUDA generator's capture mark cleared")
+        except Exception as exc:  # noqa: BLE001
+            done.append(f"stopped: {type(exc).__name__}: {exc}")
+            failed = True
+    if failed:
+        logger.error(
+            "encoder CUDA graph capture on %s failed, and cleaning up after it failed too (%s); CUDA RNG "
+            "calls and other graph captures in this process may fail until the worker restarts",
+            device,
+            "; ".join(done),
+        )
+    else:
+        logger.warning(
+            "encoder CUDA graph capture on %s failed; cleaned up after it: %s", device, "; ".join(done)
+        )
+    return done
+
+
 class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
@@ -313,7 +466,10 @@ class CudaGraphBackend:
       (``torch.cuda.graph_pool_handle()``) with its capture stream. Bytes: the
       pool's reserved segments after the capture minus before it (allocator
       snapshot of that pool; ``memory_reserved`` growth if the snapshot does
-      not name pools), plus the static input and output buffers.
+      not name pools), plus the static input and output buffers. A capture that
+      raises is cleaned up by :func:`_release_failed_capture` (graph pool
+      routing, capture stream, the CUDA generator's capture mark) before the
+      exception propagates.
     """
 
     def __init__(self) -> None:
@@ -384,8 +540,12 @@ class CudaGraphBackend:
             capture_error_mode=CAPTURE_ERROR_MODE,
         )
         pool.stream.wait_stream(replay_stream)
-        with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
-            manager.capture(graph_pool=pool.handle)
+        try:
+            with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
+                manager.capture(graph_pool=pool.handle)
+        except BaseException:
+            _release_failed_capture(device, pool)
+            raise
         replay_stream.wait_stream(pool.stream)
         pool_now = _pool_reserved_bytes(device, pool.handle)
         if pool_now is None:  # segments do not name their pool: everything reserved meanwhile

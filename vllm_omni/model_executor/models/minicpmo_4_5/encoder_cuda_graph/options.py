@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This project's ``--hf-overrides`` keys and the adapter's options, validated; pure Python.
+"""This project's ``--hf-overrides`` keys and the adapter's options, validated.
 
 :data:`HF_OVERRIDE_KEYS` holds one :class:`HfOverrideKey` entry per key (kind,
 default, range, doc); :func:`read_hf_overrides` validates them all (and rejects
 unknown look-alikes) in one :class:`HfOverridesError`;
-:class:`EncoderCudaGraphOptions` is the adapter's view of them.
+:class:`EncoderCudaGraphOptions` is the adapter's view of them. The key
+``vision_attn_implementation`` belongs to SigLIP's attention: its definition
+(choices, default, doc) comes from ``siglip_attention.py`` beside the model
+file, which validates it on its own too; it is registered here so that one
+error reports it with the adapter's keys and its look-alikes are caught.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
+
+from .. import siglip_attention
 
 __all__ = [
     "HF_OVERRIDE_KEYS",
@@ -59,13 +65,24 @@ class HfOverrideKey:
 
     Attributes:
         name: the JSON key, e.g. ``"encoder_cuda_graph_max_graphs"``.
-        kind: ``"bool"`` (a JSON boolean), ``"int"`` (an integer >= ``minimum``;
-            ``true``/``false`` and floats are rejected), ``"number"`` (a finite
-            integer or float >= ``minimum``) or ``"choice"`` (one of ``choices``).
+        kind: ``"bool"`` (a JSON boolean), ``"int"`` (an integer from ``minimum``
+            to ``maximum``; ``true``/``false`` and floats are rejected), ``"number"``
+            (a finite integer or float from ``minimum`` to ``maximum``) or
+            ``"choice"`` (one of ``choices``).
         default: the value in force when the key is absent.
         doc: one line for the option tables.
-        minimum: lower bound of ``"int"`` and ``"number"`` keys.
+        minimum: lower bound of ``"int"`` and ``"number"`` keys (inclusive).
+        maximum: upper bound of ``"int"`` and ``"number"`` keys (inclusive), required
+            for them: a value past any sensible setting (e.g. a capture threshold no
+            shape ever reaches) is a mistake to report, not a setting to honour. It
+            bounds what a user writes (:func:`read_hf_overrides`); code that derives a
+            value from the options may pass it (``check(value, bounded=False)``): the
+            streaming audio adapter's cap is ``max_graphs`` times its past lengths.
         choices: allowed strings of a ``"choice"`` key.
+
+    Raises:
+        ValueError: an ``"int"`` or ``"number"`` entry without a ``maximum`` (or with
+            ``maximum < minimum``), or a default the entry does not allow.
     """
 
     name: str
@@ -73,24 +90,34 @@ class HfOverrideKey:
     default: Any
     doc: str
     minimum: float = 0
+    maximum: float | None = None
     choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.kind in ("int", "number") and (self.maximum is None or self.maximum < self.minimum):
+            kind = "an int" if self.kind == "int" else "a number"
+            raise ValueError(
+                f"registry entry {self.name}: {kind} key needs a maximum >= its minimum "
+                f"{_bound(self.minimum)}, got {self.maximum!r}"
+            )
         if self.check(self.default) is not None:
             raise ValueError(f"registry entry {self.name}: default {self.default!r} is not {self.allowed}")
 
     @property
     def allowed(self) -> str:
-        """What the key accepts, in words (used in error messages and docs)."""
+        """What the key accepts from a user, in words (used in error messages and docs)."""
+        return self._allowed(bounded=True)
+
+    def _allowed(self, bounded: bool) -> str:
         if self.kind == "bool":
             return "a JSON boolean (true or false)"
-        if self.kind == "int":
-            return f"an integer >= {self.minimum:g}"
-        if self.kind == "number":
-            return f"a number >= {self.minimum:g}"
+        if self.kind in ("int", "number"):
+            what = "an integer" if self.kind == "int" else "a number"
+            upper = f" and <= {_bound(self.maximum)}" if bounded and self.maximum is not None else ""
+            return f"{what} >= {_bound(self.minimum)}{upper}"
         return "one of " + ", ".join(json.dumps(c) for c in self.choices)
 
-    def _accepts(self, value: Any) -> bool:
+    def _accepts(self, value: Any, bounded: bool) -> bool:
         if self.kind == "bool":
             return isinstance(value, bool)
         if self.kind == "choice":
@@ -99,13 +126,32 @@ class HfOverrideKey:
             return False
         if self.kind == "int" and not isinstance(value, int):
             return False
-        return math.isfinite(value) and value >= self.minimum
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        # compared as given: an int of any size (JSON has no limit) never goes through float
+        return self.minimum <= value and (not bounded or self.maximum is None or value <= self.maximum)
 
-    def check(self, value: Any) -> str | None:
-        """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``."""
-        if self._accepts(value):
+    def check(self, value: Any, *, bounded: bool = True) -> str | None:
+        """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``.
+
+        Args:
+            bounded: also apply ``maximum`` (a user's value); False checks the type and the
+                minimum only (a value the code derived from validated options).
+        """
+        if self._accepts(value, bounded):
             return None
-        return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self.allowed}"
+        return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self._allowed(bounded)}"
+
+
+def _bound(value: float | None) -> str:
+    """A range bound as a user writes it, with its size for whole GiB or TiB (``1099511627776 (1 TiB)``)."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    text = str(value)
+    for unit, shift in (("TiB", 40), ("GiB", 30)):
+        if isinstance(value, int) and value >= 1 << shift and value % (1 << shift) == 0:
+            return f"{text} ({value >> shift} {unit})"
+    return text
 
 
 def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
@@ -114,7 +160,12 @@ def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
 
 #: Every ``--hf-overrides`` key this project reads, by name. Adding a key is one
 #: entry here (register only keys whose behaviour exists); its consumer reads the
-#: validated value from :func:`read_hf_overrides`.
+#: validated value from :func:`read_hf_overrides`. The maximum of each numeric key is
+#: where the setting stops making sense: 1024 graphs per encoder (never evicted, each
+#: holding pool segments and buffers; the streaming audio adapter keeps 30 times as
+#: many), a capture threshold of 10000 calls (the cost rule is the way to be more
+#: selective), 1 TiB for byte amounts (more than any device holds) and one day
+#: between stats lines.
 HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
     HfOverrideKey(
         name="encoder_cuda_graph",
@@ -126,6 +177,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_max_graphs",
         kind="int",
         minimum=0,
+        maximum=1024,
         default=4,
         doc="graphs kept per encoder, never evicted; 0 disables capture",
     ),
@@ -133,6 +185,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_min_capture_calls",
         kind="int",
         minimum=2,
+        maximum=10_000,
         default=2,
         doc="calls with the same input shapes, dtype, device and stream before a capture may happen",
     ),
@@ -140,6 +193,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_min_free_bytes",
         kind="int",
         minimum=0,
+        maximum=1 << 40,
         default=1 << 30,
         doc="defer a capture while the device has less free memory (bytes); 0 disables",
     ),
@@ -162,6 +216,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_max_bytes",
         kind="int",
         minimum=0,
+        maximum=1 << 40,
         default=0,
         doc="device memory the graphs of one encoder may hold (bytes); a capture that would pass it "
         "is deferred; 0 = no limit",
@@ -170,6 +225,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_log_interval_s",
         kind="number",
         minimum=0,
+        maximum=86_400,
         default=60.0,
         doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
     ),
@@ -181,12 +237,27 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
     HfOverrideKey(
-        name="vision_attn_implementation",
+        name="encoder_cuda_graph_startup_capture",
+        kind="bool",
+        default=True,
+        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
+        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
+        "before serving; false = capture them lazily, as sessions reach them",
+    ),
+    HfOverrideKey(
+        name="encoder_cuda_graph_duplex_batch",
+        kind="bool",
+        default=True,
+        doc="encode the audio chunks of every duplex session scheduled in one engine step in one batched "
+        "call (one graph replay per step, within GRAPH_REL_TOL of each session's own encode); false = "
+        "each session's chunk on its own, bitwise equal to eager",
+    ),
+    HfOverrideKey(
+        name=siglip_attention.VISION_ATTN_KEY,
         kind="choice",
-        choices=("sdpa", "eager", "flash_attention_2"),
-        default="sdpa",
-        doc='SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
-        'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)',
+        choices=siglip_attention.VISION_ATTN_CHOICES,
+        default=siglip_attention.VISION_ATTN_DEFAULT,
+        doc=siglip_attention.VISION_ATTN_DOC,
     ),
     HfOverrideKey(
         name="encoder_fused_layers",
@@ -291,13 +362,13 @@ class EncoderCudaGraphOptions:
     Attributes:
         enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
             adapters and every call runs eagerly.
-        max_graphs: ``encoder_cuda_graph_max_graphs`` (int >= 0, default 4).
+        max_graphs: ``encoder_cuda_graph_max_graphs`` (int 0 to 1024, default 4).
             Graphs retained per encoder; 0 disables capture. Never evicted.
-        min_capture_calls: ``encoder_cuda_graph_min_capture_calls`` (int >= 2,
-            default 2). Calls with the same key, the capturing call included,
+        min_capture_calls: ``encoder_cuda_graph_min_capture_calls`` (int 2 to
+            10000, default 2). Calls with the same key, the capturing call included,
             before a shape is captured.
-        min_free_bytes: ``encoder_cuda_graph_min_free_bytes`` (int >= 0, bytes,
-            default 1 GiB). A capture is deferred while the device's free
+        min_free_bytes: ``encoder_cuda_graph_min_free_bytes`` (int 0 to 1 TiB,
+            bytes, default 1 GiB). A capture is deferred while the device's free
             memory is below it; 0 disables the check.
         share_pools: ``encoder_cuda_graph_share_pools`` (bool, default True).
             One graph pool and capture stream per (encoder, device, replay
@@ -309,11 +380,11 @@ class EncoderCudaGraphOptions:
             The model wiring applies it to the vision and stateless audio
             adapters; the streaming audio adapter always counts (see
             ``streaming_audio``).
-        max_bytes: ``encoder_cuda_graph_max_bytes`` (int >= 0, bytes, default 0).
+        max_bytes: ``encoder_cuda_graph_max_bytes`` (int 0 to 1 TiB, bytes, default 0).
             Device memory the encoder's graphs may hold (pool growth + static
             input and output buffers); a capture whose estimate would pass it is
             deferred. 0 = no limit.
-        log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number >= 0,
+        log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number 0 to 86400,
             seconds, default 60). Period of the INFO line with the hit rate,
             graphs and bytes, logged from the call path; 0 = off.
         streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
@@ -326,12 +397,28 @@ class EncoderCudaGraphOptions:
             session walks once per cache cycle, a recurrence the cost rule,
             which estimates it from calls seen so far, would see only after
             minutes; the other options apply to it as to each encoder.
+        startup_capture: ``encoder_cuda_graph_startup_capture`` (bool, default
+            True). Read by the model wiring: on a duplex deployment, capture the
+            graphs every duplex session needs (its first chunk and the steady
+            chunk at each KV past length of a cache cycle, and a camera frame's
+            single slice) while the worker warms up, after vLLM sized the KV
+            cache; False leaves them to the lazy path.
+        duplex_batch: ``encoder_cuda_graph_duplex_batch`` (bool, default True).
+            Read by the model wiring: on a duplex deployment of at least two
+            sessions, encode the audio chunks of all duplex appends of one engine
+            step in one batched call (one graph replay per step); False encodes
+            each session's chunk on its own (bitwise equal to its eager encode).
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
             out of range, each naming the ``--hf-overrides`` key, the value as
             JSON, the type received and what is allowed. ``true`` is not
-            accepted as an int and the string ``"false"`` not as a bool.
+            accepted as an int and the string ``"false"`` not as a bool. The
+            ranges above bound the ``--hf-overrides`` values
+            (:meth:`from_hf_config`); built directly (``EncoderCudaGraphOptions(...)``,
+            ``dataclasses.replace``, the adapter's constructor), a numeric field
+            is checked against its minimum only, so the wiring may derive larger
+            values (the streaming audio adapter's ``max_graphs``).
     """
 
     enabled: bool = _hf_field("encoder_cuda_graph")
@@ -343,9 +430,16 @@ class EncoderCudaGraphOptions:
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
+    startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+    duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:
-        checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
+        # the type and the minimum: values read from --hf-overrides were range-checked by
+        # read_hf_overrides; the code derives larger ones (the streaming audio adapter's cap)
+        checks = (
+            HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name), bounded=False)
+            for f in fields(self)
+        )
         problems = [p for p in checks if p is not None]
         if problems:
             raise HfOverridesError(problems)

@@ -1,0 +1,271 @@
+"""Scenario ``duplex_concurrency``: N duplex sessions sharing engine steps.
+
+N = 1, 2, 4, 8, 16, 32 sessions (CPU dry run: 1, 2); per step every session sends one 1 s chunk,
+framed as vllm-omni's duplex stage frames it (float32 mel, prefix 0 on a session's first chunk,
+else 2; suffix 2), and every 5th step also a 448x448 camera frame (through
+``get_vision_hidden_states``, as the stage encodes it, before its chunk). The sessions start
+together, so their caches reset in the same step. Three ways to run a step, after the graphs they
+use were captured at start-up (``startup_capture.capture_at_startup``) and a few warm-up steps:
+
+- ``eager``: graphs off, one session's chunk after the other;
+- ``per_session``: each chunk its own replay (``encoder_cuda_graph_duplex_batch=false``);
+- ``batched``: the step's chunks in one call through ``duplex_batch.run_batched``, the path the
+  model runner's batched preprocess takes (worker-thread coroutines, paged K/V, one graph per
+  batch bucket).
+
+Per N and way: the step's audio encoder ms (``step_ms``: the chunks of the step, timed as one
+call for ``batched`` and summed over the sessions' calls otherwise; frames apart) and the chunk
+latency a session sees (its own call; for ``batched`` the step's call). ``per_session`` must equal
+``eager`` bitwise and ``batched`` within ``GRAPH_REL_TOL`` (a problem otherwise).
+
+Also the first session after a fresh start-up: a new model wiring, start-up capture (its graphs,
+bytes and seconds), then one session's chunks of a whole cache cycle and more, each chunk timed
+(worst and p90), on the default path (batched steps of one session) and the per-session path; and
+the same session without start-up capture (lazy captures) for comparison.
+
+JSON: ``{"sessions": {"8": {"step_ms": {"eager": .., "per_session": .., "batched": ..}}, ...},
+"first_session": {"max_ms": .., "p90_ms": ..}, "detail": {...}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minicpmo_cg import duplex, standalone
+from minicpmo_cg import inputs as mi
+from minicpmo_cg.bench.context import TARGETS, Ctx, log
+from minicpmo_cg.bench.memory import mib, release_memory
+from minicpmo_cg.measure import graph_rel_tol, rel_diff, summary
+from minicpmo_cg.vllm_config import duplex_vllm_config
+
+SESSIONS = {"full": (1, 2, 4, 8, 16, 32), "quick": (1, 2, 4, 8, 16, 32), "cpu": (1, 2)}
+STEPS = {"full": 12, "quick": 6, "cpu": 1}
+WARMUP_STEPS = {"full": 3, "quick": 2, "cpu": 1}
+#: chunks of the first session after a start-up: past one cache cycle (29 chunks), so it resets
+FIRST_SESSION_CHUNKS = {"full": 40, "quick": 32, "cpu": 2}
+FRAME_EVERY = 5
+WAYS = ("eager", "per_session", "batched")
+BATCH_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.duplex_batch"
+STARTUP_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.startup_capture"
+
+
+def _modules() -> tuple[Any, Any]:
+    import importlib
+
+    return importlib.import_module(BATCH_MODULE), importlib.import_module(STARTUP_MODULE)
+
+
+def _streams(ctx: Ctx, sessions: int, chunks: int) -> list[list[duplex.DuplexChunk]]:
+    """``sessions`` streams of ``chunks`` chunks of the shipped voices, each from its own offset."""
+    frames = duplex.CHUNK_FRAMES
+    mel = duplex.speech_mel(sessions * chunks + 1)
+    return [
+        duplex.frame_chunks(mel[:, k * chunks * frames :], chunks, device=ctx.device, dtype=torch.float32)
+        for k in range(sessions)
+    ]
+
+
+def _frame(ctx: Ctx) -> dict[str, Any]:
+    """A camera frame as the duplex stage passes it (CPU dry run: a random 4x4-patch slice)."""
+    if ctx.cpu:
+        pixels, tgt = [torch.rand((3, 14, 16 * 14), generator=ctx.rng) * 2 - 1], torch.tensor([[4, 4]])
+    else:
+        pixels, tgt = mi.process_images(mi.make_image_processor(), [mi.duplex_frame()])
+    return duplex.stage_frame_data(pixels, tgt, device=ctx.device, dtype=ctx.dtype)
+
+
+def _wire(ctx: Ctx, way: str, sessions: int, startup: bool) -> Any:
+    """Wire the graphs ``way`` runs with and capture at start-up; returns start-up capture's report
+    (None without graphs)."""
+    _, startup_capture = _modules()
+    config = duplex_vllm_config(ctx.vllm_config, max(2, sessions))
+    release_memory()
+    if way == "eager":
+        standalone.wire_encoder_graphs(ctx.model, config, enabled=False)
+        return None
+    standalone.wire_encoder_graphs(
+        ctx.model,
+        config,
+        enabled=True,
+        backend=ctx.backend,
+        duplex_batch=way == "batched",
+        startup_capture=startup,
+    )
+    return startup_capture.capture_at_startup(ctx.model, config)
+
+
+def _run_step(
+    ctx: Ctx, way: str, live: list[duplex.DuplexSession], chunks: list[duplex.DuplexChunk], frame: Any
+):
+    """One step; returns ``(audio ms of the step, per-chunk latencies, outputs)``."""
+    batch, _ = _modules()
+    model = ctx.model
+    if frame is not None:
+        for _ in live:
+            duplex.encode_frame(model, frame)
+    if way == "batched":
+        calls = [lambda s=s, c=c: s.encode(model, c) for s, c in zip(live, chunks, strict=True)]
+        ms, outs = ctx.timer.timed(lambda: batch.run_batched(model, calls))
+        return ms, [ms] * len(live), outs
+    times, outs = [], []
+    for s, c in zip(live, chunks, strict=True):
+        ms, out = ctx.timer.timed(lambda s=s, c=c: s.encode(model, c))
+        times.append(ms)
+        outs.append(out)
+    return sum(times), times, outs
+
+
+def _sessions_row(ctx: Ctx, n: int, frame: Any) -> dict[str, Any]:
+    steps, warmup = STEPS[ctx.mode], WARMUP_STEPS[ctx.mode]
+    streams = _streams(ctx, n, steps + warmup)
+    row: dict[str, Any] = {"step_ms": {}, "chunk_ms": {}, "step_ms_summary": {}, "startup": {}}
+    outs: dict[str, list[list[torch.Tensor]]] = {}
+    for way in WAYS:
+        # the CPU dry run captures lazily here (a start-up walk of 30 chunks costs a minute there)
+        report = _wire(ctx, way, n, startup=not ctx.cpu)
+        if report is not None:
+            row["startup"][way] = {"graphs": report.graphs, "bytes": report.total_bytes, "s": report.seconds}
+        live = [duplex.DuplexSession() for _ in range(n)]
+        step_times, chunk_times, way_outs = [], [], []
+        for t in range(steps + warmup):
+            frame_t = frame if t % FRAME_EVERY == 0 else None
+            ms, latencies, step_outs = _run_step(ctx, way, live, [s[t] for s in streams], frame_t)
+            if t >= warmup:
+                step_times.append(ms)
+                chunk_times += latencies
+                way_outs.append(step_outs)
+        row["step_ms"][way] = summary(step_times)["median"]
+        row["step_ms_summary"][way] = summary(step_times)
+        row["chunk_ms"][way] = summary(chunk_times)
+        outs[way] = way_outs
+        if way == "batched":
+            row["batch_stats"] = ctx.model._duplex_batch.stats()
+    row["parity"] = _parity(ctx, n, outs)
+    standalone.wire_encoder_graphs(ctx.model, ctx.vllm_config, enabled=False)
+    release_memory()
+    return row
+
+
+def _parity(ctx: Ctx, n: int, outs: dict[str, list[list[torch.Tensor]]]) -> dict[str, Any]:
+    """per_session bitwise equal to eager; batched within GRAPH_REL_TOL (worst relative difference)."""
+    tol = graph_rel_tol(ctx.dtype)
+    pairs = [
+        (e, p, b)
+        for se, sp, sb in zip(outs["eager"], outs["per_session"], outs["batched"])
+        for e, p, b in zip(se, sp, sb)
+    ]
+    per_session_bitwise = all(torch.equal(e, p) for e, p, _ in pairs)
+    worst = max((rel_diff(e, b) for e, _, b in pairs), default=0.0)
+    if not per_session_bitwise:
+        ctx.problems.append(f"duplex_concurrency: {n} sessions, per-session graphs differ from eager")
+    if worst > tol:
+        ctx.problems.append(f"duplex_concurrency: {n} sessions, batched rel diff {worst:.3e} > {tol:.3e}")
+    return {
+        "per_session_bitwise": per_session_bitwise,
+        "batched_worst_rel": worst,
+        "batched_bitwise": all(torch.equal(e, b) for e, _, b in pairs),
+        "tolerance": tol,
+    }
+
+
+def _first_session(ctx: Ctx, way: str, startup: bool) -> dict[str, Any]:
+    """A fresh wiring (start-up capture or not), then one session's chunks, each timed."""
+    batch, _ = _modules()
+    report = _wire(
+        ctx, way, 4, startup=startup
+    )  # a deployment of duplex_max_sessions 4 (vllm-omni's default)
+    chunks = _streams(ctx, 1, FIRST_SESSION_CHUNKS[ctx.mode])[0]
+    session, times = duplex.DuplexSession(), []
+    for chunk in chunks:
+        if way == "batched":
+            ms, _ = ctx.timer.timed(
+                lambda c=chunk: batch.run_batched(ctx.model, [lambda: session.encode(ctx.model, c)])
+            )
+        else:
+            ms, _ = ctx.timer.timed(lambda c=chunk: session.encode(ctx.model, c))
+        times.append(ms)
+    standalone.wire_encoder_graphs(ctx.model, ctx.vllm_config, enabled=False)
+    release_memory()
+    s = summary(times)
+    out = {"max_ms": max(times), "p90_ms": s["p90"], "median_ms": s["median"], "chunks": len(times)}
+    if report is not None and report.num_graphs:  # start-up capture ran
+        out["startup"] = {"graphs": report.graphs, "bytes": report.total_bytes, "s": report.seconds}
+    return out
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    frame = _frame(ctx)
+    rows = {}
+    for n in SESSIONS[ctx.mode]:
+        log(f"duplex_concurrency: {n} session(s) ...")
+        rows[str(n)] = _sessions_row(ctx, n, frame)
+    log("duplex_concurrency: the first session after a fresh start-up ...")
+    first = {"batched": _first_session(ctx, "batched", startup=True)}
+    if not ctx.cpu:  # the dry run walks start-up capture once
+        first["per_session"] = _first_session(ctx, "per_session", startup=True)
+    first["per_session_lazy"] = _first_session(ctx, "per_session", startup=False)
+    return {
+        "sessions": {n: {"step_ms": row["step_ms"]} for n, row in rows.items()},
+        "first_session": {"max_ms": first["batched"]["max_ms"], "p90_ms": first["batched"]["p90_ms"]},
+        "detail": {
+            "rows": rows,
+            "first_session": first,
+            "steps": STEPS[ctx.mode],
+            "frame_every": FRAME_EVERY,
+        },
+    }
+
+
+def missed_targets(s: dict[str, Any]) -> list[str]:
+    """The issue's targets this run misses (sessions rows that were run)."""
+    missed, sessions = [], s["sessions"]
+    for n, key in (("8", "duplex_batch_8_step_ms"), ("32", "duplex_batch_32_step_ms")):
+        if n in sessions and sessions[n]["step_ms"]["batched"] > TARGETS[key]:
+            missed.append(
+                f"{n} sessions batched {sessions[n]['step_ms']['batched']:.2f} ms > {TARGETS[key]:g} ms"
+            )
+    single = s["detail"]["rows"].get("1", {}).get("chunk_ms", {}).get("per_session", {}).get("median")
+    if single is not None and single > TARGETS["duplex_chunk_ms"]:
+        missed.append(f"1 session {single:.2f} ms per chunk > {TARGETS['duplex_chunk_ms']:g} ms")
+    if s["first_session"]["max_ms"] > TARGETS["duplex_first_session_max_ms"]:
+        missed.append(
+            f"first session worst chunk {s['first_session']['max_ms']:.2f} ms > "
+            f"{TARGETS['duplex_first_session_max_ms']:g} ms"
+        )
+    return missed
+
+
+def format_section(s: dict[str, Any]) -> list[str]:
+    detail = s["detail"]
+    lines = [
+        (
+            f"\n-- duplex concurrency: N sessions sharing steps; per step each a 1 s chunk (a camera frame every "
+            f"{detail['frame_every']}th step), {detail['steps']} timed steps; audio encoder ms per step (median)"
+        ),
+        f"{'sessions':>8s}{'eager':>10s}{'per-session':>13s}{'batched':>10s}{'x vs per-s.':>12s}"
+        f"{'chunk ms (p-s / b)':>22s}{'batched rel diff':>18s}",
+    ]
+    for n, row in detail["rows"].items():
+        st, ch, par = row["step_ms"], row["chunk_ms"], row["parity"]
+        ratio = st["per_session"] / st["batched"] if st["batched"] else float("nan")
+        lines.append(
+            f"{n:>8s}{st['eager']:10.2f}{st['per_session']:13.2f}{st['batched']:10.2f}{ratio:12.2f}"
+            f"{ch['per_session']['median']:11.2f} / {ch['batched']['median']:8.2f}{par['batched_worst_rel']:18.2e}"
+        )
+    for way, f in detail["first_session"].items():
+        start = f.get("startup")
+        startup = (
+            f"; start-up capture {sum(start['graphs'].values())} graphs {start['graphs']}, {mib(start['bytes'])} MiB, "
+            f"{start['s']:.2f} s"
+            if start
+            else "; no start-up capture"
+        )
+        lines.append(
+            f"first session after start-up ({way}): worst chunk {f['max_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, "
+            f"median {f['median_ms']:.2f} ms over {f['chunks']} chunks{startup}"
+        )
+    missed = missed_targets(s)
+    lines.append("targets: " + ("all MET" if not missed else "MISSED: " + "; ".join(missed)))
+    return lines

@@ -1,0 +1,633 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cross-session batching of duplex audio chunks (``duplex_batch.py``, ``duplex_rows.py``) on the
+*installed* files.
+
+CPU tests use a tiny Whisper (2 layers, 128 positions, 0.2 s chunks of 10 positions, so a cache
+cycle is 12 chunks) in float32 with the adapters' CPU backend: steps of several sessions through
+:func:`duplex_batch.run_batched`, the code path the model runner's batched preprocess takes. Each
+session's every chunk and final cache must match its own eager run within
+``minicpmo_cg.measure.GRAPH_REL_TOL`` (rows of one call differ from a session's own call only by
+the GEMMs' row count); the bookkeeping must be exact: cache lengths, pages taken and returned,
+resets, sessions that join (a first chunk inside a batched step) or leave, chunks the batch does
+not cover, a full page pool, errors, and rows that never see each other (bitwise). CUDA tests do
+the same at Whisper-medium's widths in bf16 with real speech and FlashAttention over the pages.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.tiny_encoders import tiny_audio_model
+
+from minicpmo_cg.duplex import DuplexChunk, DuplexSession
+from minicpmo_cg.measure import graph_rel_tol, rel_diff
+
+pytestmark = [pytest.mark.core_model]
+
+llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
+db = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.duplex_batch")
+rows_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.duplex_rows")
+sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio")
+
+N, POSITIONS, POOL = 10, 128, 2
+CYCLE = math.ceil((POSITIONS - N) / N)  # 12 chunks per cache cycle
+TOL = graph_rel_tol(torch.float32)
+
+
+def duplex_config(sessions=8):
+    from minicpmo_cg.vllm_config import standalone_vllm_config
+
+    config = copy.copy(standalone_vllm_config())
+    model_config = copy.copy(config.model_config)
+    object.__setattr__(model_config, "session_mode", "duplex")
+    object.__setattr__(model_config, "duplex_max_sessions", sessions)
+    object.__setattr__(config, "model_config", model_config)
+    return config
+
+
+def tiny(**config):
+    return (
+        tiny_audio_model(positions=POSITIONS, chunk_seconds=N / 50, pool=POOL, **config)
+        .eval()
+        .requires_grad_(False)
+    )
+
+
+def batched_model(backend_cls, sessions=8, **options):
+    model = tiny()
+    for key, value in options.items():
+        setattr(model.config, f"encoder_cuda_graph_{key}", value)
+    model._init_encoder_cuda_graphs(duplex_config(sessions))
+    for adapter in (model._streaming_audio_encoder_graph, getattr(model._duplex_batch, "graph", None)):
+        if adapter is not None:
+            adapter.backend = backend_cls()
+    return model
+
+
+def stream(count, seed, first=True):
+    """A session's chunks as the duplex stage frames them (float32 mel; prefix 0 on the first)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        DuplexChunk(
+            torch.randn(1, 80, 2 * N + (2 if first and i == 0 else 4), generator=g),
+            0 if first and i == 0 else 2,
+        )
+        for i in range(count)
+    ]
+
+
+class Sessions:
+    """Named duplex sessions on a batched model and the same sessions on an eager reference."""
+
+    def __init__(self, model):
+        self.model, self.reference = model, tiny()
+        self.live: dict[str, tuple[DuplexSession, DuplexSession]] = {}
+        self.worst = 0.0
+        self.bitwise = True
+
+    def join(self, name):
+        self.live[name] = (DuplexSession(), DuplexSession())
+
+    def leave(self, name):
+        del self.live[name]
+        gc.collect()
+
+    def step(self, chunks):
+        """One engine step: ``chunks = {name: chunk}`` encoded through run_batched; every output is
+        checked against the session's own eager encode."""
+        names = list(chunks)
+        calls = [lambda n=n: self.live[n][0].encode(self.model, chunks[n]) for n in names]
+        with torch.inference_mode():
+            got = db.run_batched(self.model, calls)
+            for name, out in zip(names, got, strict=True):
+                want = self.live[name][1].encode(self.reference, chunks[name])
+                assert out.shape == want.shape and out.shape[-1] == 32
+                diff = rel_diff(want, out)
+                assert diff <= TOL, (name, diff)
+                self.worst = max(self.worst, diff)
+                self.bitwise &= torch.equal(out, want)
+        return dict(zip(names, got, strict=True))
+
+    def caches_match(self):
+        for name, (batched, eager) in self.live.items():
+            want = eager.cache.self_attention_cache
+            cache = batched.cache
+            length = cache.get_seq_length()
+            assert length == want.get_seq_length(), name
+            if isinstance(cache, rows_mod.PagedStreamingCache):
+                got = cache.pool.positions(cache)
+            else:
+                got = torch.cat(cache.blocks, dim=4)[:, :, 0]
+            for layer in range(len(want.layers)):
+                for kv, tensor in enumerate((want.layers[layer].keys, want.layers[layer].values)):
+                    assert rel_diff(tensor[0], got[layer, kv]) <= TOL, (name, layer, kv)
+
+
+# ---------------------------------------------------------------------------
+# Per-row parity and bookkeeping (CPU)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_batched_steps_match_each_sessions_own_encode_across_resets(cpu_backend):
+    model = batched_model(cpu_backend)
+    sessions = Sessions(model)
+    streams = {name: stream(2 * CYCLE + 4, seed) for seed, name in enumerate("abcde")}
+    for name in streams:
+        sessions.join(name)
+    for t in range(2 * CYCLE + 4):  # two resets (chunks 12 and 24)
+        sessions.step({name: chunks[t] for name, chunks in streams.items()})
+    sessions.caches_match()
+    encoder = model._duplex_batch
+    assert encoder.stats()["batched_rows"] == 5 * (2 * CYCLE + 4) and encoder.stats()["single_rows"] == 0
+    for batched, _ in sessions.live.values():
+        assert isinstance(batched.cache, rows_mod.PagedStreamingCache) and batched.cache.length == 4 * N
+    graph = encoder.graph  # 5 rows: the 8-row bucket, one graph for every past length
+    stats = graph.get_cumulative_stats()
+    assert (stats["num_graphs"], stats["graph_hits"], stats["warmup_misses"]) == (1, 2 * CYCLE + 3, 1)
+    print(f"per-row parity: worst rel {sessions.worst:.2e}, bitwise {sessions.bitwise}")
+
+
+@pytest.mark.cpu
+def test_rows_never_see_each_other(cpu_backend):
+    """Change one session's audio: every other session's outputs and cache keep every bit."""
+    outs, caches = [], []
+    for variant in range(2):
+        model = batched_model(cpu_backend)
+        sess = {name: DuplexSession() for name in "abc"}
+        streams = {name: stream(CYCLE + 3, seed) for seed, name in enumerate("abc")}
+        if variant:
+            streams["b"] = stream(CYCLE + 3, seed=99)
+        got = []
+        with torch.inference_mode():
+            for t in range(CYCLE + 3):
+                calls = [lambda n=n, t=t, s=sess, m=model, c=streams: s[n].encode(m, c[n][t]) for n in "abc"]
+                got.append(db.run_batched(model, calls))
+        outs.append(got)
+        caches.append({n: s.cache.pool.positions(s.cache) for n, s in sess.items()})
+    for t in range(CYCLE + 3):
+        assert torch.equal(outs[0][t][0], outs[1][t][0]) and torch.equal(outs[0][t][2], outs[1][t][2])
+        assert not torch.equal(outs[0][t][1], outs[1][t][1])
+    assert torch.equal(caches[0]["a"], caches[1]["a"]) and torch.equal(caches[0]["c"], caches[1]["c"])
+
+
+@pytest.mark.cpu
+def test_sessions_join_leave_and_reset_inside_batched_steps(cpu_backend):
+    model = batched_model(cpu_backend)
+    encoder = model._duplex_batch
+    sessions = Sessions(model)
+    streams = {name: stream(40, seed) for seed, name in enumerate("abcd")}
+    started = {}
+    plan = {0: ["a", "b"], 3: ["c"], 13: ["d"]}  # c's and d's first chunks land in batched steps
+    for t in range(30):
+        for name in plan.get(t, []):
+            sessions.join(name)
+            started[name] = t
+        if t == 7:
+            pool = next(iter(encoder._pools.values()))
+            before = pool.free_pages
+            held = len(sessions.live["b"][0].cache.pages)
+            sessions.leave("b")  # a finished session's pages go back to the pool
+            assert pool.free_pages == before + held
+        sessions.step({name: streams[name][t - started[name]] for name in sessions.live})
+    sessions.caches_match()
+    lengths = {name: s.cache.length for name, (s, _) in sessions.live.items()}
+    # a resets before its chunks 12 and 24 (30 chunks), c before its 12 and 24 (27), d before its 12 (17)
+    assert lengths == {"a": 6 * N, "c": 3 * N, "d": 5 * N}
+    assert encoder.stats()["single_rows"] == 0
+    # every page is back once the sessions are gone
+    for name in list(sessions.live):
+        sessions.leave(name)
+    pool = next(iter(encoder._pools.values()))
+    assert pool.free_pages == pool.scratch_start
+
+
+@pytest.mark.cpu
+def test_chunks_the_batch_does_not_cover_are_encoded_alone(cpu_backend):
+    """A chunk of another length and a session the eager path started go alone, in the same step."""
+    model = batched_model(cpu_backend)
+    sessions = Sessions(model)
+    for name in "abc":
+        sessions.join(name)
+    regular = {name: stream(6, seed) for seed, name in enumerate("abc")}
+    g = torch.Generator().manual_seed(7)
+    odd = DuplexChunk(torch.randn(1, 80, 2 * (N + 2) + 4, generator=g), 2)  # 12 positions, not 10
+    sessions.step({name: regular[name][0] for name in "abc"})
+    sessions.step({"a": regular["a"][1], "b": odd, "c": regular["c"][1]})
+    stats = model._duplex_batch.stats()
+    assert stats["single_rows"] == 1 and stats["batched_rows"] == 5
+    # b's cache left the pages for the per-session layout, and comes back to them on its next chunk
+    assert isinstance(sessions.live["b"][0].cache, sa.StreamingAudioKVCache)
+    sessions.step({name: regular[name][2] for name in "abc"})
+    assert isinstance(sessions.live["b"][0].cache, rows_mod.PagedStreamingCache)
+    sessions.caches_match()
+
+
+@pytest.mark.cpu
+def test_a_full_page_pool_sends_the_extra_sessions_alone(cpu_backend):
+    model = batched_model(cpu_backend, sessions=2)
+    sessions = Sessions(model)
+    for name in "abc":
+        sessions.join(name)
+    streams = {name: stream(11, seed) for seed, name in enumerate("abc")}
+    for t in range(11):  # from about chunk 8 on, the three caches no longer fit: one goes alone
+        sessions.step({name: streams[name][t] for name in "abc"})
+    stats = model._duplex_batch.stats()
+    assert stats["batched_rows"] + stats["single_rows"] == 33 and stats["single_rows"] == 3
+    pool = next(iter(model._duplex_batch._pools.values()))
+    assert pool.scratch_start == 2 * math.ceil(POSITIONS / rows_mod.PAGE_SIZE)  # two sessions' worth
+    sessions.caches_match()
+
+
+@pytest.mark.cpu
+def test_each_requests_code_runs_in_order_under_the_callers_modes(cpu_backend):
+    model = batched_model(cpu_backend)
+    log = []
+    chunks = {name: stream(2, seed) for seed, name in enumerate("xyz")}
+    sess = {name: DuplexSession() for name in chunks}
+
+    def request(name, t):
+        log.append((name, "before", threading.current_thread() is threading.main_thread()))
+        log.append((name, "modes", torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        out = sess[name].encode(model, chunks[name][t])
+        log.append((name, "after"))
+        return name, out.shape
+
+    for mode, inference in ((torch.inference_mode, True), (torch.no_grad, False)):
+        log.clear()
+        with mode():
+            index = 0 if inference else 1
+            results = db.run_batched(model, [lambda n=n, i=index: request(n, i) for n in "xyz"])
+        assert results == [(n, (N // POOL, 32)) for n in "xyz"]
+        assert [e[0] for e in log if e[1] == "before"] == list("xyz")  # up to the encoder, in order
+        assert [e[0] for e in log if e[1] == "after"] == list("xyz")  # then resumed in order
+        assert log.index(("z", "before", False)) < log.index(("x", "after"))  # all parked before any resumed
+        assert {e[2:] for e in log if e[1] == "modes"} == {(inference, False)}
+    assert model._duplex_batch.stats()["batched_calls"] == 2
+
+
+@pytest.mark.cpu
+def test_an_encoder_error_reaches_every_parked_request(cpu_backend, monkeypatch):
+    model = batched_model(cpu_backend)
+    sess = {name: DuplexSession() for name in "ab"}
+    chunks = {name: stream(2, seed) for seed, name in enumerate("ab")}
+    marker = object()
+    model.audio_past_key_values = marker
+    monkeypatch.setattr(
+        model._duplex_batch, "_encode_batch", lambda rows: (_ for _ in ()).throw(ValueError("boom"))
+    )
+    with torch.inference_mode(), pytest.raises(ValueError, match="boom"):
+        db.run_batched(model, [lambda n=n: sess[n].encode(model, chunks[n][0]) for n in "ab"])
+    assert model.audio_past_key_values is marker
+    monkeypatch.undo()
+    with torch.inference_mode():  # nothing is left parked: the next step runs
+        outs = db.run_batched(model, [lambda n=n: sess[n].encode(model, chunks[n][0]) for n in "ab"])
+    assert len(outs) == 2
+
+
+@pytest.mark.cpu
+def test_the_exact_per_session_path_stays_with_the_option_off(cpu_backend, log_records):
+    records = log_records(db.logger)
+    model = batched_model(cpu_backend, duplex_batch=False)
+    assert model._duplex_batch is None
+    assert (
+        "MiniCPM-o 4.5 duplex audio batching: off (encoder_cuda_graph_duplex_batch=false)"
+        in records.messages()
+    )
+    reference = tiny()
+    streams = {name: stream(CYCLE + 2, seed) for seed, name in enumerate("ab")}
+    sess = {n: DuplexSession() for n in "ab"}
+    ref = {n: DuplexSession() for n in "ab"}
+    with torch.inference_mode():
+        for t in range(CYCLE + 2):
+            outs = db.run_batched(
+                model, [lambda n=n, t=t: sess[n].encode(model, streams[n][t]) for n in "ab"]
+            )
+            for n, out in zip("ab", outs, strict=True):
+                assert torch.equal(out, ref[n].encode(reference, streams[n][t]))  # bitwise
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "sessions, mode, state",
+    [
+        (1, "duplex", "off (duplex_max_sessions=1)"),
+        (4, "turn", "off (not a duplex deployment)"),
+        (
+            4,
+            "duplex",
+            "on, a step's chunks in one call of up to 4 rows (buckets 1, 2, 4), K/V pages for 4 sessions",
+        ),
+    ],
+)
+def test_the_start_up_line_says_whether_steps_are_batched(sessions, mode, state, log_records):
+    records = log_records(db.logger)
+    config = duplex_config(sessions)
+    object.__setattr__(config.model_config, "session_mode", mode)
+    tiny()._init_encoder_cuda_graphs(config)
+    (line,) = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 duplex audio batching")]
+    assert line.startswith(f"MiniCPM-o 4.5 duplex audio batching: {state}")
+
+
+@pytest.mark.cpu
+def test_paged_caches_round_trip_and_return_their_pages(cpu_backend):
+    model = batched_model(cpu_backend)
+    session = DuplexSession()
+    with torch.inference_mode():
+        for chunk in stream(5, seed=3):
+            db.run_batched(model, [lambda c=chunk: session.encode(model, c)])
+        paged = session.cache
+        pool = paged.pool
+        free = pool.free_pages
+        blocks = paged.to_blocks()  # the per-session layout; pages back
+        assert pool.free_pages == free + math.ceil(5 * N / rows_mod.PAGE_SIZE) and paged.pages == []
+        again = rows_mod.PagedStreamingCache.from_blocks(pool, blocks)
+        assert torch.equal(pool.positions(again), torch.cat(blocks.blocks, dim=4)[:, :, 0])
+        del again
+        gc.collect()
+    assert pool.free_pages == free + math.ceil(5 * N / rows_mod.PAGE_SIZE)
+
+
+# ---------------------------------------------------------------------------
+# The stage model's hooks (CPU)
+# ---------------------------------------------------------------------------
+
+
+class Stage:
+    """A stand-in for the stage model: preprocess swaps the session's cache in, as the duplex stage
+    does, and encodes its chunk through the thinker."""
+
+    model_stage = "llm"
+
+    def __init__(self, thinker):
+        self.thinker = thinker
+        self.caches = {}
+
+    def preprocess(self, *, input_ids, input_embeds=None, **infos):
+        session = infos["duplex"]["session_id"]
+        previous, self.thinker.audio_past_key_values = (
+            self.thinker.audio_past_key_values,
+            self.caches.get(session),
+        )
+        try:
+            ((embeds,),) = self.thinker.get_audio_embedding_streaming(
+                infos["chunk"].data,
+                use_extra_context=True,
+                prefix_extra_frames=infos["chunk"].prefix_extra_frames,
+                suffix_extra_frames=2,
+            )
+            self.caches[session] = self.thinker.audio_past_key_values
+        finally:
+            self.thinker.audio_past_key_values = previous
+        return input_ids + 1, embeds, {"duplex": {"session": session}}
+
+
+def appends(chunks):
+    return [
+        {
+            "duplex": {"data_plane": True, "session_id": n},
+            "duplex_prompt_len": 40,
+            "duplex_token_offset": 20,
+            "chunk": c,
+        }
+        for n, c in chunks.items()
+    ]
+
+
+@pytest.mark.cpu
+def test_can_batch_append_takes_duplex_appends_only(cpu_backend):
+    stage = Stage(batched_model(cpu_backend))
+    (info,) = appends({"a": stream(1, 0)[0]})
+    assert db.can_batch_append(stage, info)
+    assert not db.can_batch_append(stage, {**info, "duplex_token_offset": 40})  # a decode step of the request
+    assert not db.can_batch_append(stage, {**info, "duplex": {"data_plane": False}})
+    assert not db.can_batch_append(stage, {})
+    assert not db.can_batch_append(SimpleNamespace(model_stage="tts", thinker=None), info)
+    stage.thinker._duplex_batch = None
+    assert not db.can_batch_append(stage, info)
+
+
+@pytest.mark.cpu
+def test_preprocess_append_batch_returns_what_each_preprocess_returns(cpu_backend):
+    stage, alone = Stage(batched_model(cpu_backend)), Stage(tiny())
+    for t in range(3):
+        chunks = {n: stream(3, seed)[t] for seed, n in enumerate("abc")}
+        ids = [torch.full((4,), i) for i in range(3)]
+        with torch.inference_mode():
+            got = db.preprocess_append_batch(stage, ids, [None] * 3, appends(chunks))
+            want = [
+                alone.preprocess(input_ids=i, **info) for i, info in zip(ids, appends(chunks), strict=True)
+            ]
+        for (g_ids, g_embeds, g_update), (w_ids, w_embeds, w_update) in zip(got, want, strict=True):
+            assert torch.equal(g_ids, w_ids) and g_update == w_update
+            assert rel_diff(w_embeds, g_embeds) <= TOL
+    assert stage.thinker._duplex_batch.stats()["batched_rows"] == 9
+
+
+@pytest.mark.cpu
+def test_startup_capture_captures_every_batch_bucket(cpu_backend):
+    startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
+    model = batched_model(cpu_backend, sessions=8)
+    report = startup.capture_at_startup(model, duplex_config(8))
+    assert report.graphs["duplex audio batch"] == 4  # buckets 1, 2, 4, 8
+    pool = next(iter(model._duplex_batch._pools.values()))
+    assert report.arena_bytes >= pool.nbytes and pool.free_pages == pool.scratch_start  # padding rows only
+    sessions = Sessions(model)
+    names = list("abcdefgh")
+    for name in names:
+        sessions.join(name)
+    streams = {n: stream(6, seed) for seed, n in enumerate(names)}
+    sent = dict.fromkeys(names, 0)
+    for width in (1, 2, 3, 5, 8, 8):  # steps of 1 to 8 sessions: buckets 1, 2, 4, 8, 8, 8
+        sessions.step({n: streams[n][sent[n]] for n in names[:width]})
+        for n in names[:width]:
+            sent[n] += 1
+    stats = model._duplex_batch.graph.get_cumulative_stats()
+    assert (stats["num_graphs"], stats["graph_misses"], stats["graph_hits"]) == (
+        4,
+        0,
+        6,
+    )  # every step a replay
+
+
+# ---------------------------------------------------------------------------
+# CUDA: Whisper-medium's widths, bf16, real speech, FlashAttention over the pages
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def medium():
+    if not torch.cuda.is_available():
+        pytest.skip("encoder CUDA graphs need a CUDA device")
+    from minicpmo_cg import standalone
+
+    config = duplex_config(8)
+    model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
+    standalone.wire_encoder_graphs(model, config, enabled=True)
+    reference = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
+    reference.load_state_dict(model.state_dict())
+    standalone.wire_encoder_graphs(reference, duplex_config(1), enabled=False)
+    return model, reference
+
+
+@pytest.mark.cuda
+def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(medium):
+    from minicpmo_cg import duplex
+
+    model, reference = medium
+    encoder = model._duplex_batch
+    assert encoder is not None and encoder.attention(torch.device("cuda")) == "flash"
+    mel = duplex.speech_mel(8 * 40)
+    streams = {
+        n: duplex.frame_chunks(mel[:, k * 4000 : k * 4000 + 40 * 100 + 2], 40, device="cuda")
+        for k, n in enumerate("abcdefgh")
+    }
+    live, started, worst, bitwise = {}, {}, 0.0, True
+    plan = {0: "abcde", 4: "f", 11: "gh"}
+    tol = graph_rel_tol(torch.bfloat16)
+    for t in range(36):  # a's cache resets at its chunk 29; f, g and h join mid-stream
+        for name in plan.get(t, ""):
+            live[name], started[name] = (DuplexSession(), DuplexSession()), t
+        if t == 20:
+            del live["b"]
+        names = list(live)
+        chunks = {n: streams[n][t - started[n]] for n in names}
+        with torch.inference_mode():
+            got = db.run_batched(model, [lambda n=n, c=chunks: live[n][0].encode(model, c[n]) for n in names])
+            for n, out in zip(names, got, strict=True):
+                want = live[n][1].encode(reference, chunks[n])
+                diff = rel_diff(want, out)
+                assert diff <= tol, (t, n, diff)
+                worst, bitwise = max(worst, diff), bitwise and torch.equal(want, out)
+    stats = encoder.graph.get_cumulative_stats()
+    assert stats["capture_failures"] == 0 and stats["num_graphs"] <= 4 and stats["graph_hits"] >= 30
+    assert encoder.stats()["single_rows"] == 0
+    print(f"per-row parity on CUDA (bf16): worst rel {worst:.3e} (tolerance {tol:.3e}), bitwise {bitwise}")
+
+
+@pytest.mark.cuda
+def test_a_replaying_batched_step_makes_the_host_wait_for_nothing(medium):
+    from minicpmo_cg import duplex
+
+    model, _ = medium
+    chunks = duplex.frame_chunks(duplex.speech_mel(12), 12, device="cuda")
+    sessions = [DuplexSession() for _ in range(4)]
+    with torch.inference_mode():
+        for t in range(10):
+            if t == 9:
+                torch.accelerator.synchronize()
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                db.run_batched(model, [lambda s=s, c=chunks[t]: s.encode(model, c) for s in sessions])
+            finally:
+                if t == 9:
+                    torch.cuda.set_sync_debug_mode(previous)
+    assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] > 0
+
+
+# ---------------------------------------------------------------------------
+# The model runner's hook: appends collected and preprocessed in one call (CPU)
+# ---------------------------------------------------------------------------
+
+
+class RunnerModel:
+    """A model with per-request preprocess and, optionally, the append batch hooks."""
+
+    has_preprocess = True
+
+    def __init__(self, batch: bool):
+        self.calls = []
+        if batch:
+            self.preprocess_append_batch = self._batch
+            self.can_batch_append = lambda infos: infos.get("append", False)
+
+    def _result(self, input_ids, infos):
+        index = int(infos["request_id"][1:])
+        embeds = torch.full((input_ids.shape[0], 4), float(index + 1))
+        return input_ids * 0 + 100 + index, embeds, {"seen": infos["request_id"]}
+
+    def preprocess(self, *, input_ids, input_embeds=None, **infos):
+        self.calls.append(("one", infos["request_id"]))
+        return self._result(input_ids, infos)
+
+    def _batch(self, *, input_ids, input_embeds, req_infos):
+        self.calls.append(("batch", [infos["request_id"] for infos in req_infos]))
+        assert all(
+            e is None or e.shape[0] == i.shape[0] for i, e in zip(input_ids, input_embeds, strict=True)
+        )
+        return [self._result(i, infos) for i, infos in zip(input_ids, req_infos, strict=True)]
+
+
+def run_runner_preprocess(model, monkeypatch):
+    import numpy as np
+
+    gmr = pytest.importorskip("vllm_omni.worker.gpu_model_runner")
+    monkeypatch.setattr(gmr, "get_pp_group", lambda: SimpleNamespace(is_first_rank=True))
+    spans = [3, 2, 4, 1]  # tokens per request; r0 and r2 are appends the model batches
+    req_ids = [f"r{i}" for i in range(len(spans))]
+    total = sum(spans)
+    runner = object.__new__(gmr.OmniGPUModelRunner)
+    updates = []
+    runner.__dict__.update(
+        model=model,
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(async_chunk=True)),
+        supports_mm_inputs=False,
+        enable_prompt_embeds=False,
+        uses_mrope=False,
+        uses_xdrope_dim=0,  # vllm-omni 0.28.0 reads it too
+        has_talker_mtp=False,
+        input_ids=SimpleNamespace(gpu=torch.arange(total)),
+        inputs_embeds=SimpleNamespace(gpu=torch.zeros(total, 4)),
+        positions=torch.arange(total),
+        input_batch=SimpleNamespace(
+            req_ids=req_ids, num_computed_tokens_cpu=np.zeros(len(spans), dtype=np.int64)
+        ),
+        query_start_loc=SimpleNamespace(cpu=torch.tensor(np.cumsum([0, *spans])[:-1])),
+        requests={r: SimpleNamespace(prompt_token_ids=[0] * 10, sampling_params=None) for r in req_ids},
+        model_intermediate_buffer={r: {"append": r in ("r0", "r2")} for r in req_ids},
+    )
+    runner._init_model_kwargs = dict
+    runner._collect_additional_information_for_prefill = lambda *a: None
+    runner._update_additional_information = lambda *a: None
+    runner._maybe_run_batch_preprocess = lambda *a: None
+    runner._maybe_attach_mimo_audio_req_infos = lambda state, infos, req_id: infos
+    runner._update_intermediate_buffer = lambda req_id, update: updates.append((req_id, update))
+    scheduler_output = SimpleNamespace(
+        total_num_scheduled_tokens=total, num_scheduled_tokens=dict(zip(req_ids, spans))
+    )
+    input_ids, embeds, *_ = runner._preprocess(scheduler_output, total)
+    return input_ids.clone(), embeds.clone(), sorted(updates)
+
+
+@pytest.mark.cpu
+def test_the_runner_preprocesses_the_appends_a_model_batches_in_one_call(monkeypatch):
+    batched, alone = RunnerModel(batch=True), RunnerModel(batch=False)
+    got = run_runner_preprocess(batched, monkeypatch)
+    want = run_runner_preprocess(alone, monkeypatch)
+    assert batched.calls == [("one", "r1"), ("one", "r3"), ("batch", ["r0", "r2"])]
+    assert alone.calls == [("one", f"r{i}") for i in range(4)]
+    for g, w in zip(got, want, strict=True):  # ids, embeddings and buffer updates as one by one
+        assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w
+    assert got[0].tolist() == [100] * 3 + [101] * 2 + [102] * 4 + [103]
+
+
+@pytest.mark.cpu
+def test_the_stage_model_answers_the_runner_with_the_batch_module(cpu_backend, monkeypatch):
+    omni = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni")
+    stage = object.__new__(omni.MiniCPMO45OmniForConditionalGeneration)
+    torch.nn.Module.__init__(stage)
+    stage.model_stage, stage.thinker = "llm", batched_model(cpu_backend)
+    (info,) = appends({"a": stream(1, 0)[0]})
+    assert stage.can_batch_append(info) and not stage.can_batch_append({})
+    seen = []
+    monkeypatch.setattr(db, "preprocess_append_batch", lambda *args: seen.append(args) or ["r"])
+    assert stage.preprocess_append_batch(input_ids=[1], input_embeds=[None], req_infos=[info]) == ["r"]
+    assert seen == [(stage, [1], [None], [info])]

@@ -1,0 +1,326 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batched duplex forward: Whisper over the chunks of several sessions, each with its paged K/V.
+
+The batched path of :mod:`.duplex_batch` keeps every batched session's Whisper self-attention
+cache in pages of one pool per device (:class:`KVPagePool`, the paged layout of vLLM's
+FlashAttention), referenced by the session's :class:`PagedStreamingCache`. :func:`encode_rows`
+(the region the batched graph captures) runs one chunk per row: the convolutions and position
+table rows per row, each layer's new keys and values written into the row's own pages and
+attention over the row's own pages only (:func:`reference_paged_attention`, or vLLM's
+FlashAttention with a block table on CUDA in bf16/fp16), then the projection and pooling. Every
+per-row number is data (one int32 tensor laid out by :class:`RowLayout`), so one graph per batch
+bucket serves every past length.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import streaming_audio as sa
+
+__all__ = [
+    "ATTENTION",
+    "PAGE_SIZE",
+    "KVPagePool",
+    "PagedStreamingCache",
+    "RowLayout",
+    "encode_rows",
+    "on_device",
+    "reference_paged_attention",
+]
+
+#: Positions per K/V page (a multiple of 16, as vLLM's FlashAttention wants for paged K/V).
+PAGE_SIZE = 16
+
+# ---------------------------------------------------------------------------
+# Paged K/V
+# ---------------------------------------------------------------------------
+
+
+class KVPagePool:
+    """Whisper K/V pages shared by the batched duplex sessions of one device.
+
+    ``kv`` is ``(layers, 2, pages, PAGE_SIZE, heads, head_dim)`` (index 0 of dim 1: keys, 1:
+    values), each layer's keys and values in the paged layout of vLLM's FlashAttention. The last
+    ``scratch_pages`` pages are scratch: the padding rows of a batched call write and read there
+    only. A normal tensor even under inference mode (calls under ``no_grad`` write it in place).
+
+    Args:
+        sessions: sessions whose full cache (``max_positions``) the pool holds at once.
+        rows: the largest bucket (scratch pages for that many padding rows of ``chunk`` positions).
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        max_positions: int,
+        sessions: int,
+        rows: int,
+        chunk: int,
+        dtype: torch.dtype,
+        device: Any,
+    ) -> None:
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.max_positions = max_positions
+        self.pages_per_session = math.ceil(max_positions / PAGE_SIZE)
+        self.scratch_pages = math.ceil(rows * chunk / PAGE_SIZE)
+        self.num_pages = self.page_count(
+            sessions=sessions, rows=rows, chunk=chunk, max_positions=max_positions
+        )
+        with torch.inference_mode(False):
+            self.kv = torch.zeros(
+                (layers, 2, self.num_pages, PAGE_SIZE, heads, head_dim), dtype=dtype, device=device
+            )
+        self.scratch_start = self.num_pages - self.scratch_pages
+        self._free = list(range(self.scratch_start - 1, -1, -1))  # popped from the end: lowest first
+
+    @staticmethod
+    def page_count(*, sessions: int, rows: int, chunk: int, max_positions: int) -> int:
+        """Pages of a pool for ``sessions`` full caches and the scratch of ``rows`` padding rows."""
+        return sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kv.device}, {self.scratch_start} pages of {PAGE_SIZE})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def reserve(self, cache: PagedStreamingCache, length: int) -> bool:
+        """Give ``cache`` pages for ``length`` positions; False (nothing taken) when the pool is full."""
+        need = math.ceil(length / PAGE_SIZE) - len(cache.pages)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        cache.pages.extend(self._free.pop() for _ in range(need))
+        return True
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+        pages.clear()
+
+    def slots(self, cache: PagedStreamingCache, start: int, count: int) -> list[int]:
+        """Flat slot numbers (``page * PAGE_SIZE + offset``) of positions ``[start, start + count)``."""
+        return [cache.pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, start + count)]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``layer``, each ``(pages, PAGE_SIZE, heads, head_dim)``."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def positions(self, cache: PagedStreamingCache) -> torch.Tensor:
+        """``(layers, 2, heads, length, head_dim)``: ``cache``'s positions gathered from its pages (a copy)."""
+        pages = on_device(cache.pages, self.kv.device)
+        rows = self.kv[:, :, pages].flatten(2, 3)[:, :, : cache.length]
+        return rows.permute(0, 1, 3, 2, 4)
+
+    def store(self, cache: PagedStreamingCache, kv: torch.Tensor) -> None:
+        """Write ``kv`` ``(layers, 2, heads, n, head_dim)`` as ``cache``'s positions ``[0, n)`` (pages reserved)."""
+        n = kv.shape[3]
+        index = on_device(self.slots(cache, 0, n), self.kv.device)
+        flat = self.kv.flatten(2, 3)
+        flat.index_copy_(2, index, kv.permute(0, 1, 3, 2, 4).to(flat.dtype))
+
+
+def on_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory (the host does not wait)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+class PagedStreamingCache:
+    """A batched duplex session's Whisper self-attention cache: its pages of a :class:`KVPagePool`.
+
+    Like the other session caches it lives in ``audio_past_key_values`` between calls (the duplex
+    stage swaps it per session) and reports its length (``get_seq_length``). Its pages return to
+    the pool when the object is dropped (a cache reset, a finished session).
+    """
+
+    def __init__(self, pool: KVPagePool) -> None:
+        self.pool = pool
+        self.pages: list[int] = []
+        self.length = 0
+        self._finalizer = weakref.finalize(self, pool.release, self.pages)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    @classmethod
+    def from_blocks(cls, pool: KVPagePool, cache: sa.StreamingAudioKVCache) -> PagedStreamingCache | None:
+        """A per-session cache moved into pages (one copy), or None when the pool is full."""
+        paged = cls(pool)
+        if cache.length and not pool.reserve(paged, cache.length):
+            return None
+        if cache.blocks:
+            pool.store(paged, torch.cat(cache.blocks, dim=4)[:, :, 0])
+        paged.length = cache.length
+        return paged
+
+    def to_blocks(self) -> sa.StreamingAudioKVCache:
+        """The same positions as a per-session :class:`~.streaming_audio.StreamingAudioKVCache`
+        (one block, a copy); this cache's pages go back to the pool."""
+        blocks = sa.StreamingAudioKVCache()
+        if self.length:
+            blocks.blocks.append(self.pool.positions(self).unsqueeze(2).contiguous())
+            blocks.length = self.length
+        self.pool.release(self.pages)
+        self.length = 0
+        return blocks
+
+
+# ---------------------------------------------------------------------------
+# The batched forward (the captured region)
+# ---------------------------------------------------------------------------
+
+
+def reference_paged_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, used: torch.Tensor
+) -> torch.Tensor:
+    """Attention of each row's queries over its own pages, for devices without paged FlashAttention.
+
+    Args:
+        query: ``(rows, n, heads, head_dim)``, already scaled (Whisper scales its queries).
+        keys, values: a layer's pages ``(pages, PAGE_SIZE, heads, head_dim)``.
+        table: ``(rows, pages per row)`` page numbers; ``used``: ``(rows,)`` valid positions.
+
+    Returns:
+        ``(rows, n, heads, head_dim)``: each row's gathered pages, the positions past ``used``
+        masked with ``-inf``, through SDPA with scale 1.
+    """
+    rows, per_row = table.shape
+    k = keys[table.long()].flatten(1, 2).transpose(1, 2)  # (rows, heads, per_row * PAGE_SIZE, head_dim)
+    v = values[table.long()].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(per_row * PAGE_SIZE, device=used.device)
+    mask = torch.zeros((rows, 1, 1, positions.numel()), dtype=query.dtype, device=query.device)
+    mask.masked_fill_((positions[None, :] >= used[:, None])[:, None, None, :], float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), k, v, attn_mask=mask, scale=1.0
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_paged_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor, used: torch.Tensor
+) -> torch.Tensor:
+    """:func:`reference_paged_attention` through vLLM's FlashAttention (varlen, paged K/V)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    rows, n, heads, head_dim = query.shape
+    cu_seqlens_q = torch.arange(0, (rows + 1) * n, n, dtype=torch.int32, device=query.device)
+    out = flash_attn_varlen_func(
+        q=query.reshape(rows * n, heads, head_dim),
+        k=keys,
+        v=values,
+        max_seqlen_q=n,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_k=table.shape[1] * PAGE_SIZE,
+        seqused_k=used,
+        softmax_scale=1.0,
+        causal=False,
+        block_table=table,
+    )
+    return out.view(rows, n, heads, head_dim)
+
+
+ATTENTION = {"reference": reference_paged_attention, "flash": _flash_paged_attention}
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where a batched call's per-row data sit in its int32 ``meta`` tensor (one copy per call).
+
+    ``meta`` is ``[start (rows), used (rows), positions (rows x n), table (rows x pages), slots
+    (rows x n)]``: the conv output position each row's chunk starts at (after the context frames),
+    its valid K/V positions after the call, its position-table rows, its page table and the slots
+    its new K/V go to, each stored as slot + 1. A slot of 0 is the position's own scratch slot
+    (padding rows), so the all-zero inputs vLLM's graph manager runs the forward on before a
+    capture write only scratch, never a session's pages.
+    """
+
+    rows: int
+    chunk: int
+    pages: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * (2 + 2 * self.chunk + self.pages)
+
+    def split(self, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        r, n, p = self.rows, self.chunk, self.pages
+        start, used, positions, table, slots = meta.split((r, r, r * n, r * p, r * n))
+        return start, used, positions.view(r, n), table.view(r, p), slots
+
+
+def encode_rows(
+    model: nn.Module,
+    mel: torch.Tensor,
+    meta: torch.Tensor,
+    pool: KVPagePool,
+    chunk: int,
+    attention: str,
+) -> torch.Tensor:
+    """The region the batched duplex graph captures: Whisper over each row's chunk with its own
+    paged cache, then the projection and pooling, as ``streaming_audio.encode_audio_streaming``
+    runs them for one chunk.
+
+    Args:
+        model: the thinker (``apm``, ``audio_projection_layer``, ``audio_avg_pooler``).
+        mel: ``(rows, n_mels, 2 * chunk + 4)`` log-mel frames (a first chunk's 2 missing frames
+            are zeros at the end, which leave its first ``chunk`` conv positions unchanged).
+        meta: the int32 per-row data of :class:`RowLayout`.
+        pool, chunk, attention: static arguments (graph key): the page pool, the positions per
+            chunk and the attention (``"flash"`` or ``"reference"``).
+
+    Returns:
+        ``(rows, chunk // audio_pool_step, embed_dim)`` embeddings; the rows' new K/V are in
+        their pages.
+    """
+    apm = model.apm
+    rows = mel.shape[0]
+    layout = RowLayout(rows, chunk, pool.pages_per_session)
+    start, used, positions, table, codes = layout.split(meta)
+    codes = codes.long()
+    scratch = pool.scratch_start * PAGE_SIZE + torch.arange(codes.numel(), device=codes.device)
+    slots = torch.where(codes > 0, codes - 1, scratch)
+    attend = ATTENTION[attention]
+    hidden = nn.functional.gelu(apm.conv1(mel.to(dtype=apm.conv1.weight.dtype)))
+    hidden = nn.functional.gelu(apm.conv2(hidden)).permute(0, 2, 1)  # (rows, chunk + 2, d_model)
+    picks = (start[:, None] + torch.arange(chunk, device=mel.device)).long()
+    d_model = hidden.shape[-1]
+    hidden = hidden.gather(1, picks[:, :, None].expand(rows, chunk, d_model))
+    # the position table first, as the streaming path adds it (the sum is contiguous)
+    hidden = (apm.embed_positions.weight[positions.long()] + hidden).reshape(rows * chunk, d_model)
+    heads, head_dim = pool.heads, pool.head_dim
+    for index, layer in enumerate(apm.layers):
+        attn = layer.self_attn
+        residual = hidden
+        normed = layer.self_attn_layer_norm(hidden)
+        query = attn.q_proj(normed) * attn.scaling
+        keys, values = pool.layer(index)
+        keys.view(-1, heads, head_dim).index_copy_(0, slots, attn.k_proj(normed).view(-1, heads, head_dim))
+        values.view(-1, heads, head_dim).index_copy_(0, slots, attn.v_proj(normed).view(-1, heads, head_dim))
+        out = attend(query.view(rows, chunk, heads, head_dim), keys, values, table, used)
+        hidden = residual + attn.out_proj(out.reshape(rows * chunk, d_model))
+        residual = hidden
+        hidden = layer.activation_fn(layer.fc1(layer.final_layer_norm(hidden)))
+        hidden = residual + layer.fc2(hidden)
+    hidden = apm.layer_norm(hidden)
+    embeds = model.audio_projection_layer(hidden).view(rows, chunk, -1).transpose(1, 2)
+    return model.audio_avg_pooler(embeds).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------
+# The encoder: rows in, embeddings and caches out

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Immediate capture: :func:`capture_now` captures a call's graph at once, keyed as the call is.
+
+Shapes known to recur before any has been served (a duplex session's chunk forms, a camera frame)
+need no admission: :func:`capture_now` takes one adapter call's inputs and captures its key now,
+through the adapter's own capture path, so the graph is exactly the one a later call with those
+shapes, dtypes, static arguments and replay stream hits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .adapter import _BUFFER_KEYS, EncoderCudaGraph, EncoderCudaGraphCaptureFailedError
+from .admission import _KeyRecord, in_memory_profiling
+from .backend import ReplayableGraph
+from .shapes import GraphKey, _is_static, _key_entry
+
+__all__ = ["capture_now"]
+
+
+def capture_now(adapter: EncoderCudaGraph, *inputs: Any) -> tuple[torch.Tensor, str]:
+    """Capture ``adapter``'s graph for a call with ``inputs`` now; return what the call returns.
+
+    Admission's sightings and the cost rule are skipped; the graph cap, the byte budget
+    (``max_bytes``), the module-hooks check and the fatal capture contract apply as to any
+    capture. The free-memory floor is the caller's to check (it decides what a start-up capture
+    may take). The output's shape comes from one eager run; after the capture the graph's first
+    replay serves the call (and leaves what the forward writes in place, as after a lazy capture).
+    Neither is counted in the adapter's stats: no call has been served. The capture is logged at
+    DEBUG.
+
+    Returns:
+        ``(output, outcome)``: ``outcome`` is ``"captured"``, ``"present"`` (a graph already serves
+        the key), or why nothing was captured: ``"ineligible"`` (as a call would be),
+        ``"profile"`` (vLLM's memory profiling is running), ``"capacity"``, ``"budget"``,
+        ``"hooks"`` (hooks in the captured region: the adapter turned eager for good).
+
+    Raises:
+        EncoderCudaGraphCaptureFailedError: a capture of this adapter failed earlier.
+        whatever the capture raises (the adapter is then unusable, as after any failed capture).
+    """
+    if adapter.capture_failed:
+        raise EncoderCudaGraphCaptureFailedError(
+            f"{adapter.name} encoder CUDA graph capture failed earlier; restart the worker"
+        )
+    device = None
+    if adapter.eager_reason is None and not torch.is_grad_enabled():
+        device = adapter.backend.eligible_device(inputs)
+    static = any(map(_is_static, inputs))
+    if device is None or len(inputs) > len(_BUFFER_KEYS) or (static and not adapter.static_args):
+        return adapter.forward(*inputs), "ineligible"
+    if in_memory_profiling(adapter.vllm_config):
+        return adapter.forward(*inputs), "profile"
+    key: GraphKey = (adapter.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
+    manager = adapter.graphs.get(key)
+    if manager is not None:
+        return _replay_uncounted(adapter, manager, inputs), "present"
+    if len(adapter.graphs) >= adapter.options.max_graphs:
+        return adapter.forward(*inputs), "capacity"
+    out = adapter.forward(*inputs)
+    record = _KeyRecord(first_call=adapter._calls, output=(out.shape, out.dtype))
+    if adapter.options.max_bytes and adapter._over_budget(key, record):
+        return out, "budget"
+    if not adapter._capture(key, record, inputs, device, log_level=logging.DEBUG):
+        return out, "hooks"
+    return _replay_uncounted(adapter, adapter.graphs[key], inputs), "captured"
+
+
+def _replay_uncounted(
+    adapter: EncoderCudaGraph, manager: ReplayableGraph, inputs: Sequence[Any]
+) -> torch.Tensor:
+    hits = manager.graph_hits
+    out = adapter._replay(manager, inputs)
+    manager.graph_hits = hits
+    return out
