@@ -18,22 +18,27 @@ memory traffic stay. The functions here run the same layers, with the same param
   GELU, so the CPU runs ``addmm`` and the tanh GELU). Whisper's ``gelu`` is the exact erf GELU and
   stays a separate op after the fc1 GEMM with its bias epilogue;
 - **the residual add fused with the LayerNorm after it** (:func:`~.ops.add_layer_norm`): the
-  output projection and fc2 run without their bias, and one kernel adds the bias and the residual
-  and writes both the sum (the next residual) and its LayerNorm (the next sub-layer's, the next
-  layer's, or the encoder's final one). Every residual add of both encoders is followed by a
+  output projection (and Whisper's fc2) runs without its bias, and one kernel adds the bias and
+  the residual and writes both the sum (the next residual) and its LayerNorm (the next sub-layer's,
+  the next layer's, or the encoder's final one); SigLIP's fc2 keeps its bias in the GEMM, where
+  cuBLAS picks a faster kernel for it. Every residual add of both encoders is followed by a
   LayerNorm, so none is left on its own;
 - **SDPA on packed q/k/v** with the backend pinned for the shapes (:data:`SIGLIP_SDPA_BACKENDS`,
   :data:`WHISPER_SDPA_BACKENDS`, :data:`WHISPER_STREAMING_SDPA_BACKENDS`), reading strided views
   of the q/k/v GEMM's output (no copies) and writing its output in the layout the output
-  projection reads.
+  projection reads;
+- around SigLIP's layers, its **patch embedding as the GEMM it is** (:func:`siglip_patch_embeddings`)
+  and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`); for Whisper's
+  streaming chunks, graphs that **leave out the all-zero mask** (:func:`whisper_streaming_drops_zero_mask`).
 
 Numerics: not bitwise the unfused layers (the GELU epilogue rounds once where the unfused fc1
 rounds before the GELU; the fused add sums in float32 and rounds once; the attention kernel is
 another), but the same math: in float32 on the CPU the fused path matches the unfused one to
-float32 rounding, and in bf16 on an H200 its error against the upstream layers (eager attention,
-unfused) stays below 1e-2 of the output's largest magnitude (tests/model_executor/models/
-minicpmo_4_5/test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a
-replay stays bitwise equal to the eager call.
+float32 rounding, and in bf16 at the checkpoint's size its error against the upstream layers
+(eager attention, unfused) is to stay below 1e-2 of the output's largest magnitude, with a mean
+error against float32 no larger than theirs (tests/model_executor/models/minicpmo_4_5/
+test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a replay stays
+bitwise equal to the eager call.
 
 ``--hf-overrides encoder_fused_layers`` (``"all"``, the default, ``"vision"``, ``"audio"`` or
 ``"none"``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
