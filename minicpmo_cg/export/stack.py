@@ -111,7 +111,14 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-route-encoders-through-cuda-graphs",),
-        owned=(_MODEL + "encoder_cuda_graph*", _MODEL + "encoder_graphs.py"),
+        # encoder_graphs.py imports fused_layers.py, so the module (unused until the fused-layers
+        # PR's hook turns it on) travels with the first PR whose code imports it
+        owned=(
+            _MODEL + "encoder_cuda_graph*",
+            _MODEL + "encoder_graphs.py",
+            _MODEL + "fused_layers.py",
+            _MODEL + "ops/*",
+        ),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -154,7 +161,8 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: CUDA graphs for the full-duplex streaming audio chunks",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-graph-streaming-audio",),
-        owned=(_MODEL + "streaming_audio.py",),
+        # streaming_audio.py imports duplex_batch.py (and it duplex_rows.py): they travel with it
+        owned=(_MODEL + "streaming_audio.py", _MODEL + "duplex_batch.py", _MODEL + "duplex_rows.py"),
         tests=(_MC45 + "test_streaming_audio_graph.py", _MC45 + "test_encoder_cuda_graph_options.py"),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=("Real inputs", "Duplex session", "Admission: cost vs count"),
@@ -170,12 +178,7 @@ STACK: tuple[OmniPr, ...] = (
             "worker-batch-append-preprocess",
             "minicpmo45-duplex-append-batch",
         ),
-        owned=(
-            _MODEL + "audio_lengths.py",
-            _MODEL + "startup_capture.py",
-            _MODEL + "duplex_batch.py",
-            _MODEL + "duplex_rows.py",
-        ),
+        owned=(_MODEL + "audio_lengths.py", _MODEL + "startup_capture.py"),
         tests=(
             _MC45 + "test_audio_host_reads.py",
             _MC45 + "test_startup_capture.py",
@@ -187,7 +190,6 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-fused-encoder-layers",),
-        owned=(_MODEL + "fused_layers.py", _MODEL + "ops/*"),
         tests=(_MC45 + "test_fused_layers.py", _MC45 + "test_fused_layers_cuda.py"),
         docs=(_DESIGN + "/fused_layers.md",),
     ),
