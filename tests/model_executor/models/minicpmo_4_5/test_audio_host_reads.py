@@ -14,8 +14,6 @@ check the same with ``torch.cuda.set_sync_debug_mode("error")`` at Whisper-mediu
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -101,28 +99,11 @@ def encode_streaming(model, session, data, prefix):
 
 # project-only
 @pytest.fixture(scope="module")
-def pristine():
+def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
-    patchtool = pytest.importorskip(
-        "minicpmo_cg.patchtool", reason="no patch tool to rebuild the unpatched model file"
-    )
-    try:
-        source = patchtool.build_plan(patchtool.discover_installation()).revert_contents[MODEL_REL]
-    except (patchtool.ToolError, KeyError) as exc:
-        pytest.skip(f"cannot rebuild the unpatched model file: {exc}")
-    import tempfile
-    from pathlib import Path
+    from helpers.pristine import pristine_model_module
 
-    path = Path(tempfile.mkdtemp(prefix="pristine-minicpmo-")) / "pristine_audio_minicpmo_4_5_omni_llm.py"
-    path.write_bytes(source)
-    name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_audio_minicpmo_4_5_omni_llm"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    assert not hasattr(module, "audio_lengths")
-    yield module
-    sys.modules.pop(name, None)
+    yield from pristine_model_module(tmp_path_factory.mktemp("pristine-minicpmo"), "audio", "audio_lengths")
 
 
 @pytest.mark.cpu

@@ -15,9 +15,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -107,28 +105,10 @@ def padded_valid(lengths, n):
 # project-only
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    """The unpatched model module, rebuilt by the patch tool from the installed (patched) file.
+    """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
+    from helpers.pristine import pristine_model_module
 
-    Skips where the patch tool is not importable: in a source tree that carries the change
-    itself there is no unpatched file to compare with.
-    """
-    patchtool = pytest.importorskip(
-        "minicpmo_cg.patchtool", reason="no patch tool to rebuild the unpatched model file"
-    )
-    try:
-        source = patchtool.build_plan(patchtool.discover_installation()).revert_contents[MODEL_REL]
-    except (patchtool.ToolError, KeyError) as exc:
-        pytest.skip(f"cannot rebuild the unpatched model file: {exc}")
-    path = tmp_path_factory.mktemp("pristine-minicpmo") / "pristine_minicpmo_4_5_omni_llm.py"
-    path.write_bytes(source)  # transformers' docstring decorators read the source with inspect
-    name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_minicpmo_4_5_omni_llm"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    assert not hasattr(module, "vision_path")
-    yield module
-    sys.modules.pop(name, None)
+    yield from pristine_model_module(tmp_path_factory.mktemp("pristine-minicpmo"), "vision", "vision_path")
 
 
 # /project-only
