@@ -9,15 +9,12 @@ modules at checkpoint dimensions are in ``test_encoder_cuda_graph_models.py``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.runs import output_tail, run_python_scenario
 import torch
 
 pytestmark = [
@@ -440,21 +437,9 @@ def test_a_failed_capture_leaves_the_rest_of_the_process_working(ecg):
     code = _AFTER_FAILURE.format(
         test_dir=str(test_dir), name=ecg.__name__, path=str(Path(ecg.__file__).resolve())
     )
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
-    assert len(lines) == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(lines[0][len(RESULT_TAG) :])
+    proc, results = run_python_scenario(code, RESULT_TAG, repo=repo)
+    assert len(results) == 1, output_tail(proc)
+    result = results[0]
     assert result["earlier_graphs"] == 1, result
     # the capture failed inside CUDA's stream capture (not a Python error before it)
     assert result["capture_error"] and "captur" in result["capture_error"].lower(), result

@@ -19,15 +19,12 @@ failed capture and the other thread's failed CUDA calls must not reach later tes
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.runs import output_tail, run_python_scenario
 import torch
 
 pytestmark = [pytest.mark.core_model]
@@ -256,21 +253,9 @@ def test_control_global_mode_breaks_in_a_subprocess(ecg):
     test_dir = Path(__file__).resolve().parent
     repo = test_dir.parents[3]
     code = _CONTROL.format(test_dir=str(test_dir), name=ecg.__name__, path=str(Path(ecg.__file__).resolve()))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(lines[0][len(RESULT_TAG) :])
+    proc, results = run_python_scenario(code, RESULT_TAG, repo=repo)
+    assert proc.returncode == 0 and len(results) == 1, output_tail(proc)
+    result = results[0]
     assert result["mode"] == "global" and result["chatter_started"], result
     # The other thread's call fails ("operation not permitted when stream is capturing") and/or the
     # capture is invalidated (fatal for the adapter): either breaks serving.
