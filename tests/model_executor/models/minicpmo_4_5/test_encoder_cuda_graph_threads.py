@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.runs import output_tail, run_python_scenario
+from helpers.scenarios import output_tail, run_python_scenario
 import torch
 
 pytestmark = [pytest.mark.core_model]
