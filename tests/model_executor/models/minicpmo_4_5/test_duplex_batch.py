@@ -631,3 +631,20 @@ def test_the_stage_model_answers_the_runner_with_the_batch_module(cpu_backend, m
     monkeypatch.setattr(db, "preprocess_append_batch", lambda *args: seen.append(args) or ["r"])
     assert stage.preprocess_append_batch(input_ids=[1], input_embeds=[None], req_infos=[info]) == ["r"]
     assert seen == [(stage, [1], [None], [info])]
+
+
+@pytest.mark.cpu
+def test_a_batched_step_reads_nothing_on_the_host_in_the_runners_thread(cpu_backend):
+    """The step's encoder call and its row bookkeeping (the runner's thread; each request's own code
+    runs in its worker thread, whose reads the audio call path tests cover)."""
+    from helpers.host_reads import HostReads
+
+    model = batched_model(cpu_backend)
+    sess = {n: DuplexSession() for n in "abc"}
+    streams = {n: stream(CYCLE + 2, seed) for seed, n in enumerate("abc")}
+    with torch.inference_mode():
+        for t in range(CYCLE + 2):  # warmup, capture, replays; a reset inside
+            with HostReads() as watch:
+                db.run_batched(model, [lambda n=n, t=t: sess[n].encode(model, streams[n][t]) for n in "abc"])
+            assert watch.reads == [], (t, watch.reads[:3])
+    assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] == CYCLE + 1
