@@ -101,7 +101,7 @@ def encode_streaming(model, session, data, prefix):
 
 # project-only
 @pytest.fixture(scope="module")
-def pristine():
+def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
     patchtool = pytest.importorskip(
         "minicpmo_cg.patchtool", reason="no patch tool to rebuild the unpatched model file"
@@ -110,10 +110,7 @@ def pristine():
         source = patchtool.build_plan(patchtool.discover_installation()).revert_contents[MODEL_REL]
     except (patchtool.ToolError, KeyError) as exc:
         pytest.skip(f"cannot rebuild the unpatched model file: {exc}")
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.mkdtemp(prefix="pristine-minicpmo-")) / "pristine_audio_minicpmo_4_5_omni_llm.py"
+    path = tmp_path_factory.mktemp("pristine-minicpmo") / "pristine_audio_minicpmo_4_5_omni_llm.py"
     path.write_bytes(source)
     name = "vllm_omni.model_executor.models.minicpmo_4_5._pristine_audio_minicpmo_4_5_omni_llm"
     spec = importlib.util.spec_from_file_location(name, path)
