@@ -22,7 +22,7 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from minicpmo_cg import lanes  # stdlib only: reads lanes/*.txt of this checkout
+from minicpmo_cg import lanes  # noqa: E402  (stdlib only: reads lanes/*.txt of this checkout)
 
 PAYLOAD_DIRS = ("patches", "lanes", "vllm_omni")
 

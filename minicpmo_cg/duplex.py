@@ -5,7 +5,7 @@ vllm-omni 0.30.0) encodes a live session's audio one 1 s chunk at a time through
 ``get_audio_embedding_streaming(data, use_extra_context=True, prefix_extra_frames=0 if first else 2,
 suffix_extra_frames=2)``. Before each call it puts the session's Whisper KV cache into
 ``thinker.audio_past_key_values`` and afterwards takes the updated one back, so sessions interleave
-on one model. This module does the same for the demo, the benchmark and the tests:
+on one model. This module does the same for standalone runs and the tests:
 
 - :func:`frame_chunks` cuts a log-mel stream into the stage's chunks: chunk ``i`` covers frames
   ``[100 i, 100 i + 100)`` plus :data:`CONTEXT_FRAMES` frames of context on each side (none before
@@ -61,7 +61,7 @@ class DuplexChunk:
 
 @dataclass
 class DuplexInput:
-    """The demo's duplex row: one session's chunks (float32 features on the CPU).
+    """One duplex session's chunks as one input (float32 features on the CPU).
 
     Attributes:
         name: table label.

@@ -1,12 +1,12 @@
-"""Real inputs, photos and speech, through MiniCPM-o's own preprocessing (tests, demo, benchmark).
+"""Real inputs, photos and speech, through MiniCPM-o's own preprocessing (tests and standalone runs).
 
 Photos come from scikit-image's bundled sample data (``skimage.data``; the files ship inside
 the wheel, so nothing is downloaded) and go through vllm-omni's ``MiniCPMVImageProcessor``
 with the checkpoint's slicing (``max_slice_nums`` 9, ``scale_resolution`` 448, patch 14): each
 image becomes a source slice plus, when its area exceeds 448², a grid of slices, every slice
 unfolded to ``(3, 14, h*w*14)`` float32 with ``tgt_sizes`` row ``(h, w)`` in patches.
-(The demo's reduced size slices at ``scale_resolution`` 224 instead, for about 4x fewer patches
-per slice.)
+(A reduced size slices at ``scale_resolution`` 224 instead, for about 4x fewer patches per
+slice.)
 
 Speech comes from the voice ``.wav`` files that the installed vllm-omni wheel ships (found by
 :func:`voice_files`), resampled to 16 kHz with ``scipy.signal.resample_poly`` and turned into
@@ -185,7 +185,7 @@ def make_image_processor(scale_resolution: int = SCALE_RESOLUTION) -> Any:
 
     Args:
         scale_resolution: slice side in pixels (the checkpoint's ``image_size``, 448, gives
-            slices of about 32 x 32 = 1024 patches); the demo's reduced size uses 224 (about 256 patches).
+            slices of about 32 x 32 = 1024 patches); a reduced size uses 224 (about 256 patches).
     """
     from minicpmo_cg.standalone import model_module
 
@@ -248,9 +248,7 @@ def voice_files() -> list[Path]:
     root = Path(vllm_omni.__file__).resolve().parent
     files = sorted(root.rglob("*.wav"))
     if not files:
-        raise RuntimeError(
-            f"no .wav voice files found under {root} (the demo and the benchmark need real speech)"
-        )
+        raise RuntimeError(f"no .wav voice files found under {root} (real speech is needed here)")
     return files
 
 
@@ -347,6 +345,7 @@ def audio_input(
     return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
+# project-only
 # ---------------------------------------------------------------------------------------------
 # The demo's input sets
 # ---------------------------------------------------------------------------------------------
@@ -400,3 +399,6 @@ def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
             audio_input(extractor, "speech_pair", [("default_male", None), ("default_female", None)]),
         ]
     return items
+
+
+# /project-only

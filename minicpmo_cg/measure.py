@@ -1,5 +1,5 @@
-"""What the demo, the benchmark and the tests share: timing, statistics, versions and the
-graph-vs-eager tolerance.
+"""Timing, statistics, versions and the graph-vs-eager tolerance, shared by every measurement and
+comparison.
 
 The tolerance (:data:`GRAPH_REL_TOL`) is stated here and nowhere else: every comparison of a
 graphed output with the eager one imports it.

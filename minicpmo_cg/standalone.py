@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
 
-The demo, the benchmark and the CUDA tests need the input encoders at the checkpoint's
+Standalone runs and the CUDA tests need the input encoders at the checkpoint's
 dimensions, but neither the checkpoint (``openbmb/MiniCPM-o-4_5``, about 17 GB) nor its
 Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
 builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
@@ -41,6 +41,8 @@ from torch import nn
 MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
 #: The adapter, installed beside the model file.
 ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
+#: The fused encoder layers, installed beside the model file (--hf-overrides encoder_fused_layers).
+FUSED_LAYERS_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.fused_layers"
 
 WIRING_MISSING = (
     "the installed vllm-omni model file has no encoder CUDA graph wiring "
@@ -51,8 +53,7 @@ WIRING_MISSING = (
 # Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
 #
 # "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (checked by
-# tests/demo/test_demo.py::test_config_values_match_installed_defaults).
+# installed minicpmo_4_5_omni_llm.py (a test checks each against the installed file).
 # "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
 # absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> Non
 
 @dataclass(frozen=True)
 class EncoderBuildInfo:
-    """What :func:`build_thinker_encoders` built (for logs and the demo's JSON).
+    """What :func:`build_thinker_encoders` built (for logs and reports).
 
     Attributes:
         vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
@@ -192,6 +193,9 @@ class EncoderBuildInfo:
         audio_attn: Whisper attention implementation (transformers' default for the config).
         num_params: parameters of all encoder modules (count).
         build_s: wall time of the build, seconds.
+        fused_layers: ``{"vision": state, "audio": state}`` as the model's constructor configures
+            ``--hf-overrides encoder_fused_layers`` (``"on"`` or ``"off (<why>)"``); both
+            ``"off (no fused_layers module)"`` where the installed tree has none.
     """
 
     vision_layers: int
@@ -200,6 +204,7 @@ class EncoderBuildInfo:
     audio_attn: str
     num_params: int
     build_s: float
+    fused_layers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def build_thinker_encoders(
@@ -209,6 +214,7 @@ def build_thinker_encoders(
     reduced: bool = False,
     seed: int = 0,
     vision_attn: str = "sdpa",
+    fused_layers: str | None = None,
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> Any:
@@ -224,6 +230,10 @@ def build_thinker_encoders(
         vision_attn: SigLIP's attention, the ``--hf-overrides`` key ``vision_attn_implementation``
             (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
             ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
+        fused_layers: the ``--hf-overrides`` key ``encoder_fused_layers`` (``"all"``, ``"vision"``,
+            ``"audio"`` or ``"none"``); None keeps the model's default (``"all"``). Configured after
+            the weights are in place, as the model's constructor configures it (the q/k/v weights
+            are packed then).
         config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
         progress: print build progress to stderr.
 
@@ -244,6 +254,8 @@ def build_thinker_encoders(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
+    if fused_layers is not None:
+        config.encoder_fused_layers = fused_layers
     config.vision_config._attn_implementation = resolve_vision_attn(config, vision_attn)
     if progress:
         _progress(
@@ -253,6 +265,7 @@ def build_thinker_encoders(
         )
     model = _bare_model_on_meta(config)
     _materialise_(model, device=device, dtype=dtype, seed=seed, progress=progress)
+    fused_states = configure_fused_layers(model)
     model.build_info = EncoderBuildInfo(
         vision_layers=len(model.vpm.encoder.layers),
         audio_layers=len(model.apm.layers),
@@ -260,10 +273,37 @@ def build_thinker_encoders(
         audio_attn=str(model.apm.config._attn_implementation),
         num_params=sum(p.numel() for p in model.parameters()),
         build_s=time.perf_counter() - start,
+        fused_layers=fused_states,
     )
     if progress:
         _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
     return model
+
+
+def configure_fused_layers(model: Any) -> dict[str, str]:
+    """Configure ``--hf-overrides encoder_fused_layers`` on ``model`` as the model's constructor does.
+
+    Returns:
+        ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``, or both
+        ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module
+        (then an ``encoder_fused_layers`` key on the config is refused instead).
+
+    Raises:
+        ValueError: a bad ``encoder_fused_layers`` (or any other project key), naming the key; or
+            the key set while the installed tree has no fused layers.
+    """
+    try:
+        module = importlib.import_module(FUSED_LAYERS_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != FUSED_LAYERS_MODULE:
+            raise
+        if hasattr(model.config, "encoder_fused_layers"):
+            raise ValueError(
+                "encoder_fused_layers is set, but the installed vllm-omni tree has no fused encoder "
+                f"layers ({FUSED_LAYERS_MODULE})"
+            ) from exc
+        return {"vision": "off (no fused_layers module)", "audio": "off (no fused_layers module)"}
+    return module.configure_fused_layers(model)
 
 
 def resolve_vision_attn(config: Any, vision_attn: str) -> str:
@@ -356,10 +396,10 @@ def wire_encoder_graphs(
 
     Args:
         model: from :func:`build_thinker_encoders`.
-        vllm_config: e.g. ``minicpmo_cg.vllm_config.standalone_vllm_config()``.
+        vllm_config: a ``VllmConfig``, e.g. ``standalone_vllm_config()`` (a standalone one, no checkpoint).
         enabled: value of ``encoder_cuda_graph`` (a bool).
-        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. the
-            benchmark's CPU stand-in; None keeps the adapter's CUDA backend.
+        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. a CPU
+            stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
             ``encoder_cuda_graph_max_graphs``, ``streaming_audio=False`` sets
             ``encoder_cuda_graph_streaming_audio``.

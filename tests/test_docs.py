@@ -118,9 +118,16 @@ def test_every_relative_link_resolves(doc):
     assert not problems, "\n".join(problems)
 
 
+def rendered(text: str) -> str:
+    """``text`` as it renders: without HTML comments (the export's tags and the hidden text of earlier
+    pull requests, see ``minicpmo_cg/export/docsplit.py``), a comment on lines of its own with those lines."""
+    text = re.sub(r"^[ \t]*<!--.*?-->[ \t]*\n", "", text, flags=re.S | re.M)
+    return re.sub(r"[ \t]*<!--.*?-->", "", text, flags=re.S)
+
+
 def test_design_overview_is_short_and_links_every_topic_page():
     overview = (REPO / DESIGN).read_text(encoding="utf-8")
-    assert len(overview.splitlines()) <= OVERVIEW_MAX_LINES
+    assert len(rendered(overview).splitlines()) <= OVERVIEW_MAX_LINES
     linked = {resolve(DESIGN, target)[0] for _, target in relative_links(overview)}
     pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / TOPICS).glob("*.md"))
     assert pages and set(pages) <= linked

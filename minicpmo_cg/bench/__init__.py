@@ -21,13 +21,16 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     (``torch.cuda.memory_snapshot()``, ``segment_pool_id``); ``static`` = the manager's input
     buffers + output buffer (allocated outside the graph); plus the allocated/reserved deltas
     around the capturing call. The graphed output must equal the eager one within
-    :data:`minicpmo_cg.measure.GRAPH_REL_TOL`.
+    :data:`minicpmo_cg.measure.GRAPH_REL_TOL`. Audio shapes run with Whisper's fused layers and
+    without them (``layers``), each with the per-kernel profile of its graphed call.
 ``vision_path`` (:mod:`.vision_path`)
     The whole ``get_vision_hidden_states`` call (padding, then the graph from pixels to resampler
     output) for 1 slice (a duplex frame), 3 padded slices and 10 slices of real photos, with SigLIP's
-    eager and SDPA attention on the same weights: attention, eager ms, graphed ms, ratio, graph MiB,
-    graphed == eager (bitwise); the targets below, and a profile of the call where one is missed.
-    ``--only vision_path`` runs it alone.
+    eager and SDPA attention on the same weights, SDPA with and without the fused encoder layers
+    (``--hf-overrides encoder_fused_layers``): attention, layers, eager ms, graphed ms, ratio, graph
+    MiB, graphed == eager (bitwise); the targets below, the per-kernel profile of every SDPA row's
+    graphed call (kernels by GPU time, :mod:`.kernels`), and an operator profile of the call where a
+    target is missed. ``--only vision_path`` runs it alone.
 ``bookkeeping`` (:mod:`.bookkeeping`)
     Host cost of the adapter per call, with a no-op forward returning a preallocated tensor. Hit
     path: a tiny captured forward; ``adapter(x)`` minus ``copy + graph.replay() + clone`` on the
@@ -52,7 +55,9 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     sessions of audio), every graphed chunk and frame bitwise against eager. Per-chunk and
     per-frame median and p90, session encoder time (frames + chunks), graph memory in total and per
     session; on a GPU, where a graphed chunk's time goes (:mod:`.duplex_breakdown`: per-phase CUDA
-    events, the replay against the past length, attention alone). ``--only duplex`` runs it alone.
+    events, the replay against the past length, attention alone), and graphed chunks with Whisper's
+    fused layers against chunks without them, with the fused chunk's kernels. ``--only duplex`` runs
+    it alone.
 ``offline`` (:mod:`.offline`)
     Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats.
 
@@ -69,9 +74,10 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     delta and replay latency per shape.
 
 Targets printed next to the values (not asserted): graphed/eager >= 2x for one image slice,
->= 3x for a 1 s audio chunk, bookkeeping < 20 us per call; duplex: graphed <= 3 ms per 1 s chunk
-and a session encoder time (frames + chunks) >= 3x lower than eager; the whole image call with
-SDPA attention: one slice graphed <= 4.0 ms, 10 slices <= 40 ms, a single-slice graph <= 64 MiB.
+>= 3x for a 1 s audio chunk (and, with the fused layers, the 1 s chunk graphed <= 1.5 ms),
+bookkeeping < 20 us per call; duplex: graphed <= 2 ms per 1 s chunk and a session encoder time
+(frames + chunks) >= 3x lower than eager; the whole image call with SDPA attention and the fused
+layers: one slice graphed <= 2.8 ms, 10 slices <= 25 ms, a single-slice graph <= 64 MiB.
 Full mode takes a few minutes on an H200.
 
 The hit path's bookkeeping target is <= 15 us (vLLM's manager + the adapter; the 20 us above is

@@ -21,8 +21,12 @@ adapters' stats, graph memory in total (K/V arena + static buffers + graph pool,
 vision graph) and per session (the session's own cache, on either path), what the design with
 per-graph cache copies would hold, and on a GPU where a graphed chunk's time goes
 (:mod:`minicpmo_cg.bench.duplex_breakdown`: per-phase CUDA events of one more warm session, the
-replay against the past length, attention alone). Targets: graphed median <= 3 ms per 1 s chunk,
-warm session encoder time (frames + chunks) >= 3x lower than eager.
+replay against the past length, attention alone). Then the first :data:`LAYERS_CHUNKS` chunks once
+more with Whisper's fused layers (``--hf-overrides encoder_fused_layers``, the default) and once
+without them (the same weights, :func:`minicpmo_cg.bench.kernels.fused_layers`), each with fresh
+graphs: the warm graphed chunk times side by side, each bitwise against its own eager session, and the
+per-kernel profile of the fused graphed chunk (``layers``). Targets: graphed median <= 2 ms per 1 s
+chunk, warm session encoder time (frames + chunks) >= 3x lower than eager.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ from minicpmo_cg import duplex, standalone
 from minicpmo_cg import inputs as mi
 from minicpmo_cg.bench import duplex_breakdown
 from minicpmo_cg.bench.context import TARGETS, Ctx, log
+from minicpmo_cg.bench.kernels import format_kernels, fused_layers, kernel_profile, layers_label
 from minicpmo_cg.bench.memory import graph_memory, mem_state, mib, release_memory
 from minicpmo_cg.measure import summary
 
 DUPLEX_SECONDS = {"full": 120, "quick": 60, "cpu": 30}
 WARMUP_CHUNKS = 4
+#: chunks of the fused-vs-unfused comparison (one past length each), by mode
+LAYERS_CHUNKS = {"full": 12, "quick": 8, "cpu": 3}
 
 
 def _frames(ctx: Ctx, seconds: int) -> tuple[list[dict], str]:
@@ -218,6 +225,53 @@ def _checks(ctx: Ctx, eager: dict, graphed: dict) -> dict[str, bool]:
     return bitwise
 
 
+def _layers_run(ctx: Ctx, chunks: list[duplex.DuplexChunk], profile: bool) -> dict[str, Any]:
+    """``chunks`` eagerly, then graphed with fresh adapters (a session to see each past length, one to
+    capture it, a warm one to time): warm times, bitwise check, optionally the warm session's kernels."""
+    model = ctx.model
+    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)
+    eager = _session(ctx, chunks)
+    release_memory()
+    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=True, backend=ctx.backend)
+    try:
+        for _ in range(2):
+            _session(ctx, chunks)
+        warm = _session(ctx, chunks)
+        result: dict[str, Any] = {
+            "graphed_warm": _timing(warm["ms"]),
+            "eager": _timing(eager["ms"]),
+            "bitwise": not _mismatches(warm["outs"], eager["outs"]),
+        }
+        if profile:
+            kernels = kernel_profile(ctx, lambda: _session(ctx, chunks), calls=1)
+            for row in kernels["kernels"]:
+                row["us"] /= len(chunks)
+                row["count"] /= len(chunks)
+            kernels["total_us"] /= len(chunks)
+            kernels["per"] = f"chunk (mean of a warm session of {len(chunks)})"
+            result["kernels"] = kernels
+    finally:
+        standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)
+        release_memory()
+    return result
+
+
+def layers_comparison(ctx: Ctx, main: list[duplex.DuplexChunk]) -> dict[str, Any]:
+    """Graphed warm chunks with Whisper's fused layers and without them, on the session's first
+    :data:`LAYERS_CHUNKS` chunks; an empty dict where the model has no fused Whisper layers."""
+    if layers_label(ctx.model, "apm") != "fused":
+        return {}
+    chunks = main[: LAYERS_CHUNKS[ctx.mode]]
+    out = {}
+    for label, on in (("fused", True), ("unfused", False)):
+        log(f"duplex: {len(chunks)} chunks, {label} layers, eager and graphed ...")
+        with fused_layers(ctx.model, on):
+            out[label] = _layers_run(ctx, chunks, profile=on)
+        if not out[label]["bitwise"]:
+            ctx.problems.append(f"duplex: graphed chunks with {label} layers differ from their eager session")
+    return out
+
+
 def run(ctx: Ctx) -> dict[str, Any]:
     seconds = DUPLEX_SECONDS[ctx.mode]
     dtype = torch.float32  # the duplex stage feeds the processor's float32 mel; the encoder casts it
@@ -232,6 +286,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     eager = _eager(ctx, main, other, frames)
     graphed = _graphed(ctx, main, other, frames)
     bitwise = _checks(ctx, eager, graphed)
+    layers = layers_comparison(ctx, main)
     e, w = _timing(eager["ms"]), _timing(graphed["warm"]["ms"])
     session = {
         "eager": _session_ms(eager),
@@ -267,6 +322,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         },
         "bitwise": bitwise,
         "breakdown": graphed["breakdown"],
+        "layers": layers,
     }
 
 
@@ -332,6 +388,18 @@ def format_section(s: dict[str, Any]) -> list[str]:
     ]
     breakdown = s.get("breakdown") or {}
     lines += duplex_breakdown.format_lines(breakdown.get("phases"), breakdown.get("attention"))
+    layers = s.get("layers") or {}
+    for label in ("fused", "unfused"):
+        if label in layers:
+            run = layers[label]
+            lines.append(
+                _row(
+                    f"{label} layers, warm",
+                    run["graphed_warm"],
+                    f"eager {run['eager']['median']:.2f} ms; bitwise {'yes' if run['bitwise'] else 'NO'}",
+                )
+            )
+    lines += format_kernels("duplex chunk, graphed, fused layers", layers.get("fused", {}).get("kernels"))
     goal_ms, goal_x = TARGETS["duplex_chunk_ms"], TARGETS["duplex_session_speedup"]
     med, speedup = s["graphed_warm"]["median"], s["session_speedup"] or 0.0
     lines.append(

@@ -1,15 +1,17 @@
-"""Export the patch set as a pull request against vllm-omni: ``minicpmo-cg-patch export``.
+"""Export the patch set as a stack of pull requests against vllm-omni (and vLLM): ``minicpmo-cg-patch export``.
 
 Usage::
 
     minicpmo-cg-patch export [--out DIR] [--lane current] [--author 'Name <email>'] [--verify]
-                             [--run-tests] [--checkout VLLM_OMNI_CHECKOUT [--branch NAME]]
+                             [--run-tests [--marks EXPR]...] [--checkout VLLM_OMNI_CHECKOUT [--branch PREFIX]]
 
-Everything is read from the checkout at export time (:mod:`.changeset`); the pinned vllm-omni
-release wheel and vllm-omni's ruff come from PyPI, cached (:mod:`.fetch`). The series is built in
-a scratch git repository on the release (:mod:`.gitseries`, :mod:`.build`), the files are
-rewritten mechanically (:mod:`.transform`) and formatted by ruff with vllm-omni's settings
-(:mod:`.lint`, :mod:`.conventions`), the PR text is assembled from the design and results pages
-(:mod:`.prtext`), and :mod:`.verify` checks the result as a maintainer would. Edits to files
-the wheel does not carry (Buildkite, docs navigation) are in :mod:`.upstream_edits`.
+Everything is read from the checkout at export time (:mod:`.changeset`); which patch, owned module,
+test file, design-page part and results section goes into which PR is the table of :mod:`.stack`
+(page parts tagged in the pages, :mod:`.docsplit`). The pinned vllm-omni release wheel and vllm-omni's
+ruff come from PyPI, cached (:mod:`.fetch`). The PRs are committed one after the other in a scratch git
+repository on the release (:mod:`.gitseries`, :mod:`.build`), the files rewritten mechanically
+(:mod:`.transform`) and formatted by ruff with vllm-omni's settings (:mod:`.lint`, :mod:`.conventions`),
+each PR's text assembled from its patches, pages and test runs (:mod:`.prtext`), and :mod:`.verify`
+checks each PR on its own as a maintainer would. Edits to files the wheel does not carry (Buildkite,
+docs navigation) are in :mod:`.upstream_edits`.
 """

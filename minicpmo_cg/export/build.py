@@ -1,23 +1,25 @@
-"""``minicpmo-cg-patch export``: the lane's change set as a pull request against vllm-omni.
+"""``minicpmo-cg-patch export``: the lane's change set as a stack of pull requests.
 
-Writes into ``OUT``:
+Writes into ``OUT``, one folder per pull request of the stack (:mod:`.stack`):
 
-- ``vllm-omni/NNNN-*.patch``: the ``git format-patch`` series against the pinned vllm-omni release
-  (the adapter and the modules beside it; one commit per active vllm-omni patch; the tests in
-  vllm-omni's layout with their support modules vendored; the design page), every commit signed
-  off, every new Python file with vllm-omni's SPDX header, all Python formatted and fixed by ruff
-  with vllm-omni's settings;
-- ``vllm/NNNN-*.patch``: the vLLM changes the lane still needs (a separate series: they belong to
-  vllm-project/vllm) and ``vllm-PR-N.md`` for each;
-- ``PR.md`` and ``PR-title.txt``: the vllm-omni pull request;
-- ``UPSTREAM-EDITS.md``: the edits to files the release wheel does not carry (Buildkite step, docs
-  navigation), applied by ``--checkout`` to a vllm-omni git checkout instead;
-- ``export.json``: the manifest (versions, commits and files, vendored modules, warnings, lint).
+- ``NN-key/`` for each vllm-omni PR, in merge order: ``NNNN-*.patch``, the ``git format-patch``
+  series of that PR (it applies with ``git am`` on the pinned vllm-omni release once the PRs before
+  it are applied: owned modules, one commit per vllm-omni patch, the PR's tests in vllm-omni's
+  layout with their support modules vendored, the design page as far as this PR goes), every commit
+  signed off, every new Python file with vllm-omni's SPDX header, all Python formatted and fixed by
+  ruff with vllm-omni's settings; ``PR.md`` (the description in vllm-omni's template), ``PR-title.txt``
+  and, when the PR needs edits to files the release wheel does not carry (Buildkite, docs
+  navigation), ``UPSTREAM-EDITS.md`` (``--checkout`` makes them in a vllm-omni git checkout);
+- ``vllm-key/`` for each vLLM PR: its series against the lane's pristine vLLM files (the change and
+  its tests in vLLM's layout), ``PR.md`` and ``PR-title.txt``;
+- ``STACK.md``: the stack in merge order with each PR's size and dependencies;
+- ``export.json``: the manifest (versions, base wheel, per PR its commits, files, tests, size, lint).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import re
 import shutil
@@ -26,14 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import fetch, lint, prtext, transform, upstream_edits
+from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, transform, upstream_edits
 from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
 
-__all__ = ["ExportOptions", "ExportResult", "export", "rewrite_pr"]
+__all__ = ["ExportOptions", "ExportResult", "PrResult", "export", "rewrite_prs"]
 
 MANIFEST = "export.json"
+STACK_FILE = "STACK.md"
 
 
 @dataclass
@@ -45,7 +48,44 @@ class ExportOptions:
     author: Identity
     lane: str = "current"
     site_packages: Path | None = None
-    cpu_result: str | None = None
+
+
+@dataclass
+class PrResult:
+    """One pull request as written: its folder, series, commits, files and text inputs."""
+
+    key: str
+    folder: str
+    title: str
+    series: list[Path]
+    commits: list[dict]
+    files: list[str]
+    tests: list[str] = field(default_factory=list)
+    vendored: dict[str, str] = field(default_factory=dict)
+    lint: lint.LintReport = field(default_factory=lint.LintReport)
+    size: dict = field(default_factory=dict)
+    depends: list[str] = field(default_factory=list)
+    vllm: list[str] = field(default_factory=list)
+    page: str | None = None
+    inputs: prtext.PrInputs | None = None
+    messages: list[str] = field(default_factory=list)
+
+    def manifest(self) -> dict:
+        return {
+            "key": self.key,
+            "folder": self.folder,
+            "title": self.title,
+            "series": [f"{self.folder}/{p.name}" for p in self.series],
+            "commits": self.commits,
+            "files": self.files,
+            "tests": self.tests,
+            "vendored": self.vendored,
+            "size": self.size,
+            "depends": self.depends,
+            "vllm": self.vllm,
+            "page": self.page,
+            "lint": {"problems": self.lint.problems, "notes": self.lint.notes},
+        }
 
 
 @dataclass
@@ -53,48 +93,43 @@ class ExportResult:
     """What ``export`` wrote and found."""
 
     out: Path
-    title: str
-    omni_series: list[Path]
-    vllm_series: list[Path]
-    commits: list[dict]
-    files: list[str]
-    vendored: dict[str, str]
-    lint: lint.LintReport
+    prs: list[PrResult]
+    vllm_prs: list[PrResult]
     warnings: list[str] = field(default_factory=list)
-    pr_inputs: prtext.PrInputs | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(pr.lint.ok for pr in self.prs)
 
 
 def _prepare_out(out: Path) -> None:
+    """Make ``out`` an empty export folder: new, or holding an earlier export (replaced).
+
+    Raises:
+        FileExistsError: ``out`` is a file, or a folder holding something else than an export.
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory; pick a directory for the export")
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise FileExistsError(
             f"{out} is not empty and holds no earlier export ({MANIFEST}); pick another --out"
         )
-    for name in ("vllm-omni", "vllm"):
-        shutil.rmtree(out / name, ignore_errors=True)
-    for stale in out.glob("vllm-PR-*.md"):
-        stale.unlink()
+    if out.is_dir():
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _commit_owned(repo: SeriesRepo, cs: ChangeSet) -> None:
-    files = {
-        rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
-        for rel, path in cs.owned.items()
-    }
-    # a package of owned files is one new module: named once (``name/``), introduced by its __init__
-    shown: dict[str, None] = {}
-    body = []
-    for rel, text in files.items():
-        module = owned_module(rel, cs.owned)
-        name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
-        shown[name] = None
-        if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
-            body += _module_overview(name, _docstring(text))
-    names = ", ".join(shown)
-    body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
-    repo.commit(
-        f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files
-    )
+def _docstring(text: str) -> str:
+    import ast
+
+    try:
+        return ast.get_docstring(ast.parse(text)) or ""
+    except SyntaxError:
+        return ""
 
 
 def _module_overview(name: str, doc: str, paragraphs: int = 2) -> list[str]:
@@ -111,98 +146,235 @@ def _module_overview(name: str, doc: str, paragraphs: int = 2) -> list[str]:
     return out
 
 
-def _docstring(text: str) -> str:
-    import ast
-
-    try:
-        return ast.get_docstring(ast.parse(text)) or ""
-    except SyntaxError:
-        return ""
+def _title_topic(title: str) -> str:
+    return title.split(": ", 1)[1] if title.startswith(conv.MODEL_TITLE + ": ") else title
 
 
-def _commit_patches(repo: SeriesRepo, cs: ChangeSet) -> None:
-    for patch in cs.omni_patches:
-        subject = (
-            patch.subject.split(": ", 1)[1] if patch.subject.startswith("minicpmo_4_5: ") else patch.subject
+class _StackBuilder:
+    """Commits the stack PR by PR in one scratch repository on the release tree."""
+
+    def __init__(self, cs: ChangeSet, st: stack.Stack, work: Path, opts: ExportOptions, ruff: Path):
+        self.cs, self.stack, self.opts, self.ruff = cs, st, opts, ruff
+        self.config = lint.ruff_config(work / "ruff.toml")
+        self.wheel = fetch.wheel("vllm-omni", cs.lane.vllm_omni)
+        tree = fetch.extract_package(self.wheel, "vllm_omni", work / "vllm-omni")
+        self.omni_commit = fetch.release_commit(tree, "vllm_omni")
+        self.repo = SeriesRepo(
+            tree, opts.author, lambda root, files: lint.format_tree(ruff, self.config, root, files)
         )
-        title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {subject}"
-        repo.commit(title, wrap_body(patch.why), diff=patch.diff, format_paths=list(patch.file_paths))
+        self.pages: dict[str, str] = {}  # page -> the text its last version has in the tree
+        self.tests_exported: dict[str, str] = {}  # test file -> its text as exported (before formatting)
+        self.known = set(cs.design_pages) | {
+            p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts
+        }
 
-
-def _commit_tests(repo: SeriesRepo, cs: ChangeSet) -> transform.Vendored:
-    vendored = transform.vendor_tests(cs.repo, cs.tests)
-    body = ["Tests in vllm-omni's layout and markers (module level mark, cpu or cuda per test)."]
-    if vendored.vendored:
-        body.append("Helper modules beside them, shared by several tests:")
-        for target in sorted(vendored.vendored):
-            summary = prtext.first_paragraph(_docstring(vendored.files[target]))
-            body.append(f"{Path(target).name}: {summary}" if summary else Path(target).name)
-    title = f"{conv.TITLE_PREFIX_TEST} {conv.MODEL_TITLE}: tests of the input encoder CUDA graphs"
-    repo.commit(title, wrap_body("\n\n".join(body)), vendored.files)
-    return vendored
-
-
-def _commit_docs(repo: SeriesRepo, cs: ChangeSet, known: set[str]) -> None:
-    files = {
-        rel: transform.strip_dead_links(
-            transform.drop_project_only(path.read_text(encoding="utf-8"), rel), rel, known
+    def build(self, pr: stack.ResolvedPr) -> PrResult:
+        start, first = self.repo.head(), len(self.repo.titles)
+        modules = self._commit_owned(pr)
+        for patch in pr.patches:
+            subject = patch.subject.removeprefix("minicpmo_4_5: ")
+            self.repo.commit(
+                f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {subject}",
+                wrap_body(patch.why),
+                diff=patch.diff,
+                format_paths=list(patch.file_paths),
+            )
+        tests, vendored = self._commit_tests(pr)
+        pages = self._commit_docs(pr)
+        out = self.opts.out / pr.folder
+        series = self.repo.format_patch(out, since=start)
+        files = sorted({f for changed in self.repo.files[first:] for f in changed})
+        result = PrResult(
+            key=pr.key,
+            folder=pr.folder,
+            title=pr.title,
+            series=series,
+            commits=[
+                {"title": t, "files": f} for t, f in zip(self.repo.titles[first:], self.repo.files[first:])
+            ],
+            files=files,
+            tests=tests,
+            vendored=vendored,
+            lint=lint.check_tree(self.ruff, self.config, self.repo.root, files),
+            size={**self.repo.shortstat(start), "bytes": sum(p.stat().st_size for p in series)},
+            page=next(
+                (p for p in pr.pages if PurePosixPath(p).parent.as_posix() == conv.DESIGN_DOCS_DIR), None
+            ),
+            messages=self.repo.messages[first:],
         )
-        for rel, path in cs.design_pages.items()
-    }
-    body = "The design page of the input encoder CUDA graphs: " + ", ".join(files) + "."
-    repo.commit(
-        f"{conv.TITLE_PREFIX_DOC} {conv.MODEL_TITLE}: encoder CUDA graph design page", wrap_body(body), files
-    )
+        result.inputs = prtext.PrInputs(
+            key=pr.key,
+            number=pr.number,
+            title=pr.title,
+            patches=list(pr.patches),
+            modules=modules,
+            design=next(((p, pages[p]) for p in pr.pages if p == result.page), None),
+            pages_added=[(p, pages[p]) for p in pr.pages if p != result.page],
+            sections_added=[(page, heading) for page, heading in pr.sections if page not in pr.pages],
+            commits=[c["title"] for c in result.commits],
+            vllm_version=self.cs.lane.vllm,
+            omni_version=self.cs.lane.vllm_omni,
+            omni_commit=self.omni_commit,
+            test_files=[f for f in tests if PurePosixPath(f).name.startswith("test_")],
+            multi_gpu=any(
+                "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8") for path in pr.tests.values()
+            ),
+        )
+        return result
+
+    def _commit_owned(self, pr: stack.ResolvedPr) -> list[tuple[str, str]]:
+        """Commit the PR's owned files; return ``(module name, docstring)`` of each new module (a
+        package of owned files is one module, ``name/``, introduced by its ``__init__``)."""
+        if not pr.owned:
+            return []
+        files = {
+            rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
+            for rel, path in pr.owned.items()
+        }
+        modules: dict[str, str] = {}
+        for rel, text in files.items():
+            module = owned_module(rel, self.cs.owned)
+            name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
+            if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
+                modules[name] = _docstring(text)
+            modules.setdefault(name, "")
+        names = ", ".join(modules)
+        body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]
+        body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
+        self.repo.commit(
+            f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files
+        )
+        return list(modules.items())
+
+    def _commit_tests(self, pr: stack.ResolvedPr) -> tuple[list[str], dict[str, str]]:
+        upto = self.stack.upto(pr.key)
+        tests = {rel: path for p in self.stack.omni if p.key in upto for rel, path in p.tests.items()}
+        vendored = transform.vendor_tests(self.cs.repo, tests)
+        # compared as exported, before ruff formats them: what an earlier PR committed is not repeated
+        changed = {rel: text for rel, text in vendored.files.items() if self.tests_exported.get(rel) != text}
+        if not changed:
+            return [], {}
+        self.tests_exported.update(changed)
+        own = sorted(changed)
+        body = ["Tests in vllm-omni's layout and markers (module level mark, cpu or cuda per test)."]
+        helpers = sorted(t for t in own if t in vendored.vendored)
+        if helpers:
+            body.append("Helper modules beside them, shared by several tests:")
+            for target in helpers:
+                summary = prtext.first_paragraph(_docstring(vendored.files[target]))
+                body.append(
+                    f"{PurePosixPath(target).name}: {summary}" if summary else PurePosixPath(target).name
+                )
+        title = f"{conv.TITLE_PREFIX_TEST} {conv.MODEL_TITLE}: tests ({_title_topic(pr.spec.title)})"
+        self.repo.commit(title, wrap_body("\n\n".join(body)), changed)
+        return own, {t: vendored.vendored[t] for t in helpers}
+
+    def _commit_docs(self, pr: stack.ResolvedPr) -> dict[str, str]:
+        """Commit every page this PR adds or changes; return page -> its version as of this PR."""
+        upto = self.stack.upto(pr.key)
+        known_keys = set(self.stack.keys)
+        versions = {}
+        for page, path in self.cs.design_pages.items():
+            if page not in pr.pages and page not in self.pages:
+                continue
+            text = transform.drop_project_only(path.read_text(encoding="utf-8"), page)
+            text = docsplit.page_version(text, page, upto, known_keys, self.stack.page_sections.get(page))
+            text = transform.strip_dead_links(text, page, self.known | self.pages.keys())
+            versions[page] = text
+        changed = {page: text for page, text in versions.items() if self.pages.get(page) != text}
+        if changed:
+            added = [page for page in changed if page not in self.pages]
+            updated = [page for page in changed if page in self.pages]
+            if any(PurePosixPath(page).parent.as_posix() == conv.DESIGN_DOCS_DIR for page in added):
+                what = "encoder CUDA graph design pages"
+            elif added:
+                what = "design page " + ", ".join(
+                    PurePosixPath(page).stem.replace("_", " ") for page in added
+                )
+            else:
+                what = "design pages: the parts of this change"
+            parts = []
+            if added:
+                parts.append("New design pages of the input encoder CUDA graphs: " + ", ".join(added) + ".")
+            if updated:
+                parts.append("The parts of this change in " + ", ".join(updated) + ".")
+            body = " ".join(parts)
+            self.repo.commit(f"{conv.TITLE_PREFIX_DOC} {conv.MODEL_TITLE}: {what}", wrap_body(body), changed)
+            self.pages.update(changed)
+        return versions
 
 
-def _tree_files(root: Path) -> set[str]:
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and ".git" not in p.parts}
-
-
-def _vllm_series(cs: ChangeSet, work: Path, opts: ExportOptions) -> tuple[list[Path], list[str], list[str]]:
-    if not cs.vllm_patches:
-        return [], [], []
+def _vllm_prs(cs: ChangeSet, st: stack.Stack, work: Path, opts: ExportOptions) -> list[PrResult]:
+    if not st.vllm:
+        return []
     from minicpmo_cg.export.vllm_base import pristine_files
 
-    base = work / "vllm"
-    rels = sorted({rel for patch in cs.vllm_patches for rel in patch.file_paths})
-    for rel, data in pristine_files(cs, rels, opts.site_packages).items():
-        (base / rel).parent.mkdir(parents=True, exist_ok=True)
-        (base / rel).write_bytes(data)
-    repo = SeriesRepo(base, opts.author, formatter=lambda root, files: None)
-    for patch in cs.vllm_patches:
-        repo.commit(prtext.vllm_pr(patch, cs.lane.vllm, "")[0], wrap_body(patch.why), diff=patch.diff)
-    series = repo.format_patch(opts.out / "vllm")
-    return series, repo.titles, repo.messages
+    out = []
+    for pr in st.vllm:
+        base = work / f"vllm-{pr.key}"
+        rels = sorted({rel for patch in pr.patches for rel in patch.file_paths})
+        for rel, data in pristine_files(cs, rels, opts.site_packages).items():
+            (base / rel).parent.mkdir(parents=True, exist_ok=True)
+            (base / rel).write_bytes(data)
+        repo = SeriesRepo(base, opts.author, formatter=lambda root, files: None)
+        for patch in pr.patches:
+            repo.commit(f"{pr.spec.prefixes[0]} {patch.subject}", wrap_body(patch.why), diff=patch.diff)
+        if pr.tests:
+            files = {
+                target: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), source),
+                                           conv.VLLM_SPDX_LINES)
+                for source, (target, path) in pr.tests.items()
+            }  # fmt: skip
+            body = "Tests of the change: " + ", ".join(files) + "."
+            repo.commit(f"{conv.TITLE_PREFIX_TEST} {pr.spec.title} (tests)", wrap_body(body), files)
+        series = repo.format_patch(opts.out / pr.folder)
+        result = PrResult(
+            key=pr.key,
+            folder=pr.folder,
+            title=pr.title,
+            series=series,
+            commits=[{"title": t, "files": f} for t, f in zip(repo.titles, repo.files)],
+            files=sorted({f for changed in repo.files for f in changed}),
+            tests=sorted(target for target, _ in pr.tests.values()),
+            size={**repo.shortstat(repo.base), "bytes": sum(p.stat().st_size for p in series)},
+        )
+        result.inputs = prtext.PrInputs(
+            key=pr.key,
+            number=0,
+            title=pr.title,
+            patches=list(pr.patches),
+            commits=[c["title"] for c in result.commits],
+            vllm_version=cs.lane.vllm,
+            omni_version=cs.lane.vllm_omni,
+            test_files=[t for t in result.tests if PurePosixPath(t).name.startswith("test_")],
+        )
+        out.append(result)
+    return out
 
 
-def _build_omni(cs: ChangeSet, work: Path, opts: ExportOptions, ruff: Path) -> tuple[SeriesRepo, dict]:
-    config = lint.ruff_config(work / "ruff.toml")
-    wheel = fetch.wheel("vllm-omni", cs.lane.vllm_omni)
-    tree = fetch.extract_package(wheel, "vllm_omni", work / "vllm-omni")
-    base_files = _tree_files(tree)
-    repo = SeriesRepo(tree, opts.author, lambda root, files: lint.format_tree(ruff, config, root, files))
-    _commit_owned(repo, cs)
-    _commit_patches(repo, cs)
-    vendored = _commit_tests(repo, cs)
-    known = base_files | {f for files in repo.files for f in files} | set(cs.design_pages)
-    _commit_docs(repo, cs, known)
-    info = {
-        "config": config,
-        "wheel": wheel,
-        "omni_commit": fetch.release_commit(tree, "vllm_omni"),
-        "vendored": vendored.vendored,
-    }
-    return repo, info
+def _requirements() -> dict[str, list[str]]:
+    """The installed vLLM's and vllm-omni's requirements (``Requires-Dist``, ``Requires-Python``)."""
+    out = {}
+    for dist in ("vllm", "vllm-omni"):
+        try:
+            meta = importlib.metadata.metadata(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        reqs = [r for r in (importlib.metadata.requires(dist) or []) if "extra ==" not in r]
+        if meta.get("Requires-Python"):
+            reqs.append(f"python{meta['Requires-Python']}")
+        out[dist] = reqs
+    return out
 
 
-def export(opts: ExportOptions) -> ExportResult:
-    """Export the lane's change set into ``opts.out`` (see the module docstring for the files).
+def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -> ExportResult:
+    """Export the lane's change set into ``opts.out`` as the stack of ``table`` (module docstring).
 
     Raises:
-        FileExistsError: ``opts.out`` holds something else than an earlier export.
+        FileExistsError: ``opts.out`` is a file, or a folder holding something else than an export.
         fetch.FetchError: the release wheel or ruff cannot be downloaded.
-        transform.ExportError: a file cannot be exported as it is (the message says why).
+        transform.ExportError: a file cannot be exported as it is, or the stack table does not fit
+            the checkout (:class:`.stack.StackError`; the message says why).
         RuntimeError: a patch does not apply to the release (git's message).
     """
     opts.out = opts.out.resolve()  # git writes the series from inside the scratch repository
@@ -212,125 +384,123 @@ def export(opts: ExportOptions) -> ExportResult:
             f"nothing to export for lane {cs.lane.name}: no vllm-omni patch is active there (all upstream or "
             f"not targeting vllm-omni {cs.lane.vllm_omni}), so the owned files are not installed either"
         )
+    st = stack.resolve(cs, table)
     _prepare_out(opts.out)
     ruff = fetch.ruff_binary(conv.RUFF_VERSION)
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-export-") as tmp:
         work = Path(tmp)
-        repo, info = _build_omni(cs, work, opts, ruff)
-        files = sorted({f for changed in repo.files for f in changed})
-        report = lint.check_tree(ruff, info["config"], repo.root, files)
-        omni_series = repo.format_patch(opts.out / "vllm-omni")
-        vllm_series, vllm_titles, vllm_messages = _vllm_series(cs, work, opts)
-        texts = {rel: (repo.root / rel).read_text(encoding="utf-8") for rel in files}
-    messages = {f"vllm-omni commit {i}": m for i, m in enumerate(repo.messages, 1)}
-    messages |= {f"vllm commit {i}": m for i, m in enumerate(vllm_messages, 1)}
-    result = ExportResult(
-        out=opts.out,
-        title=prtext.title(cs.design_pages[next(iter(cs.design_pages))].read_text(encoding="utf-8")),
-        omni_series=omni_series,
-        vllm_series=vllm_series,
-        commits=[{"title": t, "files": f} for t, f in zip(repo.titles, repo.files)],
-        files=files,
-        vendored=info["vendored"],
-        lint=report,
-    )
-    _write_texts(cs, opts, result, info, vllm_titles)
-    _refuse_project_mentions(texts | messages, opts.out)
+        builder = _StackBuilder(cs, st, work, opts, ruff)
+        prs = [builder.build(pr) for pr in st.omni]
+        texts = {rel: (builder.repo.root / rel).read_text(encoding="utf-8") for pr in prs for rel in pr.files
+                 if (builder.repo.root / rel).is_file()}  # fmt: skip
+        vllm_prs = _vllm_prs(cs, st, work, opts)
+        # a commit body is wrapped at 72 columns: checked with each paragraph on one line, so a word pair
+        # the wrap splits is still found
+        messages = {
+            f"{pr.folder} commit {i}": re.sub(r"(?<!\n)\n(?!\n)", " ", m)
+            for pr in prs
+            for i, m in enumerate(pr.messages, 1)
+        }
+        wheel = builder.wheel
+        omni_commit = builder.omni_commit
+    result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs)
+    _link(result, st, cs)
+    _write_texts(cs, st, result)
+    _write_manifest(cs, result, wheel, omni_commit)
+    # the files as they end up, the commit messages, and every PR's series as written (each diff of each PR)
+    _refuse_foreign_text(texts | messages | _series_messages(prs + vllm_prs), opts.out, result)
     return result
 
 
-def _refuse_project_mentions(exported: dict[str, str], out: Path) -> None:
-    """Fail when an exported file, commit message or pull request text names this project.
-
-    Raises:
-        transform.ExportError: every such line, ``where:line: text`` (see
-            :data:`conventions.PROJECT_WORDS`); reword it at its source, mark it project-only, or
-            teach :mod:`.transform` the rewrite.
-    """
-    found = transform.project_mentions(exported)
-    pr_texts = {
-        p.name: p.read_text(encoding="utf-8") for p in [out / "PR.md", *sorted(out.glob("vllm-PR-*.md"))]
-    }
-    pr_texts["PR-title.txt"] = (out / "PR-title.txt").read_text(encoding="utf-8")
-    found += transform.project_mentions({"PR.md": pr_texts.pop("PR.md")}, conv.PR_SOURCE_NOTE_PREFIX)
-    found += transform.project_mentions(pr_texts)
-    if found:
-        raise transform.ExportError(
-            f"the export names this project in {len(found)} place(s); vllm-omni must see a self-contained "
-            "change:\n  " + "\n  ".join(found)
-        )
+def _series_messages(prs: list[PrResult]) -> dict[str, str]:
+    return {f"{pr.folder}/{p.name}": p.read_text(encoding="utf-8") for pr in prs for p in pr.series}
 
 
-def _test_commands(files: list[str]) -> list[str]:
-    units = sorted(
-        {str(Path(f).parent) for f in files if f.startswith("tests/") and not f.startswith("tests/e2e/")}
-    )
-    e2e = sorted(f for f in files if f.startswith("tests/e2e/") and Path(f).name.startswith("test_"))
-    out = []
-    for folder in units:
-        out += [
-            f'pytest -sv {folder} -m "core_model and cpu"',
-            f'pytest -sv {folder} -m "core_model and cuda"',
-        ]
-    out += [
-        f"pytest -sv {f}  # serving, eager vs graphed: needs the checkpoint and an 80 GB GPU" for f in e2e
-    ]
-    return out
+def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
+    """Fill in each PR's dependencies, results and environment (stack order)."""
+    vllm_by_key = {pr.key: pr for pr in result.vllm_prs}
+    results = cs.results_page.read_text(encoding="utf-8") if cs.results_page else None
+    requirements = _requirements()
+    lanes = tuple(lane.name for lane in all_lanes(cs.repo / "lanes"))
+    earlier: list[PrResult] = []
+    for resolved, pr in zip(st.omni, result.prs):
+        inp = pr.inputs
+        pr.depends = [p.folder for p in earlier]
+        pr.vllm = [vllm_by_key[k].folder for k in resolved.vllm]
+        inp.earlier = [(p.title, p.folder) for p in earlier]
+        inp.vllm_deps = [(vllm_by_key[k].title, vllm_by_key[k].folder) for k in resolved.vllm]
+        inp.total = len(result.prs)
+        inp.results_headings = resolved.results
+        if results is not None:
+            own = transform.drop_project_only(results, "docs/results/README.md")
+            inp.results_text = docsplit.own_parts(own, "docs/results/README.md", pr.key, set(st.keys))
+        inp.requirements = requirements
+        inp.lane, inp.lanes = cs.lane.name, lanes
+        earlier.append(pr)
+    for pr in result.vllm_prs:
+        pr.inputs.needed_by = [(p.title, p.folder) for p in result.prs if pr.folder in p.vllm]
 
 
-def _write_texts(
-    cs: ChangeSet, opts: ExportOptions, result: ExportResult, info: dict, vllm_titles: list[str]
-) -> None:
-    design_rel, design_path = next(iter(cs.design_pages.items()))
-    inputs = prtext.PrInputs(
-        design_text=design_path.read_text(encoding="utf-8"),
-        design_path=design_rel,
-        results_text=cs.results_page.read_text(encoding="utf-8") if cs.results_page else None,
-        vllm_version=cs.lane.vllm,
-        omni_version=cs.lane.vllm_omni,
-        omni_commit=info["omni_commit"],
-        commits=[c["title"] for c in result.commits],
-        vllm_patches=list(cs.vllm_patches),
-        vllm_series=[f"vllm/{p.name}" for p in result.vllm_series],
-        test_commands=_test_commands(result.files),
-        cpu_result=opts.cpu_result,
-        lane=cs.lane.name,
-        lanes=tuple(lane.name for lane in all_lanes(cs.repo / "lanes")),
-    )
-    result.pr_inputs = inputs
-    (opts.out / "PR.md").write_text(prtext.omni_pr(inputs), encoding="utf-8")
-    (opts.out / "PR-title.txt").write_text(result.title + "\n", encoding="utf-8")
-    for i, (patch, path) in enumerate(zip(cs.vllm_patches, result.vllm_series), 1):
-        title, body = prtext.vllm_pr(patch, cs.lane.vllm, f"vllm/{path.name}")
-        (opts.out / f"vllm-PR-{i}.md").write_text(f"<!-- title: {title} -->\n\n{body}", encoding="utf-8")
-    edits = upstream_edits.render(result.files, design_rel)
-    (opts.out / "UPSTREAM-EDITS.md").write_text(edits, encoding="utf-8")
-    result.warnings += inputs.notes
+def _write_texts(cs: ChangeSet, st: stack.Stack, result: ExportResult) -> None:
+    for pr in result.prs:
+        (result.out / pr.folder / "PR.md").write_text(prtext.omni_pr(pr.inputs), encoding="utf-8")
+        (result.out / pr.folder / "PR-title.txt").write_text(pr.title + "\n", encoding="utf-8")
+        edits = upstream_edits.render(pr.files, pr.page)
+        if edits:
+            (result.out / pr.folder / upstream_edits.EDITS_FILE).write_text(edits, encoding="utf-8")
+        result.warnings += [f"{pr.folder}: {n}" for n in pr.inputs.notes]
+    for pr in result.vllm_prs:
+        (result.out / pr.folder / "PR.md").write_text(prtext.vllm_pr(pr.inputs), encoding="utf-8")
+        (result.out / pr.folder / "PR-title.txt").write_text(pr.title + "\n", encoding="utf-8")
+    (result.out / STACK_FILE).write_text(prtext.stack_overview(result.prs, result.vllm_prs), encoding="utf-8")
+
+
+def _write_manifest(cs: ChangeSet, result: ExportResult, wheel: Path, omni_commit: str | None) -> None:
     manifest = {
         "lane": cs.lane.name,
         "vllm": cs.lane.vllm,
         "vllm_omni": cs.lane.vllm_omni,
-        "base": {
-            "wheel": info["wheel"].name,
-            "sha256": hashlib.sha256(info["wheel"].read_bytes()).hexdigest(),
-        },
-        "omni_release_commit": info["omni_commit"],
-        "title": result.title,
-        "commits": result.commits,
-        "vllm_commits": vllm_titles,
-        "series": [f"vllm-omni/{p.name}" for p in result.omni_series]
-        + [f"vllm/{p.name}" for p in result.vllm_series],
-        "files": result.files,
-        "vendored": result.vendored,
-        "lint": {"problems": result.lint.problems, "notes": result.lint.notes},
+        "base": {"wheel": wheel.name, "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()},
+        "omni_release_commit": omni_commit,
+        "prs": [pr.manifest() for pr in result.prs],
+        "vllm_prs": [pr.manifest() for pr in result.vllm_prs],
         "warnings": result.warnings,
     }
-    (opts.out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    (result.out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
-def rewrite_pr(out: Path, result: ExportResult, cpu_result: str) -> None:
-    """Write ``PR.md`` again with the exported CPU tests' pytest summary in its Test Result."""
-    if result.pr_inputs is None:
-        raise ValueError("the export wrote no PR text")
-    result.pr_inputs.cpu_result = cpu_result
-    (out / "PR.md").write_text(prtext.omni_pr(result.pr_inputs), encoding="utf-8")
+def _refuse_foreign_text(exported: dict[str, str], out: Path, result: ExportResult) -> None:
+    """Fail when an exported file, commit message or PR text names this project or what only it has.
+
+    Raises:
+        transform.ExportError: every such line, ``where:line: text`` (see
+            :data:`conventions.PROJECT_WORDS` and :data:`conventions.NOT_UPSTREAM_WORDS`); reword it
+            at its source, mark it project-only, or teach :mod:`.transform` the rewrite.
+    """
+    found = transform.project_mentions(exported)
+    found += transform.project_mentions(exported, words=transform.NOT_UPSTREAM)
+    for pr in result.prs + result.vllm_prs:
+        texts = {f"{pr.folder}/{name}": (out / pr.folder / name).read_text(encoding="utf-8")
+                 for name in ("PR.md", "PR-title.txt")}  # fmt: skip
+        for where, text in texts.items():
+            found += transform.project_mentions({where: text}, conv.PR_SOURCE_NOTE_PREFIX)
+            found += transform.project_mentions(
+                {where: text}, conv.PR_SOURCE_NOTE_PREFIX, transform.NOT_UPSTREAM
+            )
+            found += transform.project_mentions({where: text}, words=transform.POSITIONAL)
+    if found:
+        raise transform.ExportError(
+            f"the export names this project, or what only it has, in {len(found)} place(s); vllm-omni must see "
+            "a self-contained change:\n  " + "\n  ".join(found)
+        )
+
+
+def rewrite_prs(result: ExportResult, runs: dict[str, list[prtext.TestRun]]) -> None:
+    """Write each PR's ``PR.md`` again with its test runs (folder -> runs) in its Test Result, and
+    ``STACK.md`` with every PR's runs."""
+    for pr in result.prs + result.vllm_prs:
+        if pr.folder in runs:
+            pr.inputs.runs = runs[pr.folder]
+            render = prtext.omni_pr if pr in result.prs else prtext.vllm_pr
+            (result.out / pr.folder / "PR.md").write_text(render(pr.inputs), encoding="utf-8")
+    (result.out / STACK_FILE).write_text(prtext.stack_overview(result.prs, result.vllm_prs), encoding="utf-8")

@@ -7,7 +7,8 @@
 - their tests: every ``tests/<dir>/`` mirroring the folder of an owned module (a package counts as
   one module, in the folder that holds it), and the end-to-end tests (``tests/e2e/``) named after
   an owned module;
-- the design pages (``docs/design/*.md``) and the results page (``docs/results/README.md``).
+- the design pages (``docs/design/**/*.md``: an overview and its topic pages) and the results page
+  (``docs/results/README.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ChangeSet:
         omni_patches / vllm_patches: the patches active on the lane, in series order.
         owned: site-relative path -> file, the files this project owns under ``vllm_omni/``.
         tests: repo-relative path -> file, the tests exported with them.
-        design_pages: repo-relative path -> file (``docs/design/*.md``).
+        design_pages: repo-relative path -> file (``docs/design/**/*.md``).
         results_page: the results page, or None when the checkout has none.
     """
 
@@ -102,7 +103,7 @@ def read_change_set(repo: Path, lane_name: str) -> ChangeSet:
             raise FileNotFoundError(f"{repo} is not a checkout of the patch set (no {needed}/); pass --repo")
     lane = lanes.get_lane(lane_name, repo / "lanes")
     owned = resources.owned_files(repo)
-    pages = {p.relative_to(repo).as_posix(): p for p in sorted((repo / DESIGN_DIR).glob("*.md"))}
+    pages = {p.relative_to(repo).as_posix(): p for p in sorted((repo / DESIGN_DIR).rglob("*.md"))}
     results = repo / RESULTS_PAGE
     return ChangeSet(
         repo=repo,

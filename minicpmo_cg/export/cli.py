@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import subprocess
 from pathlib import Path
 
 from minicpmo_cg import resources
 from minicpmo_cg.export import build, verify
-from minicpmo_cg.export.gitseries import Identity, git
+from minicpmo_cg.export.gitseries import Identity
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["HELP", "add_parser", "git_identity", "run"]
 
-HELP = "export the lane's change set as a vllm-omni pull request (git format-patch series + PR text)"
+HELP = (
+    "export the lane's change set as a stack of vllm-omni pull requests and the vLLM one "
+    "(git format-patch series + PR text per PR)"
+)
+DEFAULT_MARKS = "core_model and cpu"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -22,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=Path,
         default=Path("upstream-pr"),
         metavar="DIR",
-        help="where the series, PR.md, UPSTREAM-EDITS.md and export.json go (default: upstream-pr)",
+        help="where the PR folders (NN-key/, vllm-key/), STACK.md and export.json go (default: upstream-pr)",
     )
     parser.add_argument(
         "--lane", default="current", help="lane whose change set is exported (default: current)"
@@ -30,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument(
         "--author",
         metavar="'NAME <EMAIL>'",
-        help="author and Signed-off-by of every commit (default: git config user.name/user.email of --repo)",
+        help="author and Signed-off-by of every commit (default: git's identity, `git var GIT_AUTHOR_IDENT`, "
+        "global config included)",
     )
     parser.add_argument(
         "--repo", type=Path, metavar="DIR", help="checkout of this patch set (default: the one installed)"
@@ -41,47 +48,66 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="check that the series applies to the release, is signed off and passes vllm-omni's lint",
+        help="check each PR on its own: it applies (with the PRs before it) to the release, is signed off, "
+        "passes vllm-omni's lint, and its imports resolve in its tree",
     )
     parser.add_argument(
         "--run-tests",
         action="store_true",
-        help="with --verify: also run the exported CPU tests from the resulting vllm-omni tree",
+        help="with --verify: also run each PR's tests from its tree (and the vLLM PR's against the installed vLLM)",
     )
     parser.add_argument(
         "--marks",
-        default="core_model and cpu",
-        help="with --run-tests: pytest -m expression for the exported tests (default: 'core_model and cpu'; "
-        "on a GPU host: 'core_model and cuda')",
+        action="append",
+        metavar="EXPR",
+        help=f"with --run-tests: a pytest -m expression for each PR's tests, one run per --marks (default: "
+        f"'{DEFAULT_MARKS}'; on a GPU host add --marks 'core_model and cuda')",
     )
     parser.add_argument(
         "--checkout",
         type=Path,
         metavar="DIR",
-        help="a vllm-omni git checkout at the pinned release: apply the series on a new branch there and "
-        "make the Buildkite and docs-nav edits (UPSTREAM-EDITS.md) as commits",
+        help="a vllm-omni git checkout at the pinned release: apply the stack there as one branch per PR "
+        "(BRANCH-NN-key, each on the one before) with each PR's Buildkite and docs-nav edits as commits",
     )
     parser.add_argument(
-        "--branch", default="minicpmo45-encoder-cuda-graphs", help="branch made in --checkout"
+        "--branch", default="minicpmo45-encoder-cuda-graphs", help="prefix of the branches made in --checkout"
     )
     return parser
 
 
-def _identity(args: argparse.Namespace, repo: Path) -> Identity:
-    if args.author:
-        return Identity(args.author)
-    name = git(repo, "config", "user.name", check=False).strip() if (repo / ".git").exists() else ""
-    email = git(repo, "config", "user.email", check=False).strip() if name else ""
-    if not (name and email):
+def git_identity(cwd: Path) -> Identity:
+    """The identity git would commit with in ``cwd``: ``GIT_AUTHOR_*`` environment variables, then the
+    repository's, the global and the system configuration (``git var GIT_AUTHOR_IDENT``); never a
+    name or address git would guess from the host.
+
+    Raises:
+        ValueError: git has no identity configured (the message says how to set one or pass --author).
+    """
+    proc = subprocess.run(
+        ["git", "-c", "user.useConfigOnly=true", "var", "GIT_AUTHOR_IDENT"],
+        cwd=cwd if cwd.is_dir() else None,
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    ident = re.sub(r"\s+\d+\s+[+-]\d{4}\s*$", "", proc.stdout.strip())
+    if proc.returncode or not ident:
+        reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
         raise ValueError(
-            "no --author and no git user.name/user.email: vllm-omni's DCO check needs a sign-off"
+            "no --author and git has no identity to sign off with (vllm-omni's DCO check needs one): set "
+            "`git config --global user.name 'Your Name'` and `git config --global user.email you@example.com`, "
+            f"or pass --author 'Your Name <you@example.com>' (git: {reason})"
         )
-    return Identity(f"{name} <{email}>")
+    return Identity(ident)
+
+
+def _identity(args: argparse.Namespace, repo: Path) -> Identity:
+    return Identity(args.author) if args.author else git_identity(repo)
 
 
 def _user_git(cwd: Path, *args: str, env: dict | None = None) -> str:
-    import os
-
     proc = subprocess.run(
         ["git", *args],
         cwd=cwd,
@@ -96,52 +122,74 @@ def _user_git(cwd: Path, *args: str, env: dict | None = None) -> str:
 
 
 def _to_checkout(args: argparse.Namespace, result: build.ExportResult, identity: Identity) -> list[str]:
+    """Apply the stack in ``--checkout``, one branch per PR, each PR's edits as commits; re-export each
+    PR's series from its branch."""
     from minicpmo_cg.export import upstream_edits
 
     checkout = args.checkout
-    base = _user_git(checkout, "rev-parse", "HEAD").strip()
-    _user_git(checkout, "checkout", "-q", "-b", args.branch)
-    _user_git(checkout, "am", "-q", "--keep-non-patch", *map(str, result.omni_series), env=identity.env())
-    design = next(f for f in result.files if f.startswith("docs/design/"))
-    for rel, text in upstream_edits.apply_to_checkout(checkout, result.files, design).items():
-        (checkout / rel).write_text(text, encoding="utf-8")
-        prefix = "[CI/Build]" if rel.startswith(".buildkite/") else "[Doc]"
-        what = (
-            "eager vs graphed encoder CUDA graph e2e step"
-            if prefix == "[CI/Build]"
-            else "list the design page"
+    start = base = _user_git(checkout, "rev-parse", "HEAD").strip()
+    lines = []
+    for pr in result.prs:
+        branch = f"{args.branch}-{pr.folder}"
+        _user_git(checkout, "checkout", "-q", "-b", branch)
+        _user_git(checkout, "am", "-q", "--keep-non-patch", *map(str, pr.series), env=identity.env())
+        for rel, text in upstream_edits.apply_to_checkout(checkout, pr.files, pr.page).items():
+            (checkout / rel).write_text(text, encoding="utf-8")
+            ci = rel.startswith(".buildkite/")
+            prefix = "[CI/Build]" if ci else "[Doc]"
+            what = "eager vs graphed encoder CUDA graph e2e step" if ci else "list the design page"
+            _user_git(
+                checkout,
+                "commit",
+                "-q",
+                "-s",
+                "-m",
+                f"{prefix} MiniCPM-o 4.5: {what}",
+                "--",
+                rel,
+                env=identity.env(),
+            )
+        for old in (args.out / pr.folder).glob("*.patch"):
+            old.unlink()
+        listed = _user_git(
+            checkout, "format-patch", "-q", "--no-signature", "-o", str(args.out / pr.folder), f"{base}..HEAD"
         )
-        _user_git(
-            checkout,
-            "commit",
-            "-q",
-            "-s",
-            "-m",
-            f"{prefix} MiniCPM-o 4.5: {what}",
-            "--",
-            rel,
-            env=identity.env(),
-        )
-    for old in (args.out / "vllm-omni").glob("*.patch"):
-        old.unlink()
-    _user_git(
-        checkout, "format-patch", "-q", "--no-signature", "-o", str(args.out / "vllm-omni"), f"{base}..HEAD"
+        pr.series = sorted((args.out / pr.folder).glob("*.patch")) if not listed.split() else [
+            Path(p) for p in listed.split()
+        ]  # fmt: skip
+        lines.append(f"branch {branch} in {checkout} (on {base[:12]}); {pr.folder} re-exported from it")
+        base = _user_git(checkout, "rev-parse", "HEAD").strip()
+    lines.append(f"stack of {len(result.prs)} branches on {start[:12]}")
+    return lines
+
+
+def _print_summary(result: build.ExportResult, report: verify.VerifyReport | None, extra: list[str]) -> None:
+    print(
+        f"export: {result.out} ({len(result.prs)} vllm-omni PRs, {len(result.vllm_prs)} vLLM PRs; see STACK.md)"
     )
-    return [f"branch {args.branch} in {checkout} (from {base[:12]}); series re-exported from it"]
-
-
-def _print_summary(result: build.ExportResult, extra: list[str]) -> None:
-    print(f"export: {result.out}  title: {result.title}")
-    for commit in result.commits:
-        print(f"  {commit['title']}")
-        for f in commit["files"]:
-            print(f"      {f}")
-    for path in result.vllm_series:
-        print(f"  vLLM series: {path.name}")
-    for line in (
-        extra + [f"warning: {w}" for w in result.warnings] + [f"lint: {p}" for p in result.lint.problems]
-    ):
+    for pr in result.prs + result.vllm_prs:
+        size = pr.size
+        print(
+            f"  {pr.folder}: {pr.title}  [{len(pr.commits)} commits, +{size.get('insertions', 0)}/"
+            f"-{size.get('deletions', 0)}]"
+        )
+        for commit in pr.commits:
+            print(f"    {commit['title']}")
+        check = next((c for c in report.checks if c.folder == pr.folder), None) if report else None
+        if check:
+            for run in check.runs:
+                print(
+                    f"    tests -m {run.marks!r}: {run.summary}" if run.marks else f"    tests: {run.summary}"
+                )
+            for problem in check.problems:
+                print(f"    verify: {problem}")
+            for note in check.lint_notes:
+                print(f"    verify note: {note}")
+    for line in extra + [f"warning: {w}" for w in result.warnings]:
         print(line)
+    for pr in result.prs:
+        for problem in pr.lint.problems:
+            print(f"lint: {pr.folder}: {problem}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,18 +201,19 @@ def run(args: argparse.Namespace) -> int:
     )
     result = build.export(opts)
     extra: list[str] = []
-    ok = result.lint.ok
+    ok = result.ok
+    report = None
     if args.verify or args.run_tests:
-        report = verify.verify(args.out, repo, run_tests=args.run_tests, marks=args.marks)
-        extra += [f"verify: {p}" for p in report.problems] + [f"verify note: {n}" for n in report.lint_notes]
+        marks = tuple(args.marks or [DEFAULT_MARKS])
+        report = verify.verify(args.out, repo, run_tests=args.run_tests, marks=marks)
+        extra += [f"verify: {p}" for p in report.problems]
         extra.append(
-            f"verify: {'ok' if report.ok else 'FAILED'}; exported tests (-m {args.marks!r}): "
-            f"{report.tests_summary or 'not run'}"
+            f"verify: {'ok' if report.ok else 'FAILED'}" + ("" if args.run_tests else " (tests not run)")
         )
-        if report.tests_summary and report.ok:
-            build.rewrite_pr(args.out, result, verify.result_line(args.marks, report.tests_summary))
+        if report.ok and args.run_tests:
+            build.rewrite_prs(result, report.runs())
         ok = ok and report.ok
     if args.checkout:
         extra += _to_checkout(args, result, identity)
-    _print_summary(result, extra)
+    _print_summary(result, report, extra)
     return 0 if ok else 1

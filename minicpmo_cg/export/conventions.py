@@ -150,11 +150,27 @@ PROJECT_WORDS = (
     r"\bpatch(?:es)? \d{4}\b",  # patch 0004, patches 0001 and 0006
     r"\btools/(?:test|setup_lane)\.sh\b",
 )
-#: The one line of ``PR.md`` that may name this project: where the measurements come from.
+#: What vllm-omni does not have, as case-insensitive regular expressions: this project's demo,
+#: benchmark and results page. An exported file, commit message or PR text citing one refers to
+#: something the PR does not contain (the export fails, naming each place); cite the measurement
+#: plainly instead ("measured on an H200: ...").
+NOT_UPSTREAM_WORDS = (
+    r"\bdemo(?:'s|s)?\b",
+    r"\bthe benchmark\b",
+    r"\bbenchmark's\b",
+    r"\bresults page\b",
+    r"\bdocs/results\b",
+)
+#: Positional references, which a PR text assembled from several pages cannot keep ("the table
+#: above" points at whatever ended up before it); a comparison with a number ("below 3×") is none.
+POSITIONAL_WORDS = (r"\b(?:above|below)\b(?!\s*[-−+~≈]?\d)",)
+
+#: The one line of each ``PR.md`` that may name this project: where the measurements come from.
 PR_SOURCE_NOTE_PREFIX = "> **Where the measurements come from:**"
 PR_SOURCE_NOTE = (
-    "the standalone demo and benchmark of `minicpmo_cg`, the out-of-tree patch set this change was "
-    "developed in, with this series applied to the pinned vLLM and vllm-omni releases."
+    "the harness of `minicpmo_cg`, the out-of-tree patch set this stack was developed in (its harness is not "
+    "part of any PR), with the whole stack applied to the pinned vLLM and vllm-omni releases; each PR shows "
+    "the figures of the paths it adds."
 )
 
 #: Names with this project's prefix that the exported files carry under a vllm-omni name:

@@ -119,8 +119,22 @@ class SeriesRepo:
         self.files.append(changed)
         return changed
 
-    def format_patch(self, out: Path) -> list[Path]:
-        """Write the series (every commit after the base) as numbered mbox patches into ``out``."""
+    def head(self) -> str:
+        return git(self.root, "rev-parse", "HEAD").strip()
+
+    def format_patch(self, out: Path, since: str | None = None) -> list[Path]:
+        """Write the commits after ``since`` (default: the base) as numbered mbox patches into ``out``."""
         out.mkdir(parents=True, exist_ok=True)
-        listed = git(self.root, "format-patch", "--no-signature", "-o", str(out), f"{self.base}..HEAD")
+        listed = git(
+            self.root, "format-patch", "--no-signature", "-o", str(out), f"{since or self.base}..HEAD"
+        )
         return [Path(line) for line in listed.split()] or sorted(out.glob("*.patch"))
+
+    def shortstat(self, since: str) -> dict[str, int]:
+        """``files``, ``insertions`` and ``deletions`` of the commits after ``since``."""
+        text = git(self.root, "diff", "--shortstat", since, "HEAD")
+        numbers = {
+            key: int(m.group(1)) if (m := re.search(rf"(\d+) {word}", text)) else 0
+            for key, word in (("files", "file"), ("insertions", "insertion"), ("deletions", "deletion"))
+        }
+        return numbers

@@ -1,8 +1,11 @@
-"""The pull request descriptions, in vllm-omni's template sections, written from the checkout's pages.
+"""The pull request descriptions, in vllm-omni's template sections, written from the checkout.
 
-Nothing here is fixed text about the change: the purpose, design, options and stats come from the
-design page's sections, the measurements from the results page, the dependency from the vLLM
-patches' headers, the versions from the lane, so a refreshed page or patch shows in the next export.
+One description per PR of the stack. Nothing here is fixed text about the change: the purpose
+comes from the PR's patch headers, its new modules' docstrings and (for the PR adding it) the
+design page as of that PR; the measurements from the results page's sections the stack table
+gives the PR (its parts for other PRs left out); the dependencies from the stack; the versions
+from the lane and the installed distributions' requirements; the test lines from the runs of
+``--run-tests``. The fixed sentences say where and how it was tested and what was not run.
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ from minicpmo_cg.patchtool.series import Patch
 
 __all__ = [
     "PrInputs",
+    "PytestRun",
     "heading_for_upstream",
     "lane_view",
     "markdown_sections",
     "omni_pr",
+    "pin_differences",
     "plain_links",
-    "title",
+    "run_lines",
+    "stack_overview",
+    "tables_with_captions",
+    "pytest_commands",
     "vllm_pr",
 ]
 
@@ -89,82 +97,6 @@ def first_paragraph(body: str) -> str:
     return re.split(r"\n\s*\n", body.strip(), maxsplit=1)[0] if body.strip() else ""
 
 
-@dataclass
-class PrInputs:
-    """What the descriptions are made from (all read at export time)."""
-
-    design_text: str
-    design_path: str
-    results_text: str | None
-    vllm_version: str
-    omni_version: str
-    omni_commit: str | None
-    commits: list[str]
-    vllm_patches: list[Patch]
-    vllm_series: list[str]
-    test_commands: list[str]
-    cpu_result: str | None = None
-    notes: list[str] = field(default_factory=list)
-    #: The exported lane's name and every lane's name, in the order the results page lists them.
-    lane: str = "current"
-    lanes: tuple[str, ...] = ("current",)
-
-
-def title(design_text: str) -> str:
-    """``[Model][Perf] <the design page's title>`` (the model name is in that title)."""
-    head = next((h for level, h, _ in markdown_sections(design_text) if level == 1), "encoder CUDA graphs")
-    if conv.MODEL_TITLE not in head:
-        head = f"{conv.MODEL_TITLE}: {head}"
-    return f"{conv.TITLE_PREFIX_MODEL}{conv.TITLE_PREFIX_PERF} {head}"
-
-
-def _purpose(inp: PrInputs) -> list[str]:
-    out = [conv.PR_TEMPLATE_HEADINGS[0], ""]
-    out += [plain_links(section(inp.design_text, "Why") or ""), ""]
-    for prefix, name in (("What is captured", "Design"), ("Options", "Options"), ("Stats", "Stats")):
-        body = section(inp.design_text, prefix)
-        if body is None:
-            inp.notes.append(f"the design page has no section starting with {prefix!r}")
-            continue
-        picked = [first_paragraph(body), *tables(body)] if name != "Design" else [body]
-        out += [f"### {name}", "", plain_links("\n\n".join(p for p in picked if p)), ""]
-    out += [f"The whole design (limits included) is the new page `{inp.design_path}`.", ""]
-    out += ["### Commits", ""] + [f"{i}. {t}" for i, t in enumerate(inp.commits, 1)] + [""]
-    return out + _depends_on(inp)
-
-
-def _depends_on(inp: PrInputs) -> list[str]:
-    if not inp.vllm_patches:
-        return ["### Depends on", "", f"Nothing beyond vLLM {inp.vllm_version}.", ""]
-    out = ["### Depends on: a vLLM change", ""]
-    count = "a change" if len(inp.vllm_patches) == 1 else f"{len(inp.vllm_patches)} changes"
-    out.append(
-        f"This needs {count} to vLLM that vLLM {inp.vllm_version} does not have. "
-        "The vLLM side belongs to vllm-project/vllm, not to this repository, and is exported as a separate "
-        "series for a vLLM pull request; this PR can merge only once vllm-omni's vLLM pin includes it "
-        "(encoder-graph PRs merge after the vLLM pin bump, issue #7452)."
-    )
-    out.append("")
-    for patch, name in zip(inp.vllm_patches, inp.vllm_series):
-        out.append(f"- **{patch.subject}** (`{name}`; upstream: {patch.upstream}): {patch.why}")
-    return out + [""]
-
-
-def _test_plan(inp: PrInputs) -> list[str]:
-    omni = f"v{inp.omni_version} release"
-    omni += f" (commit {inp.omni_commit})" if inp.omni_commit else " (its wheel records no commit id)"
-    vllm = f"{inp.vllm_version}" + (" with the vLLM change above applied" if inp.vllm_patches else "")
-    out = [
-        conv.PR_TEMPLATE_HEADINGS[1],
-        "",
-        f"{conv.PR_FIELD_VLLM} {vllm}",
-        "",
-        f"{conv.PR_FIELD_OMNI} {omni} + this PR",
-        "",
-    ]
-    return out + ["```bash", *inp.test_commands, "```", ""]
-
-
 def _split_cell(cell: str, index: int, count: int) -> str:
     """Part ``index`` of a cell holding ``count`` values joined by `` / `` (bold kept), else the cell."""
     text = cell.strip()
@@ -227,48 +159,425 @@ def heading_for_upstream(heading: str) -> str:
     return re.sub(r"\s*\(([^()]*)\)", keep, heading)
 
 
-def _test_result(inp: PrInputs) -> list[str]:
-    out = [conv.PR_TEMPLATE_HEADINGS[2], ""]
-    if inp.cpu_result:
+@dataclass
+class PytestRun:
+    """One pytest run of a PR's tests from its vllm-omni (or vLLM) tree.
+
+    Attributes:
+        marks: the ``-m`` expression.
+        summary: pytest's summary line without its duration (``12 passed, 3 deselected``), or None.
+        skipped: skip reason -> number of tests skipped for it.
+        environment: where it ran (``Python 3.11.9, torch 2.13.0+cu130, transformers 5.14.1``).
+        ok: pytest's exit status was 0 (or 5: no test of ``marks``).
+    """
+
+    marks: str
+    summary: str | None
+    skipped: dict[str, int] = field(default_factory=dict)
+    environment: str = ""
+    ok: bool = True
+
+
+@dataclass
+class PrInputs:
+    """What one PR's description is made from (all read at export time)."""
+
+    key: str
+    number: int
+    title: str
+    patches: list[Patch]
+    commits: list[str]
+    vllm_version: str
+    omni_version: str
+    omni_commit: str | None = None
+    #: (file name, docstring) of the owned modules the PR adds
+    modules: list[tuple[str, str]] = field(default_factory=list)
+    #: (page, its version as of this PR) when the PR adds a design page
+    design: tuple[str, str] | None = None
+    #: (page, its version) of the other design pages the PR adds (topic pages)
+    pages_added: list[tuple[str, str]] = field(default_factory=list)
+    #: (page, heading) of the sections the PR adds to a page an earlier PR added
+    sections_added: list[tuple[str, str]] = field(default_factory=list)
+    test_files: list[str] = field(default_factory=list)
+    multi_gpu: bool = False
+    #: (title, folder) of the earlier PRs of the stack, of the vLLM PRs it needs, of the PRs needing it
+    earlier: list[tuple[str, str]] = field(default_factory=list)
+    vllm_deps: list[tuple[str, str]] = field(default_factory=list)
+    needed_by: list[tuple[str, str]] = field(default_factory=list)
+    total: int = 1
+    results_headings: tuple[str, ...] = ()
+    #: the results page without project-only parts and without the parts of other PRs
+    results_text: str | None = None
+    #: distribution -> its requirements (``torch==2.13.0``, ``python>=3.10``)
+    requirements: dict[str, list[str]] = field(default_factory=dict)
+    lane: str = "current"
+    lanes: tuple[str, ...] = ("current",)
+    runs: list[PytestRun] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+UNIT_MARKS = ("core_model and cpu", "core_model and cuda")
+_DIST_NAMES = {"vllm": "vLLM", "vllm-omni": "vllm-omni"}
+
+
+def tables_with_captions(body: str) -> list[tuple[str, str]]:
+    """``(caption, table)`` for every table of ``body``: the paragraph right before it ('' if none)."""
+    blocks = re.split(r"\n\s*\n", body.strip())
+    out = []
+    for i, block in enumerate(blocks):
+        for table in tables(block):
+            before = block[: block.index(table)].strip() or (blocks[i - 1].strip() if i else "")
+            out.append((before, table))
+    return out
+
+
+def _anchor_links(text: str, page: str | None, design_text: str | None) -> str:
+    """Links to a heading of the design page name the section (a PR body has no anchors)."""
+    if not design_text:
+        return text
+    from minicpmo_cg.export.docsplit import slug
+
+    by_anchor = {slug(h): h for _, h, _ in markdown_sections(design_text)}
+
+    def name(m: re.Match[str]) -> str:
+        heading = by_anchor.get(m.group(2))
+        if heading is None:
+            return m.group(1)
+        shown = plain_links(heading)
+        if m.group(1).strip().lower() in ("above", "below", "here", "there"):
+            return f'the section "{shown}" of `{page}`'
+        if m.group(1).strip().lower() == shown.lower():
+            return f'"{shown}" (`{page}`)'
+        return f'{m.group(1)} ("{shown}" in `{page}`)'
+
+    return re.sub(r"(?<!!)\[([^\]]+)\]\(#([^)\s]+)\)", name, text)
+
+
+def _purpose(inp: PrInputs) -> list[str]:
+    out = [conv.PR_TEMPLATE_HEADINGS[0], ""]
+    where = f"on the v{inp.omni_version} release" + (
+        " with the PRs it depends on applied" if inp.earlier else ""
+    )
+    out += [
+        f"PR {inp.number} of {inp.total} of a stack of pull requests for MiniCPM-o 4.5's input encoders; "
+        f"it applies {where}.",
+        "",
+    ]
+    many = len(inp.patches) > 1
+    for patch in inp.patches:
+        subject = patch.subject.removeprefix("minicpmo_4_5: ")
+        out += [f"**{subject[0].upper()}{subject[1:]}.** {patch.why}" if many else patch.why, ""]
+    for name, doc in inp.modules:
+        summary = first_paragraph(doc)
+        if summary:
+            out += [f"New module `{name}`: {summary}", ""]
+    if inp.design:
+        out += _design_parts(inp)
+    for page, text in inp.pages_added:
+        lead = plain_links(
+            first_paragraph("\n".join(line for line in text.splitlines() if not line.startswith("# ")))
+        )
+        lead = re.sub(
+            r"^Part of .*?\.\s+(?=[A-Z])", "", " ".join(lead.split())
+        )  # the link back to the overview
+        out += [f"New design page `{page}`: {lead}", ""]
+    for page, heading in inp.sections_added:
+        out += [f'The design page `{page}` gains the section "{plain_links(heading)}".', ""]
+    out += ["### Commits", ""] + [f"{i}. {t}" for i, t in enumerate(inp.commits, 1)] + [""]
+    return out + _depends_on(inp)
+
+
+def _design_parts(inp: PrInputs) -> list[str]:
+    page, text = inp.design
+    out = []
+    why = section(text, "Why")
+    if why:
+        out += ["### Why", "", _anchor_links(plain_links_keep_anchors(why), page, text), ""]
+    for prefix, name, whole in (("What is captured", "What is captured", True), ("Options", "Options", False),
+                                ("Stats", "Stats", False)):  # fmt: skip
+        body = section(text, prefix)
+        if body is None:
+            inp.notes.append(f"{page} has no section starting with {prefix!r}")
+            continue
+        if whole:
+            picked = [body]
+        else:
+            picked = [first_paragraph(body)]
+            for caption, table in tables_with_captions(body):
+                picked += [caption, table] if caption and caption != picked[0] else [table]
+        rendered = _anchor_links(plain_links_keep_anchors("\n\n".join(p for p in picked if p)), page, text)
+        out += [f"### {name}", "", rendered, ""]
+    out += [f"The whole design, limits included, is the new page `{page}`.", ""]
+    return out
+
+
+def plain_links_keep_anchors(text: str) -> str:
+    """:func:`plain_links` for links to files; links to anchors are left for :func:`_anchor_links`."""
+    return re.sub(
+        r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)",
+        lambda m: m.group(0) if re.match(r"^([a-z][a-z0-9+.-]*://|#)", m.group(2)) else m.group(1),
+        text,
+    )
+
+
+def _depends_on(inp: PrInputs) -> list[str]:
+    out = ["### Depends on", ""]
+    if inp.earlier:
+        out.append("The earlier pull requests of the stack, in this order (this one applies on top of them):")
+        out.append("")
+        out += [f"{i}. {title}" for i, (title, _) in enumerate(inp.earlier, 1)]
+        out.append("")
+    if inp.vllm_deps:
+        count = "a change" if len(inp.vllm_deps) == 1 else f"{len(inp.vllm_deps)} changes"
+        out.append(
+            f"It needs {count} to vLLM that vLLM {inp.vllm_version} does not have, proposed to vllm-project/vllm "
+            "as its own pull request:"
+        )
+        out.append("")
+        out += [f"- {title}" for title, _ in inp.vllm_deps]
+        out.append("")
+        out.append(
+            "So it can merge only once vllm-omni's vLLM pin includes that change (encoder-graph PRs merge "
+            "after the next vLLM pin bump, issue #7452)."
+        )
+        out.append("")
+    if not inp.earlier and not inp.vllm_deps:
         out += [
-            f"Unit tests of this PR's tree (the v{inp.omni_version} release + this series): {inp.cpu_result}",
+            f"Nothing beyond vLLM {inp.vllm_version} and vllm-omni {inp.omni_version}: it can merge on the "
+            "current vLLM pin.",
             "",
         ]
-    if not inp.results_text:
-        inp.notes.append("no results page: the Test Result section has no GPU measurements")
-        return out
-    setup = section(inp.results_text, "Setup")
-    if setup:
-        out += ["### Setup", "", plain_links(first_paragraph(setup)), ""]
-    out += [f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}", ""]
-    for level, heading, _ in markdown_sections(inp.results_text):
-        body = section(inp.results_text, heading) if level == 2 else None
-        found = [lane_view(t, inp.lane, inp.lanes) for t in tables(body)] if body else []
-        if found:
-            out += [f"### {heading_for_upstream(plain_links(heading))}", ""]
-            out += [plain_links(t) + "\n" for t in found]
     return out
+
+
+def pytest_commands(files: list[str]) -> list[str]:
+    """The pytest command lines of a PR's test files (unit levels, then each serving test)."""
+    units = sorted(f for f in files if not f.startswith("tests/e2e/"))
+    e2e = sorted(f for f in files if f.startswith("tests/e2e/"))
+    out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in UNIT_MARKS] if units else []
+    return out + [
+        f"pytest -sv {f}  # serving: needs the MiniCPM-o 4.5 checkpoint and an 80 GB GPU" for f in e2e
+    ]
+
+
+def _test_plan(inp: PrInputs) -> list[str]:
+    omni = f"v{inp.omni_version} release"
+    omni += f" (commit {inp.omni_commit})" if inp.omni_commit else " (its wheel records no commit id)"
+    omni += " + the earlier PRs of the stack" if inp.earlier else ""
+    vllm = inp.vllm_version + (" with the vLLM change this PR depends on" if inp.vllm_deps else "")
+    out = [
+        conv.PR_TEMPLATE_HEADINGS[1],
+        "",
+        f"{conv.PR_FIELD_VLLM} {vllm}",
+        "",
+        f"{conv.PR_FIELD_OMNI} {omni} + this PR",
+        "",
+    ]
+    commands = pytest_commands(inp.test_files)
+    if commands:
+        out += ["```bash", *commands, "```", ""]
+    return out
+
+
+def run_lines(runs: list[PytestRun]) -> list[str]:
+    """One bullet per run: command, pytest's summary, where it ran, and why tests skipped."""
+    out = []
+    for run in runs:
+        command = f'pytest -m "{run.marks}"' if run.marks else "pytest"
+        line = f"- `{command}`: `{run.summary or 'no summary'}`"
+        line += f", {run.environment}" if run.environment else ""
+        if run.skipped:
+            reasons = "; ".join(f"{n} × {reason}" for reason, n in sorted(run.skipped.items()))
+            line += f". Skipped: {reasons}"
+        if run.summary and "deselected" in run.summary:
+            line += ". Deselected: the tests of the other hardware level"
+        out.append(line + ".")
+    return out
+
+
+def _versions_in(text: str) -> dict[str, str]:
+    found = {}
+    for name, version in re.findall(r"\b(torch|transformers|Python)\s+(\d[\w.+]*\w)", text):
+        found.setdefault(name.lower(), version)
+    return found
+
+
+def pin_differences(setup: str, requirements: dict[str, list[str]], versions: dict[str, str]) -> list[str]:
+    """Where the versions named in ``setup`` fall outside a requirement of a pinned distribution.
+
+    ``requirements``: distribution -> requirement strings; ``versions``: distribution -> its pinned
+    version (for the sentence). Returns ``"torch 2.11.0+cu130 (vLLM 0.30.0 requires torch==2.13.0)"``
+    items; requirements on packages ``setup`` does not name are not compared.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    used = _versions_in(setup)
+    out = []
+    for dist, reqs in requirements.items():
+        for text in reqs:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            name = req.name.lower()
+            if name not in used or not str(req.specifier):
+                continue
+            try:
+                inside = req.specifier.contains(Version(used[name]), prereleases=True)
+            except InvalidVersion:
+                continue
+            if not inside:
+                shown = "Python" if name == "python" else name
+                pin = f"{_DIST_NAMES.get(dist, dist)} {versions.get(dist, '')}".strip()
+                out.append(f"{shown} {used[name]} ({pin} requires {shown}{req.specifier})")
+    return out
+
+
+def _results_sections(inp: PrInputs) -> list[str]:
+    found = markdown_sections(inp.results_text or "")
+    out = []
+    for wanted in inp.results_headings:
+        hits = [i for i, (_, heading, _) in enumerate(found) if heading.startswith(wanted)]
+        if not hits:
+            inp.notes.append(f"the results page has no section {wanted!r}")
+            continue
+        i = hits[0]
+        level = found[i][0]
+        for sub_level, heading, body in [found[i]] + [s for s in _until_level(found[i + 1 :], level)]:
+            if not body.strip() and sub_level == level:
+                continue
+            hashes = "#" * (3 + sub_level - level)
+            body = plain_links(body)
+            for table in tables(body):
+                body = body.replace(table, plain_links(lane_view(table, inp.lane, inp.lanes)))
+            out += [f"{hashes} {heading_for_upstream(plain_links(heading))}", "", body, ""]
+    return out
+
+
+def _until_level(rest: list[tuple[int, str, str]], level: int) -> list[tuple[int, str, str]]:
+    out = []
+    for item in rest:
+        if item[0] <= level:
+            break
+        out.append(item)
+    return out
+
+
+def _test_result(inp: PrInputs) -> list[str]:
+    out = [conv.PR_TEMPLATE_HEADINGS[2], ""]
+    if inp.runs:
+        stacked = " and the earlier PRs of the stack" if inp.earlier else ""
+        where = (
+            f"the v{inp.omni_version} release wheel's `vllm_omni/` with this PR{stacked} applied by `git am`"
+        )
+        out += ["### Unit tests", "", f"Run from this PR's tree ({where}):", ""]
+        out += run_lines(inp.runs) + [""]
+    if inp.results_text:
+        setup = section(inp.results_text, "Setup")
+        if setup:
+            out += ["### Setup of the GPU measurements", "", plain_links(setup), ""]
+            diffs = pin_differences(
+                first_paragraph(setup),
+                inp.requirements,
+                {"vllm": inp.vllm_version, "vllm-omni": inp.omni_version},
+            )
+            if diffs:
+                out += ["Versions that differ from the pins: " + "; ".join(diffs) + ".", ""]
+            out += [f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}", ""]
+        else:
+            inp.notes.append("the results page has no Setup section: the PR names no GPU environment")
+        out += _results_sections(inp)
+    elif inp.results_headings:
+        inp.notes.append("no results page: the Test Result section has no GPU measurements")
+    out += ["### Not run", ""] + [f"- {item}" for item in _not_run(inp)] + [""]
+    return out
+
+
+def _not_run(inp: PrInputs) -> list[str]:
+    items = []
+    e2e = [f for f in inp.test_files if f.startswith("tests/e2e/")]
+    serving = (
+        "Serving end to end with the MiniCPM-o 4.5 checkpoint (`vllm serve openbmb/MiniCPM-o-4_5 --omni`): the GPU "
+        "measurements used the encoders at the checkpoint's dimensions with random weights"
+    )
+    if e2e:
+        serving += f"; {', '.join(f'`{f}`' for f in e2e)} is this PR's serving test (an 80 GB GPU and the checkpoint)"
+    items.append(serving + ".")
+    if inp.multi_gpu:
+        items.append("The tests that need two GPUs (they skip on one GPU).")
+    ran = {run.marks for run in inp.runs}
+    units = [f for f in inp.test_files if not f.startswith("tests/e2e/")]
+    for marks in UNIT_MARKS if units and inp.number else ():
+        if marks not in ran:
+            items.append(f'This PR\'s unit tests with `-m "{marks}"` from its own tree.')
+    items.append(
+        "vllm-omni's Buildkite pipelines on its agents (L1 `core_model and cpu`, L2 `core_model and cuda`): the "
+        "tests of Test Result ran with pytest outside them."
+    )
+    return items
 
 
 def omni_pr(inp: PrInputs) -> str:
     """The vllm-omni pull request body (``.github/PULL_REQUEST_TEMPLATE.md`` sections)."""
+    inp.notes.clear()
     lines = [conv.PR_TEMPLATE_FIRST_LINE, ""] + _purpose(inp) + _test_plan(inp) + _test_result(inp)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
 
 
-def vllm_pr(patch: Patch, vllm_version: str, name: str) -> tuple[str, str]:
-    """Title and body of the vLLM pull request for one vLLM patch (from its header)."""
-    body = [
-        "## Purpose",
+def vllm_pr(inp: PrInputs) -> str:
+    """The vLLM pull request body for the vLLM patches of one PR (from their headers)."""
+    out = ["## Purpose", ""]
+    out += [p for patch in inp.patches for p in (patch.why, "")]
+    if inp.needed_by:
+        out.append("The vllm-omni pull request(s) that need it:")
+        out.append("")
+        out += [f"- {title}" for title, _ in inp.needed_by] + [""]
+    out += ["## Test Plan", "", f"vLLM {inp.vllm_version} with this change:", ""]
+    if inp.test_files:
+        out += ["```bash", f"pytest -sv {' '.join(inp.test_files)}", "```", ""]
+    out += ["## Test Result", ""]
+    if inp.runs:
+        out += [f"Against vLLM {inp.vllm_version} with this change applied:", ""] + run_lines(inp.runs)
+    else:
+        out.append("Not run for this description.")
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
+
+
+def _runs_cell(pr) -> str:
+    runs = pr.inputs.runs if pr.inputs else []
+    return "; ".join(f"{run.marks or 'all'}: {run.summary}" for run in runs) or "not run"
+
+
+def stack_overview(prs: list, vllm_prs: list) -> str:
+    """``STACK.md``: the stack in merge order, each PR's size, dependencies and test runs (for the author)."""
+    lines = [
+        "# The pull requests of this export",
         "",
-        patch.why,
+        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied.",
         "",
-        "## Test Plan",
-        "",
-        f"The patch applies with `git am {name}` to vLLM {vllm_version} (checked by the export).",
-        "",
-        "## Test Result",
-        "",
-        "See the vllm-omni pull request that depends on this change: its tests run with it applied.",
+        "| # | folder | title | commits | files | + / − lines | series bytes | needs vLLM PR | tests from its tree |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    return f"[Core] {patch.subject}", "\n".join(body) + "\n"
+    for i, pr in enumerate(prs, 1):
+        size = pr.size
+        lines.append(
+            f"| {i} | `{pr.folder}` | {pr.title} | {len(pr.commits)} | {size.get('files', 0)} | "
+            f"+{size.get('insertions', 0)} / −{size.get('deletions', 0)} | {size.get('bytes', 0)} | "
+            f"{', '.join(f'`{v}`' for v in pr.vllm) or '—'} | {_runs_cell(pr)} |"
+        )
+    if vllm_prs:
+        lines += [
+            "",
+            "vLLM PRs (vllm-project/vllm):",
+            "",
+            "| folder | title | commits | + / − lines | series bytes | tests |",
+            "|---|---|---|---|---|---|",
+        ]
+        for pr in vllm_prs:
+            size = pr.size
+            lines.append(
+                f"| `{pr.folder}` | {pr.title} | {len(pr.commits)} | +{size.get('insertions', 0)} / "
+                f"−{size.get('deletions', 0)} | {size.get('bytes', 0)} | {_runs_cell(pr)} |"
+            )
+    return "\n".join(lines) + "\n"

@@ -23,6 +23,8 @@ from pathlib import Path, PurePosixPath
 from minicpmo_cg.export import conventions as conv
 
 __all__ = [
+    "NOT_UPSTREAM",
+    "POSITIONAL",
     "ExportError",
     "Vendored",
     "add_spdx",
@@ -42,6 +44,11 @@ _BUILTIN_MARKS = frozenset(
 _VENDORED_PACKAGES = {"minicpmo_cg": "minicpmo_cg", "helpers": "tests/helpers"}
 _VENDOR_PREFIX = {"minicpmo_cg": "minicpmo45_cg_", "helpers": "minicpmo45_cg_helpers_"}
 _MENTION = re.compile("|".join(f"(?:{w})" for w in conv.PROJECT_WORDS), re.IGNORECASE)
+#: What vllm-omni does not have (this project's demo, benchmark and results page), for
+#: :func:`project_mentions` ``words``.
+NOT_UPSTREAM = re.compile("|".join(f"(?:{w})" for w in conv.NOT_UPSTREAM_WORDS), re.IGNORECASE)
+#: Positional references, which a pull request body assembled from several pages cannot keep.
+POSITIONAL = re.compile("|".join(f"(?:{w})" for w in conv.POSITIONAL_WORDS), re.IGNORECASE)
 #: This project's tooling, never vendored into vllm-omni's tests: a test that needs it is marked
 #: project-only (:func:`drop_project_only`) and left out of the export.
 NOT_VENDORED = ("minicpmo_cg.patchtool", "minicpmo_cg.export", "minicpmo_cg.offline_gpu")
@@ -286,17 +293,21 @@ def strip_dead_links(text: str, doc_relpath: str, exported: set[str]) -> str:
     return _LINK.sub(keep_or_strip, text)
 
 
-def project_mentions(files: dict[str, str], allowed_prefix: str | None = None) -> list[str]:
+def project_mentions(
+    files: dict[str, str], allowed_prefix: str | None = None, words: re.Pattern[str] | None = None
+) -> list[str]:
     """``name:line: text`` of every line of ``files`` (name -> text) that names this project.
 
-    What names it is :data:`conventions.PROJECT_WORDS`. A line starting with ``allowed_prefix``
-    (the pull request's note on where its measurements come from) is allowed once per file.
+    What names it is :data:`conventions.PROJECT_WORDS`, or ``words`` (e.g. :data:`NOT_UPSTREAM`,
+    :data:`POSITIONAL`). A line starting with ``allowed_prefix`` (the pull request's note on where
+    its measurements come from) is allowed once per file.
     """
+    pattern = words or _MENTION
     found = []
     for rel, text in sorted(files.items()):
         allowed = allowed_prefix
         for n, line in enumerate(text.splitlines(), 1):
-            if not _MENTION.search(line):
+            if not pattern.search(line):
                 continue
             if allowed and line.startswith(allowed):
                 allowed = None

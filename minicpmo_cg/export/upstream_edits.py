@@ -19,7 +19,10 @@ from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 
-__all__ = ["EditError", "clone_nav_line", "clone_step", "e2e_command", "render", "step_label"]
+__all__ = ["EDITS_FILE", "EditError", "clone_nav_line", "clone_step", "e2e_command", "render", "step_label"]
+
+#: The file of a PR's folder that describes these edits.
+EDITS_FILE = "UPSTREAM-EDITS.md"
 
 
 class EditError(RuntimeError):
@@ -39,26 +42,40 @@ def _page_title(design_rel: str) -> str:
     return f"{conv.MODEL_TITLE} Input Encoder CUDA Graphs"
 
 
-def render(files: list[str], design_rel: str) -> str:
-    """``UPSTREAM-EDITS.md``: what :func:`apply_to_checkout` does, for a maintainer without the tool."""
-    page = PurePosixPath(design_rel).name
+def render(files: list[str], design_rel: str | None) -> str | None:
+    """``UPSTREAM-EDITS.md`` of a PR whose files are ``files`` and which adds the design page
+    ``design_rel`` (or none): what :func:`apply_to_checkout` does, for a maintainer without the
+    tool; None when the PR needs no such edit."""
     command = e2e_command(files)
+    if not command and not design_rel:
+        return None
     lines = [
         "# Edits to files the vllm-omni release wheel does not carry",
         "",
-        "The series in `vllm-omni/` is checked against the release wheel, which has no `.buildkite/` or",
+        "The series of this folder is checked against the release wheel, which has no `.buildkite/` or",
         "`docs/`. These edits are made by `minicpmo-cg-patch export --checkout DIR` in a vllm-omni git",
         "checkout (each next to an anchor that must exist there); by hand they are:",
         "",
-        f"1. `{conv.BUILDKITE_READY}`: in the group `{conv.BUILDKITE_E2E_GROUP}`, a copy of the step",
-        f"   `{conv.BUILDKITE_SIBLING_STEP}` labelled `{step_label()}`, whose pytest command is:",
-        "",
-        f"       {command or '(no end-to-end test exported)'}",
-        "",
-        "   It serves MiniCPM-o 4.5 twice (encoder graphs off, then on) and compares the answers.",
-        f"2. `{conv.NAV_FILE}`: `{page}` listed next to `{conv.NAV_SIBLING_PAGE}`.",
-        f"3. `{conv.DESIGN_INDEX_FILE}`: a link `[{_page_title(design_rel)}]({page})` next to the one to",
-        f"   `{conv.NAV_SIBLING_PAGE}`.",
+    ]
+    n = 0
+    if command:
+        n += 1
+        lines += [
+            f"{n}. `{conv.BUILDKITE_READY}`: in the group `{conv.BUILDKITE_E2E_GROUP}`, a copy of the step",
+            f"   `{conv.BUILDKITE_SIBLING_STEP}` labelled `{step_label()}`, whose pytest command is:",
+            "",
+            f"       {command}",
+            "",
+            "   It serves MiniCPM-o 4.5 twice (encoder graphs off, then on) and compares the answers.",
+        ]
+    if design_rel:
+        page = PurePosixPath(design_rel).name
+        lines += [
+            f"{n + 1}. `{conv.NAV_FILE}`: `{page}` listed next to `{conv.NAV_SIBLING_PAGE}`.",
+            f"{n + 2}. `{conv.DESIGN_INDEX_FILE}`: a link `[{_page_title(design_rel)}]({page})` next to the one to",
+            f"   `{conv.NAV_SIBLING_PAGE}`.",
+        ]
+    lines += [
         "",
         "The unit tests need no step: `tests/model_executor/` is collected by the existing L1 (`core_model and cpu`)",
         "and L2 (`core_model and cuda`) steps.",
@@ -85,7 +102,7 @@ def clone_step(text: str, command: str, path: str = conv.BUILDKITE_READY) -> str
         EditError: no E2E group, no sibling step in it, or a sibling without a pytest command line.
     """
     lines = text.split("\n")
-    group = next((i for i, l in enumerate(lines) if "group:" in l and conv.BUILDKITE_E2E_GROUP in l), None)
+    group = next((i for i, ln in enumerate(lines) if "group:" in ln and conv.BUILDKITE_E2E_GROUP in ln), None)
     if group is None:
         raise EditError(f"{path}: no group named {conv.BUILDKITE_E2E_GROUP!r}")
     start = next(
@@ -103,7 +120,7 @@ def clone_step(text: str, command: str, path: str = conv.BUILDKITE_READY) -> str
     indent = len(lines[start]) - len(lines[start].lstrip())
     end = _block_end(lines, start, indent)
     block = lines[start:end]
-    pytest_lines = [i for i, l in enumerate(block) if re.search(r"\bpytest\b", l)]
+    pytest_lines = [i for i, ln in enumerate(block) if re.search(r"\bpytest\b", ln)]
     if not pytest_lines:
         raise EditError(
             f"{path}: the step {conv.BUILDKITE_SIBLING_STEP!r} has no pytest command line to replace"
@@ -111,9 +128,9 @@ def clone_step(text: str, command: str, path: str = conv.BUILDKITE_READY) -> str
     first = pytest_lines[0]
     m = re.match(r"^(\s*(?:-\s+)?(?:command:\s*)?)(.*?)(\s*\\?)$", block[first])
     block[first] = f"{m.group(1)}{command}"
-    block = [l for i, l in enumerate(block) if i not in pytest_lines[1:]]
+    block = [ln for i, ln in enumerate(block) if i not in pytest_lines[1:]]
     block = [re.sub(r"(label:\s*['\"]?)[^'\"]*", rf"\g<1>{step_label()}", block[0], count=1)] + block[1:]
-    block = [re.sub(r"^(\s*key:\s*).*$", r"\1minicpmo-4-5-encoder-cuda-graph", l) for l in block]
+    block = [re.sub(r"^(\s*key:\s*).*$", r"\1minicpmo-4-5-encoder-cuda-graph", ln) for ln in block]
     return "\n".join(lines[:end] + [""] + block + lines[end:])
 
 
@@ -124,7 +141,7 @@ def clone_nav_line(text: str, page_rel: str, title: str, path: str) -> str:
         EditError: no line names the sibling page.
     """
     lines = text.split("\n")
-    at = next((i for i, l in enumerate(lines) if conv.NAV_SIBLING_PAGE in l), None)
+    at = next((i for i, ln in enumerate(lines) if conv.NAV_SIBLING_PAGE in ln), None)
     if at is None:
         raise EditError(f"{path}: no line names {conv.NAV_SIBLING_PAGE!r} to list the design page next to")
     sibling = lines[at]
@@ -137,15 +154,16 @@ def clone_nav_line(text: str, page_rel: str, title: str, path: str) -> str:
     return "\n".join(lines)
 
 
-def apply_to_checkout(checkout: Path, files: list[str], design_rel: str) -> dict[str, str]:
-    """Make the three edits in ``checkout``'s files; return relpath -> new text (nothing written).
+def apply_to_checkout(checkout: Path, files: list[str], design_rel: str | None) -> dict[str, str]:
+    """Make a PR's edits in ``checkout``'s files (the Buildkite step when the PR has a serving test,
+    the navigation entries when it adds ``design_rel``); return relpath -> new text (nothing written).
 
     Raises:
         EditError: a file or an anchor is missing.
     """
     out = {}
     command = e2e_command(files)
-    edits = [(conv.NAV_FILE, None), (conv.DESIGN_INDEX_FILE, None)]
+    edits = [(conv.NAV_FILE, None), (conv.DESIGN_INDEX_FILE, None)] if design_rel else []
     if command:
         edits.insert(0, (conv.BUILDKITE_READY, command))
     for rel, cmd in edits:

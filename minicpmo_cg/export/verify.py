@@ -1,57 +1,97 @@
-"""Checks of an export against what a vllm-omni maintainer would run.
+"""Checks of an export against what a vllm-omni (or vLLM) maintainer would run, PR by PR.
 
-- the vllm-omni series applies with ``git am`` to the pinned release (the cached wheel whose
-  sha256 the manifest names), every commit signed off by its author and titled with a prefix;
-- the vLLM series applies with ``git am`` to the lane's pristine vLLM files;
-- the exported files pass vllm-omni's lint (:mod:`.lint`);
-- optionally, the exported tests pass with pytest run from the resulting vllm-omni tree (its
-  ``vllm_omni`` first on ``sys.path``, vLLM from the lane), with this project's ``minicpmo_cg``
-  made unimportable, under vllm-omni's registered markers and ``--strict-markers``.
+For each vllm-omni PR of the stack, in merge order, on one vllm-omni tree made from the pinned
+release wheel (the one whose sha256 the manifest names):
+
+- its series applies with ``git am`` on top of the PRs before it, every commit signed off by its
+  author and titled with a ``[Prefix]``;
+- its files pass vllm-omni's lint (:mod:`.lint`) as the tree stands after it;
+- every import of a ``vllm_omni`` module or of a module beside a test, in the files the stack has
+  touched so far, resolves in that tree (a PR's tests import only what it or an earlier PR holds);
+- optionally, its tests pass with pytest run from that tree (its ``vllm_omni`` first on
+  ``sys.path``, vLLM from the lane), with this project's ``minicpmo_cg`` made unimportable, under
+  vllm-omni's registered markers and ``--strict-markers``, once per ``-m`` expression.
+
+Each vLLM PR's series applies with ``git am`` to the lane's pristine vLLM files, and optionally
+its tests (in vLLM's layout) pass against the installed vLLM once that carries the change.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import fetch, lint
 from minicpmo_cg.export.changeset import read_change_set
 from minicpmo_cg.export.gitseries import Identity, git
+from minicpmo_cg.export.prtext import PytestRun
 
-__all__ = ["VerifyReport", "apply_series", "result_line", "run_exported_tests", "verify"]
+__all__ = [
+    "PrCheck",
+    "VerifyReport",
+    "apply_series",
+    "run_exported_tests",
+    "unresolved_imports",
+    "verify",
+]
 
 #: As in vllm-omni's tree, where this project's package is not installed (``importorskip`` skips).
 _BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
 
 
 @dataclass
-class VerifyReport:
-    """Problems found (empty: the export passed) and the exported tests' pytest summary."""
+class PrCheck:
+    """What the checks found for one PR (``problems`` empty: it passed) and its test runs."""
 
+    folder: str
     problems: list[str] = field(default_factory=list)
     lint_notes: list[str] = field(default_factory=list)
-    tests_summary: str | None = None
-    tests_output: str = ""
+    runs: list[PytestRun] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """Per PR, in export order (vllm-omni PRs, then vLLM PRs); ``problems`` not tied to one PR."""
+
+    checks: list[PrCheck] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and all(not c.problems for c in self.checks)
+
+    def all_problems(self) -> list[str]:
+        return self.problems + [f"{c.folder}: {p}" for c in self.checks for p in c.problems]
+
+    def runs(self) -> dict[str, list[PytestRun]]:
+        return {c.folder: c.runs for c in self.checks if c.runs}
+
+    def check(self, folder: str) -> PrCheck:
+        return next(c for c in self.checks if c.folder == folder)
 
 
-def apply_series(tree: Path, patches: list[Path], identity: Identity) -> list[str]:
-    """``git am`` ``patches`` onto ``tree`` (committed as the base first); return the problems."""
+def _init_base(tree: Path, identity: Identity) -> str:
     git(tree, "init", "-q", "-b", "verify")
     git(tree, "add", "-A")
     git(tree, "commit", "-q", "--allow-empty", "--no-verify", "-m", "base", env=identity.env())
-    base = git(tree, "rev-parse", "HEAD").strip()
+    return git(tree, "rev-parse", "HEAD").strip()
+
+
+def _am(tree: Path, patches: list[Path], identity: Identity) -> list[str]:
+    """``git am`` ``patches`` onto ``tree``'s HEAD; the problems of the commits it made."""
+    before = git(tree, "rev-parse", "HEAD").strip()
     try:
         git(
             tree,
@@ -63,18 +103,26 @@ def apply_series(tree: Path, patches: list[Path], identity: Identity) -> list[st
             env=identity.env(),
         )
     except RuntimeError as exc:
-        return [f"the series does not apply to {tree.name}: {exc}"]
+        git(tree, "am", "--abort", check=False)
+        return [f"the series does not apply: {exc}"]
     problems = []
-    log = git(tree, "log", "--reverse", "--format=%H%x00%an <%ae>%x00%s%x00%b%x01", f"{base}..HEAD")
-    for entry in filter(str.strip, log.split("\x01")):
+    log = git(tree, "log", "--reverse", "--format=%H%x00%an <%ae>%x00%s%x00%b%x01", f"{before}..HEAD")
+    entries = [e for e in log.split("\x01") if e.strip()]
+    for entry in entries:
         sha, author, subject, body = entry.strip().split("\x00")
         if f"Signed-off-by: {author}" not in body:
             problems.append(f"{sha[:10]} {subject!r}: no Signed-off-by of its author {author}")
         if not re.match(r"^\[[A-Z][\w/.-]*\]", subject):
             problems.append(f"{sha[:10]} {subject!r}: the title has no [Prefix]")
-    if len(log.split("\x01")) - 1 != len(patches):
-        problems.append(f"{len(patches)} patches gave {len(log.split(chr(1))) - 1} commits")
+    if len(entries) != len(patches):
+        problems.append(f"{len(patches)} patches gave {len(entries)} commits")
     return problems
+
+
+def apply_series(tree: Path, patches: list[Path], identity: Identity) -> list[str]:
+    """``git am`` ``patches`` onto ``tree`` (committed as the base first); return the problems."""
+    _init_base(tree, identity)
+    return [f"{tree.name}: {p}" for p in _am(tree, patches, identity)]
 
 
 def _pytest_ini(path: Path) -> Path:
@@ -85,65 +133,248 @@ def _pytest_ini(path: Path) -> Path:
 
 
 def run_exported_tests(tree: Path, tests: list[str], marks: str, work: Path) -> tuple[int, str]:
-    """pytest on ``tests`` from ``tree`` with ``-m marks``; ``(exit code, output)``."""
+    """pytest on ``tests`` from ``tree`` with ``-m marks`` (all tests when empty); ``(exit code, output)``."""
     blocker = work / "blocker" / "minicpmo_cg"
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text(_BLOCKER, encoding="utf-8")
     ini = _pytest_ini(work / "pytest.ini")
     env = {**os.environ, "PYTHONPATH": str(blocker.parent), "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-m", marks, *tests]
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-rs"]
+    cmd += ["-m", marks] if marks else []
+    proc = subprocess.run([*cmd, *tests], cwd=tree, env=env, capture_output=True, text=True, check=False)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def _summary(output: str) -> str | None:
-    lines = [l.strip("= ").strip() for l in output.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    pattern = r"\d+ (passed|failed|errors?|skipped|deselected)|no tests ran"
+    lines = [line.strip("= ").strip() for line in output.splitlines() if re.search(pattern, line)]
     return re.sub(r"\s+in [\d.]+s.*$", "", lines[-1]) if lines else None
 
 
-def result_line(marks: str, summary: str) -> str:
-    """The Test Result line of the PR text for the exported tests run with ``-m marks``."""
-    return f"`pytest -m '{marks}'`: `{summary}`"
+def _skip_reasons(output: str) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^\n]*?:\d+: (.*)$", output, re.MULTILINE):
+        found[reason.strip()] = found.get(reason.strip(), 0) + int(count)
+    return found
 
 
-def _check_vllm(out: Path, repo: Path, manifest: dict, identity: Identity, work: Path) -> list[str]:
-    patches = sorted((out / "vllm").glob("*.patch"))
-    if not patches:
+def environment() -> str:
+    """Where the tests run: Python, torch and transformers versions, and the GPU or its absence."""
+    parts = [f"Python {platform.python_version()}"]
+    for dist in ("torch", "transformers"):
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    import torch
+
+    parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+    return ", ".join(parts)
+
+
+def _run(tree: Path, tests: list[str], marks: str, work: Path, check: PrCheck, env: str) -> None:
+    code, output = run_exported_tests(tree, tests, marks, work)
+    summary = _summary(output)
+    ok = code in (0, 5)  # 5: no test of these marks in the files
+    check.runs.append(PytestRun(marks, summary or "no tests ran", _skip_reasons(output), env, ok))
+    check.outputs.append(output)
+    if not ok:
+        check.problems.append(f"tests (-m {marks!r}) failed, pytest exit {code}: {summary}")
+
+
+# -- imports ---------------------------------------------------------------------------------------
+
+
+def _module_file(tree: Path, dotted: str) -> Path | None:
+    base = tree / Path(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _top_level_names(path: Path) -> set[str] | None:
+    """Names a module defines at its top level; None when it can hand out others (``*``, ``__getattr__``)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+
+    def visit(body) -> bool:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name == "__getattr__":
+                    return False
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        return False
+                    names.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+                blocks += [h.body for h in getattr(node, "handlers", [])]
+                if not all(visit(b) for b in blocks):
+                    return False
+        return True
+
+    return names if visit(tree.body) else None
+
+
+def unresolved_imports(tree: Path, files: list[str], beside_tests: set[str]) -> list[str]:
+    """Imports in ``files`` (relative to ``tree``) of a module or name the tree does not have.
+
+    Checked: ``vllm_omni`` modules (absolute, or relative from a file under ``vllm_omni/``, or
+    through ``pytest.importorskip``) and the names imported from them, and top-level modules that
+    some PR of the stack puts beside a test (``beside_tests``: their repo-relative paths), which must
+    be beside the importing file.
+    """
+    problems = []
+    for rel in files:
+        if not rel.endswith(".py") or not (tree / rel).is_file():
+            continue
+        folder = PurePosixPath(rel).parent
+        try:
+            parsed = ast.parse((tree / rel).read_text(encoding="utf-8"), filename=rel)
+        except SyntaxError as exc:
+            problems.append(f"{rel}: does not parse ({exc})")
+            continue
+        for node in ast.walk(parsed):
+            for module, names in _imported(node, rel):
+                if module.split(".")[0] == "vllm_omni":
+                    path = _module_file(tree, module)
+                elif f"{folder}/{module.split('.')[0]}.py" in beside_tests:
+                    path = tree / folder / f"{module.split('.')[0]}.py"
+                    path = path if path.is_file() else None
+                else:
+                    continue
+                if path is None:
+                    problems.append(f"{rel}:{node.lineno}: imports {module}, which this tree does not have")
+                    continue
+                defined = _top_level_names(path) if names else set()
+                for name in names if defined is not None else []:
+                    if name not in defined and not _module_file(tree, f"{module}.{name}"):
+                        problems.append(
+                            f"{rel}:{node.lineno}: imports {name} from {module}, which does not define it"
+                        )
+    return problems
+
+
+def _importorskip(node: ast.AST) -> str | None:
+    """The module of a ``pytest.importorskip("module")`` call (a test module that imports a later PR's
+    module this way would skip in this PR's tree, silently but for its skip reason)."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return node.args[0].value if name == "importorskip" and isinstance(node.args[0].value, str) else None
+
+
+def _imported(node: ast.AST, rel: str) -> list[tuple[str, list[str]]]:
+    if (module := _importorskip(node)) is not None:
+        return [(module, [])]
+    if isinstance(node, ast.Import):
+        return [(alias.name, []) for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
         return []
-    from minicpmo_cg.export.vllm_base import pristine_files
+    names = [alias.name for alias in node.names if alias.name != "*"]
+    if node.level:
+        if not rel.startswith("vllm_omni/"):
+            return []
+        package = PurePosixPath(rel).parent.parts[: len(PurePosixPath(rel).parent.parts) - node.level + 1]
+        module = ".".join([*package, *([node.module] if node.module else [])])
+        return [(module, names)] if node.module else [(f"{module}.{n}", []) for n in names]
+    return [(node.module, names)] if node.module else []
 
-    cs = read_change_set(repo, manifest["lane"])
-    rels = sorted({rel for patch in cs.vllm_patches for rel in patch.file_paths})
-    tree = work / "vllm"
+
+# -- the checks ------------------------------------------------------------------------------------
+
+
+def _check_vllm(pr: dict, out: Path, repo: Path, lane: str, identity: Identity, work: Path, run_tests: bool,
+                env: str) -> PrCheck:  # fmt: skip
+    from minicpmo_cg.export.vllm_base import pristine_files
+    from minicpmo_cg.patchtool import build_plan, discover_installation
+
+    check = PrCheck(pr["folder"])
+    cs = read_change_set(repo, lane)
+    patches = [p for p in cs.vllm_patches if any(p.subject in c["title"] for c in pr["commits"])]
+    rels = sorted({rel for patch in patches for rel in patch.file_paths})
+    tree = work / pr["folder"]
     for rel, data in pristine_files(cs, rels, None).items():
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_bytes(data)
-    return [f"vllm: {p}" for p in apply_series(tree, patches, identity)]
+    _init_base(tree, identity)
+    check.problems += _am(tree, [out / s for s in pr["series"]], identity)
+    tests = [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")]
+    if check.problems or not run_tests or not tests:
+        return check
+    plan = build_plan(discover_installation(None), repo / "patches", repo)
+    states = {r.patch.name: r.state for r in plan.reports}
+    missing = [p.name for p in patches if states.get(p.name) != "applied"]
+    if missing:
+        check.problems.append(
+            f"its tests run against the installed vLLM, which lacks the change ({', '.join(missing)}: "
+            f"{', '.join(states.get(m, '?') for m in missing)}); apply it (`minicpmo-cg-patch apply`) and re-run"
+        )
+        return check
+    # from a folder holding only the tests: vLLM itself is the installed one
+    tests_root = work / f"{pr['folder']}-tests"
+    for rel in pr["tests"]:
+        (tests_root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tests_root / rel).write_bytes((tree / rel).read_bytes())
+    _run(tests_root, tests, "", work / f"{pr['folder']}-pytest", check, env)
+    return check
 
 
-def verify(out: Path, repo: Path, run_tests: bool = False, marks: str = "core_model and cpu") -> VerifyReport:
-    """Check the export in ``out`` (made from the checkout ``repo``); see the module docstring."""
+def verify(
+    out: Path, repo: Path, run_tests: bool = False, marks: tuple[str, ...] = ("core_model and cpu",)
+) -> VerifyReport:
+    """Check the export in ``out`` (made from the checkout ``repo``) PR by PR; see the module docstring.
+
+    ``marks``: the ``-m`` expressions the vllm-omni PRs' tests run with (one run each).
+    """
     manifest = json.loads((out / "export.json").read_text(encoding="utf-8"))
     report = VerifyReport()
     wheel = fetch.wheel("vllm-omni", manifest["vllm_omni"])
     if hashlib.sha256(wheel.read_bytes()).hexdigest() != manifest["base"]["sha256"]:
         report.problems.append(f"{wheel} is not the wheel the export was made against")
+        return report
     identity = Identity("Export Check <export-check@example.invalid>")
+    env = environment() if run_tests else ""
+    beside_tests = {f for pr in manifest["prs"] for f in pr["files"] if f.startswith("tests/")}
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-verify-") as tmp:
         work = Path(tmp)
         tree = fetch.extract_package(wheel, "vllm_omni", work / "vllm-omni")
-        report.problems += apply_series(tree, sorted((out / "vllm-omni").glob("*.patch")), identity)
-        report.problems += _check_vllm(out, repo, manifest, identity, work)
-        if report.problems:
-            return report
+        _init_base(tree, identity)
         ruff = fetch.ruff_binary(conv.RUFF_VERSION)
-        lint_report = lint.check_tree(ruff, lint.ruff_config(work / "ruff.toml"), tree, manifest["files"])
-        report.problems += [f"lint: {p}" for p in lint_report.problems]
-        report.lint_notes = lint_report.notes
-        if run_tests:
-            tests = sorted({str(Path(f).parent) for f in manifest["files"] if f.startswith("tests/")})
-            code, output = run_exported_tests(tree, tests, marks, work)
-            report.tests_output, report.tests_summary = output, _summary(output)
-            if code != 0:
-                report.problems.append(f"exported tests failed (pytest exit {code}): {report.tests_summary}")
+        config = lint.ruff_config(work / "ruff.toml")
+        touched: list[str] = []
+        broken = None
+        for pr in manifest["prs"]:
+            check = PrCheck(pr["folder"])
+            report.checks.append(check)
+            if broken:
+                check.problems.append(
+                    f"not checked: {broken} does not apply, and this PR applies on top of it"
+                )
+                continue
+            check.problems += _am(tree, [out / s for s in pr["series"]], identity)
+            if check.problems:
+                broken = pr["folder"]
+                continue
+            lint_report = lint.check_tree(ruff, config, tree, pr["files"])
+            check.problems += [f"lint: {p}" for p in lint_report.problems]
+            check.lint_notes = lint_report.notes
+            touched = sorted(set(touched) | set(pr["files"]))
+            check.problems += [f"imports: {p}" for p in unresolved_imports(tree, touched, beside_tests)]
+            tests = [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")]
+            for expression in marks if run_tests and tests else ():
+                _run(tree, tests, expression, work / f"{pr['folder']}-pytest", check, env)
+        for pr in manifest["vllm_prs"]:
+            report.checks.append(_check_vllm(pr, out, repo, manifest["lane"], identity, work, run_tests, env))
     return report

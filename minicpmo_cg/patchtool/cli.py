@@ -29,7 +29,7 @@ COMMANDS = {
     "revert": "restore every file apply changed, byte-identical (all-or-nothing, crash-safe)",
     "base": "write the starting file of a new or refreshed patch (the file with the earlier patches applied)",
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
-    "export": "export the lane's change set as a vllm-omni pull request (series + PR text; see CONTRIBUTING)",
+    "export": "export the lane's change set as a stack of vllm-omni pull requests (see CONTRIBUTING)",
 }
 
 

@@ -154,7 +154,7 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
         + ["--only", f"{only},offline", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         check=False,
     )
@@ -190,29 +190,36 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
 
 
 def _check_vision_path(s: dict, stdout: str) -> None:
-    """Both attentions, 1, 3 and 10 slices; one graph per row, bitwise equal to eager; a row of the
-    default attention that misses a timing target carries profiles. Whether a CPU misses a target
-    depends on its speed (wall-clock time), so the check is that a row carries profiles exactly
-    when it missed a target, and that rows without targets (eager attention, 3 slices) never do."""
+    """Both attentions, 1, 3 and 10 slices, SDPA with and without the fused layers; one graph per row,
+    bitwise equal to eager; every SDPA row has its graphed call's kernels. Whether a CPU misses a target
+    depends on its speed (wall-clock time), so the check is that a row carries profiles exactly when it
+    missed a target, and that rows without targets (eager attention, 3 slices, unfused) never do."""
     rows = s["rows"]
-    assert [(r["attention"], r["slices"]) for r in rows] == [
-        (a, n) for a in ("eager", "sdpa") for n in (1, 3, 10)
-    ]
+    assert [(r["attention"], r["layers"], r["slices"]) for r in rows] == [
+        (a, layers, n) for a, layers in (("eager", "unfused"), ("sdpa", "fused")) for n in (1, 3, 10)
+    ] + [("sdpa", "unfused", 1)]  # the dry run compares the unfused layers on its first row only
     section = stdout.split("-- vision path:")[1]
-    assert "targets (sdpa attention)" in section
+    assert "targets (sdpa attention, fused layers)" in section
     for r in rows:
         assert r["equal"] and r["finite"] and r["stats"]["num_graphs"] == 1 and r["stats"]["graph_hits"] >= 2
         assert r["graph_bytes"] > 0 and r["eager_ms"]["n"] >= 2 and r["graphed_ms"]["n"] >= 2
         assert r["missed"] == vision_path.missed_targets(r), r["name"]
-        if r["attention"] != "sdpa" or r["slices"] == 3:
+        targeted = r["attention"] == "sdpa" and r["layers"] == "fused" and r["slices"] in (1, 10)
+        if not targeted:
             assert not r["missed"], r["name"]
         profiled = bool(r["missed"])
         assert len(r.get("profiles", [])) == (2 if profiled else 0), r["name"]
         if profiled:
             assert f"--- profile: sdpa {r['name']}, graphed" in section, r["name"]
+        kernels = r.get("kernels")
+        assert (kernels is not None) == (r["attention"] == "sdpa"), r["name"]
+        if kernels:
+            assert kernels["unit"] == "cpu_us" and kernels["kernels"] and kernels["total_us"] > 0
+    assert "--- kernels: sdpa 1 slice 4x4" in section
     assert (
-        vision_path.missed_targets({**rows[3], "graphed_ms": {"median": 3.9}, "graph_bytes": 64 << 20}) == []
+        vision_path.missed_targets({**rows[3], "graphed_ms": {"median": 2.7}, "graph_bytes": 64 << 20}) == []
     )
+    assert vision_path.missed_targets({**rows[6], "graphed_ms": {"median": 9.0}}) == []  # unfused: no targets
 
 
 def _check_streaming(s: dict) -> None:
@@ -258,6 +265,10 @@ def _check_duplex(dx: dict) -> None:
     assert dx["bitwise"] == dict.fromkeys(
         ("cold", "warm", "interleaved_a", "interleaved_b", "frames_cold", "frames_warm"), True
     )
+    layers = dx["layers"]  # fused vs unfused Whisper layers, graphed warm chunks, each bitwise vs its eager
+    assert set(layers) == {"fused", "unfused"} and all(layers[k]["bitwise"] for k in layers)
+    assert layers["fused"]["kernels"]["kernels"] and "kernels" not in layers["unfused"]
+    assert layers["fused"]["graphed_warm"]["n"] == layers["unfused"]["graphed_warm"]["n"] == 3
     # a frame a second through get_vision_hidden_states: captured by the cost rule at its 2nd call
     vision = dx["vision"]
     assert (vision["admission"], vision["num_graphs"], vision["warmup_misses"]) == ("cost", 1, 1)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One export of this checkout (current lane) shared by the export tests, verified as CI does."""
+"""One export of this checkout (current lane) shared by the export tests, verified PR by PR as CI does."""
 
 from __future__ import annotations
 
@@ -29,13 +29,15 @@ def current_lane_only():
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, current_lane_only):
-    """``(out dir, manifest, verify report)`` of ``export --run-tests`` on this checkout."""
+    """``(out dir, manifest, verify report)`` of ``export --run-tests`` on this checkout: every PR of
+    the stack applied on the ones before it, linted, its imports resolved and its CPU tests run from
+    its own tree; the PR texts rewritten with those runs."""
     from minicpmo_cg.export import build, verify
     from minicpmo_cg.export.gitseries import Identity
 
     out = tmp_path_factory.mktemp("export") / "pr"
     result = build.export(build.ExportOptions(repo=REPO, out=out, author=Identity(AUTHOR)))
     report = verify.verify(out, REPO, run_tests=True)
-    if report.tests_summary:
-        build.rewrite_pr(out, result, verify.result_line("core_model and cpu", report.tests_summary))
+    if report.ok:
+        build.rewrite_prs(result, report.runs())
     return out, json.loads((out / "export.json").read_text()), report

@@ -36,7 +36,7 @@ INIT_REL = "vllm_omni/model_executor/models/minicpmo_4_5/__init__.py"
 WIRING = "vllm-omni/0003-minicpmo45-route-encoders-through-cuda-graphs.patch"
 #: A line the wiring patch adds that no later patch of the series has in its context, and what
 #: :func:`edit_wiring` makes of it: editing it gives 0003 a new revision that the series still applies over.
-WIRING_LINE = "        audio_embeds = encoder_graphs.encode_audio(self, wavforms, audio_attention_mask)"
+WIRING_LINE = "        encoder_graphs.validate_hf_overrides(config)  # every bad --hf-overrides key at once"
 WIRING_LINE_EDITED = f"{WIRING_LINE}  # edited"
 STATE_DIR = "minicpmo_cg_patch_state"
 TMP_SUFFIX = ".minicpmo-cg-tmp"

@@ -3,15 +3,16 @@ backend for the adapter's seam, and log capture for vLLM's loggers."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
-import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import logs
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 REPO_ADAPTER = (
@@ -221,34 +222,8 @@ def cpu_backend():
     return CpuGraphBackend
 
 
-class LogRecords(logging.Handler):
-    """Collects the records of one logger (vLLM's loggers do not propagate to pytest's caplog)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def messages(self, level=logging.DEBUG):
-        return [r.getMessage() for r in self.records if r.levelno >= level]
-
-
 @pytest.fixture
 def log_records():
-    """``log_records(logger) -> LogRecords`` attached to ``logger`` for the test."""
-    attached = []
-
-    def attach(target):
-        handler = LogRecords()
-        previous = target.level
-        target.addHandler(handler)
-        target.setLevel(logging.DEBUG)
-        attached.append((target, handler, previous))
-        return handler
-
-    yield attach
-    for target, handler, previous in attached:
-        target.removeHandler(handler)
-        target.setLevel(previous)
+    """``log_records(logger) -> LogRecords`` attached to ``logger`` for the test (``helpers.logs``)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda target: stack.enter_context(logs.captured(target))

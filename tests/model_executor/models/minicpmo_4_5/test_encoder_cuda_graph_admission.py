@@ -113,7 +113,7 @@ def test_cost_rule_rate_is_recurrence_since_first_sighting(ecg):
     assert verdict.expected_replays == pytest.approx(3 / 30 * 1000)
 
 
-# Measured on an H200 (bf16, checkpoint-sized encoders; benchmark of 2026-12-01): host enqueue time
+# Measured on an H200 (bf16, checkpoint-sized encoders, 2026-12-01): host enqueue time
 # ~8 ms for every shape of one encoder (the kernel count does not depend on the batch), the eager
 # call's GPU span, the GPU busy time (a replay's latency), and the graph's bytes.
 H200_SHAPES = {
@@ -326,12 +326,12 @@ def test_a_pending_held_measurement_is_waited_for_not_repeated(ecg, vllm_config,
 
 #: Scripted from the H200 logs of 2026-12-01 (bf16, checkpoint-sized encoders): per SigLIP batch
 #: of N slices (host ms, eager GPU span ms, GPU busy ms = replay, eager peak MiB). 1 slice: the
-#: span and host time the cost rule logged for the photo mix's first 1-slice call, the replay of
-#: the benchmark; 3 and 10 slices: the benchmark's per-shape eager and replay medians; 5 slices:
-#: between the 4- and 10-slice rows.
+#: span and host time the cost rule logged for the photo mix's first 1-slice call, the measured
+#: replay; 3 and 10 slices: the measured per-shape eager and replay medians; 5 slices: between the
+#: 4- and 10-slice rows.
 SIGLIP_H200 = {1: (8.19, 9.87, 6.72, 214), 3: (8.2, 26.82, 23.62, 634), 5: (8.2, 34.0, 29.4, 1030),
                10: (8.0, 65.35, 57.42, 2066)}  # fmt: skip
-#: The benchmark's 32-request photo mix (skimage photos, popularity 6:4:3:2:2:1, seed 1234) as
+#: The measured 32-request photo mix (skimage photos, popularity 6:4:3:2:2:1, seed 1234) as
 #: (slices, patches) per request: chelsea 1 x 1014, astronaut 3 x 1035, rocket and coffee
 #: 3 x 1036, hubble_deep_field 5 x 1020, retina 10 x 1024.
 PHOTO_SHAPES = {"chelsea": (1, 1014), "astronaut": (3, 1035), "rocket": (3, 1036), "coffee": (3, 1036),
@@ -728,7 +728,7 @@ def test_vllm_manager_replays_the_encoder_without_per_call_copies(ecg, vllm_conf
 def test_hit_path_bookkeeping_through_vllm_manager_on_cpu(ecg, vllm_config, cpu_backend):
     """The bookkeeping beyond copy + replay + clone, split into vLLM's manager (with this encoder's
     protocol methods) and the adapter's own work, on CPU (the CUDA backend adds its autocast,
-    capturing and stream checks; the GPU benchmark measures the whole)."""
+    capturing and stream checks; measured on a GPU, the whole is larger)."""
     x, mask = torch.ones(1, 4), torch.ones(1, 4)
     encoder = ecg.ExactShapeEncoder(lambda a, m: a * 2, [x, mask], torch.Size([1, 4]))
     manager, meta = vllm_manager_on_cpu(ecg, vllm_config, encoder)

@@ -311,7 +311,7 @@ def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
 
 
 #: Registered keys that the model file reads itself (``read_hf_overrides``), not the adapter.
-MODEL_FILE_KEYS = {"vision_attn_implementation"}
+MODEL_FILE_KEYS = {"vision_attn_implementation", "encoder_fused_layers"}
 
 
 def test_options_fields_are_registry_entries(ecg):

@@ -729,7 +729,9 @@ def cuda_model():
 def fresh_adapter(model):
     """Rebuild the streaming adapter and its arenas so that a test starts without graphs."""
     ecg = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-    sa.init_streaming_audio_graph(model, vllm_config(), ecg.EncoderCudaGraphOptions.from_hf_config(model.config))
+    sa.init_streaming_audio_graph(
+        model, vllm_config(), ecg.EncoderCudaGraphOptions.from_hf_config(model.config)
+    )
     return model._streaming_audio_encoder_graph
 
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU tests of SigLIP's attention (``vision_attn_implementation``), on the *installed* model file.
 
-- ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated with the
-  project's other keys), refuses ``flash_attention_2`` without flash-attn 2 before building anything
-  heavy, builds SigLIP with the chosen class (SDPA by default) and logs it.
+- ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated by
+  ``siglip_attention`` itself; together with the encoder CUDA graph keys in
+  ``test_vision_attention_overrides.py``), refuses ``flash_attention_2`` without flash-attn 2 before
+  building anything heavy, builds SigLIP with the chosen class (SDPA by default) and logs it.
 - SDPA attention: the same weights as eager, equal to eager in float32 (padding included), closer
   than eager to a float32 reference in bfloat16; the key-padding mask ``(B, 1, 1, N)`` adds exactly
   what the former ``(B, 1, N, N)`` mask added, and ``SiglipVisionTransformer.forward`` builds it.
@@ -16,12 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import logs
 from helpers.tiny_encoders import ModelConfigTripwire, tiny_siglip_config
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
 sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
 if not hasattr(llm, "SiglipSdpaAttention"):
@@ -57,17 +58,6 @@ def test_bad_value_names_the_key_the_value_and_the_choices(value):
     with pytest.raises(ValueError) as info:
         sa.vision_attn_implementation(SimpleNamespace(vision_attn_implementation=value))
     assert str(info.value) == f"invalid --hf-overrides for MiniCPM-o 4.5: {problem}"
-    # the adapter's option registry takes the key's definition from siglip_attention.py and reports it
-    # the same way, with the project's other keys
-    entry = adapter_mod.HF_OVERRIDE_KEYS[sa.VISION_ATTN_KEY]
-    assert (entry.choices, entry.default, entry.doc) == (
-        sa.VISION_ATTN_CHOICES,
-        sa.VISION_ATTN_DEFAULT,
-        sa.VISION_ATTN_DOC,
-    )
-    with pytest.raises(adapter_mod.HfOverridesError) as combined:
-        adapter_mod.read_hf_overrides(SimpleNamespace(vision_attn_implementation=value))
-    assert combined.value.problems == [problem]
 
 
 def test_flash_attention_2_needs_the_package(monkeypatch):
@@ -90,9 +80,7 @@ class _StopError(Exception):
     [({}, "sdpa"), ({"vision_attn_implementation": "eager"}, "eager")],
     ids=["default", "eager"],
 )
-def test_model_construction_builds_siglip_with_the_chosen_attention(
-    monkeypatch, log_records, overrides, attention
-):
+def test_model_construction_builds_siglip_with_the_chosen_attention(monkeypatch, overrides, attention):
     built = []
 
     class Recording(llm.SiglipVisionTransformer):
@@ -109,8 +97,7 @@ def test_model_construction_builds_siglip_with_the_chosen_attention(
     model_config = SimpleNamespace(
         hf_config=config, multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda modality: 1)
     )
-    records = log_records(sa.logger)
-    with pytest.raises(_StopError):
+    with logs.captured(sa.logger) as records, pytest.raises(_StopError):
         llm.MiniCPMO45OmniLLMForConditionalGeneration(vllm_config=SimpleNamespace(model_config=model_config))
     (vpm,) = built
     expected = llm.SIGLIP_ATTENTION_CLASSES[attention]
@@ -128,18 +115,6 @@ def test_unavailable_flash_attention_2_fails_construction_before_anything_heavy(
         llm.MiniCPMO45OmniLLMForConditionalGeneration(
             vllm_config=SimpleNamespace(model_config=ModelConfigTripwire(hf_config))
         )
-
-
-def test_bad_value_fails_construction_with_the_other_bad_keys():
-    hf_config = SimpleNamespace(vision_attn_implementation="sdpa2", encoder_cuda_graph="false")
-    with pytest.raises(adapter_mod.HfOverridesError) as info:
-        llm.MiniCPMO45OmniLLMForConditionalGeneration(
-            vllm_config=SimpleNamespace(model_config=ModelConfigTripwire(hf_config))
-        )
-    assert [p.split("=")[0] for p in info.value.problems] == [
-        "encoder_cuda_graph",
-        "vision_attn_implementation",
-    ]
 
 
 def test_unknown_attention_implementation_is_refused_by_the_layer():

@@ -415,7 +415,9 @@ def test_layout_changes_no_bit_of_the_encoder_output(attn, grids):
         embeddings = vpm.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
         position_ids = vision_path.position_ids_from_tgt_sizes(vpm.embeddings, tgt_sizes, num_patches)
         transposed = embeddings + vpm.embeddings.position_embedding(position_ids)  # the former sum
-        mask = None if valid is None else siglip_attention.encoder_attention_mask(valid, transposed.dtype, False)
+        mask = (
+            None if valid is None else siglip_attention.encoder_attention_mask(valid, transposed.dtype, False)
+        )
         want = vpm._encode_last_hidden_state(transposed, mask)
     assert not transposed.is_contiguous()  # the layout the former code ran the encoder in
     assert torch.equal(got, want)

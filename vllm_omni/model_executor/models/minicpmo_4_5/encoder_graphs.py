@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from vllm.logger import init_logger
 
+from . import fused_layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 
 logger = init_logger(__name__)
@@ -143,8 +144,11 @@ def encode_last_hidden_state(
             (eager/sdpa) or the bool mask ``(B, N)`` (FA2).
 
     Returns:
-        ``(B, N, hidden)`` last hidden state, same dtype/device as the input.
+        ``(B, N, hidden)`` last hidden state, same dtype/device as the input (through the fused
+        layers where they apply: ``fused_layers.siglip_fused_applies``).
     """
+    if fused_layers.siglip_fused_applies(vpm, hidden_states, attention_mask):
+        return fused_layers.siglip_encode(vpm, hidden_states, attention_mask)
     encoder_outputs = vpm.encoder(
         inputs_embeds=hidden_states,
         attention_mask=attention_mask,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import siglip_attention
+from . import fused_layers, siglip_attention
 from .encoder_graphs import VisionGraphRegion
 
 #: Modules the image-call region (:func:`encode_images`) calls, relative to the thinker: the
@@ -298,8 +298,9 @@ def encode_packed_slices(
     # lays its result out like its operands: the sum, and every residual sum of the encoder
     # after it, would keep the transposed layout, so each layer would copy its input before
     # both LayerNorms and run both residual adds through the strided elementwise kernel.
-    # The sum is written to a contiguous tensor instead (the same values).
-    embeddings = vpm.embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+    # The sum is written to a contiguous tensor instead (the same values). With the fused
+    # layers the patch embedding runs as a GEMM, contiguous already.
+    embeddings = fused_layers.siglip_patch_embeddings(vpm, pixel_values)
     position_ids = position_ids_from_tgt_sizes(vpm.embeddings, tgt_sizes, embeddings.shape[1])
     position_embeds = vpm.embeddings.position_embedding(position_ids)
     hidden_states = torch.empty(

@@ -259,6 +259,15 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=siglip_attention.VISION_ATTN_DEFAULT,
         doc=siglip_attention.VISION_ATTN_DOC,
     ),
+    HfOverrideKey(
+        name="encoder_fused_layers",
+        kind="choice",
+        choices=("all", "vision", "audio", "none"),
+        default="all",
+        doc="encoders whose layers run fused (packed q/k/v, GEMM epilogues, residual add + LayerNorm "
+        'in one kernel), eager and graphed alike; read by the model file (fused_layers.py): "all", '
+        '"vision", "audio" or "none" (the unfused layers); SigLIP only with its "sdpa" attention',
+    ),
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.

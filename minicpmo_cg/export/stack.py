@@ -1,0 +1,455 @@
+"""The stack of pull requests the export writes: one declarative table, and its resolution.
+
+vllm-omni merges encoder-graph PRs only after its next vLLM pin bump (tracker issue #7452), while
+some of the changes are plain bug or layout fixes that can merge on the current pin. So the change
+set goes upstream as a **stack**: independent vllm-omni PRs, each applying on the one before it
+(against the pinned release wheel), each with its own tests, design-page parts and results, plus
+the vLLM change as a PR of its own for vllm-project/vllm.
+
+:data:`STACK` and :data:`VLLM_PRS` are the only place that says what goes where. Everything else
+is derived and checked by :func:`resolve` against the checkout:
+
+- ``patches``: vllm-omni patches, by topic (the file name without ``NNNN-`` and ``.patch``) or by
+  file name; the PRs take them in ``series`` order, each active patch in exactly one PR;
+- ``owned``: globs (``fnmatch``, ``*`` crosses ``/``) of the owned files (site-relative paths under
+  ``vllm_omni/``); a glob ending in ``*`` covers a module and the package it may become;
+- ``tests``: globs of repo-relative test files; every exported test file in exactly one PR; the
+  modules the tests import from this project are vendored beside them in the first PR that needs
+  them;
+- ``docs``: a design page (``docs/design/x.md``: the PR that adds the page) or one of its
+  sections (``docs/design/x.md#Heading``: that section, with its subsections, belongs to the PR);
+  finer parts are tagged in the page itself (:mod:`.docsplit`); a page version never shows what a
+  later PR adds;
+- ``results``: headings of ``docs/results/README.md`` whose sections go into the PR's Test Result
+  (rows and paragraphs tagged for another PR left out, see :mod:`.docsplit`);
+- ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without.
+
+A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
+keys when the series is renumbered. Editing the stack is editing these two tables; the export
+tests check their invariants on the checkout (every patch, owned file and test file in exactly one
+PR, each PR applying on the previous, a PR's tests importing only what it or an earlier PR holds).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from minicpmo_cg.export.changeset import ChangeSet
+from minicpmo_cg.export.transform import ExportError
+from minicpmo_cg.patchtool.series import Patch, load_series
+
+__all__ = [
+    "STACK",
+    "VLLM_PRS",
+    "OmniPr",
+    "ResolvedPr",
+    "ResolvedVllmPr",
+    "Stack",
+    "StackError",
+    "VllmPr",
+    "patch_topic",
+    "resolve",
+]
+
+
+@dataclass(frozen=True)
+class OmniPr:
+    """One vllm-omni pull request of the stack (see the module docstring for each field)."""
+
+    key: str
+    title: str
+    prefixes: tuple[str, ...]
+    patches: tuple[str, ...]
+    owned: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+    docs: tuple[str, ...] = ()
+    results: tuple[str, ...] = ()
+    vllm: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class VllmPr:
+    """One vllm-project/vllm pull request: vLLM patches and tests in vLLM's layout.
+
+    ``tests`` are globs of repo-relative files under :data:`VLLM_TESTS_ROOT`, exported to the path
+    below it (``tests/vllm_patches/upstream/tests/v1/x.py`` -> ``tests/v1/x.py``).
+    """
+
+    key: str
+    title: str
+    prefixes: tuple[str, ...]
+    patches: tuple[str, ...]
+    tests: tuple[str, ...] = ()
+
+
+#: Where this repository keeps the tests of its vLLM changes in vLLM's own layout.
+VLLM_TESTS_ROOT = "tests/vllm_patches/upstream/"
+
+_MC45 = "tests/model_executor/models/minicpmo_4_5/"
+_MODEL = "vllm_omni/model_executor/models/minicpmo_4_5/"
+_DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
+
+# The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
+# tree its tests pass in: test_encoder_cuda_graph_options.py checks the design overview's options
+# table against every key the adapter registers, the streaming-audio key included, so it waits for
+# the streaming-audio PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+STACK: tuple[OmniPr, ...] = (
+    OmniPr(
+        key="siglip-attention",
+        title="MiniCPM-o 4.5: SigLIP's SDPA attention reachable from serving; contiguous encoder hidden states",
+        prefixes=("[Bugfix]", "[Model]"),
+        patches=("minicpmo45-siglip-sdpa-attention", "minicpmo45-contiguous-hidden-states"),
+        owned=(_MODEL + "siglip_attention.py",),
+        tests=(_MC45 + "test_vision_attention.py", _MC45 + "test_audio_layout.py"),
+        results=("SigLIP attention",),
+    ),
+    OmniPr(
+        key="encoder-graphs",
+        title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-route-encoders-through-cuda-graphs",),
+        # encoder_graphs.py imports fused_layers.py, so the module (unused until the fused-layers
+        # PR's hook turns it on) travels with the first PR whose code imports it
+        owned=(
+            _MODEL + "encoder_cuda_graph*",
+            _MODEL + "encoder_graphs.py",
+            _MODEL + "fused_layers.py",
+            _MODEL + "ops/*",
+        ),
+        tests=(
+            _MC45 + "conftest.py",
+            *(
+                f"{_MC45}test_encoder_cuda_graph_{name}.py"
+                for name in (
+                    "admission",
+                    "cuda",
+                    "failed_capture",
+                    "multi_gpu",
+                    "platform",
+                    "policy",
+                    "static_args",
+                    "threads",
+                )
+            ),
+            _MC45 + "test_vision_attention_overrides.py",
+        ),
+        docs=(_DESIGN + ".md", _DESIGN + "/cost_admission.md", _DESIGN + "/live_worker.md"),
+        results=("Real inputs", "Admission: cost vs count", "Adapter bookkeeping"),
+        vllm=("capture-error-mode",),
+    ),
+    OmniPr(
+        key="image-call",
+        title="MiniCPM-o 4.5: one vision CUDA graph per image call, without host reads",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-vision-one-graph-per-image-call",),
+        owned=(_MODEL + "vision_path.py",),
+        tests=(
+            _MC45 + "test_vision_path.py",
+            _MC45 + "test_vision_graph_cuda.py",
+            _MC45 + "test_model_wiring.py",
+            _MC45 + "test_encoder_cuda_graph_models.py",
+            "tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py",
+        ),
+        docs=(_DESIGN + "/image_path.md",),
+        results=("Real inputs", "The image call"),
+    ),
+    OmniPr(
+        key="streaming-audio",
+        title="MiniCPM-o 4.5: CUDA graphs for the full-duplex streaming audio chunks",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-graph-streaming-audio",),
+        # streaming_audio.py imports duplex_batch.py (and it duplex_rows.py): they travel with it
+        owned=(_MODEL + "streaming_audio.py", _MODEL + "duplex_batch.py", _MODEL + "duplex_rows.py"),
+        tests=(_MC45 + "test_streaming_audio_graph.py", _MC45 + "test_encoder_cuda_graph_options.py"),
+        docs=(_DESIGN + "/streaming_audio.md",),
+        results=("Real inputs", "Duplex session", "Admission: cost vs count"),
+    ),
+    OmniPr(
+        key="duplex-scale",
+        title="MiniCPM-o 4.5: duplex audio at serving scale: no host reads, start-up capture, one batched step",
+        prefixes=("[Model]", "[Perf]"),
+        patches=(
+            "minicpmo45-audio-lengths-on-the-host",
+            "worker-model-graphs-at-startup",
+            "minicpmo45-startup-capture",
+            "worker-batch-append-preprocess",
+            "minicpmo45-duplex-append-batch",
+        ),
+        owned=(_MODEL + "audio_lengths.py", _MODEL + "startup_capture.py"),
+        tests=(
+            _MC45 + "test_audio_host_reads.py",
+            _MC45 + "test_startup_capture.py",
+            _MC45 + "test_duplex_batch.py",
+        ),
+    ),
+    OmniPr(
+        key="fused-layers",
+        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-fused-encoder-layers",),
+        tests=(_MC45 + "test_fused_layers.py", _MC45 + "test_fused_layers_cuda.py"),
+        docs=(_DESIGN + "/fused_layers.md",),
+    ),
+)
+
+VLLM_PRS: tuple[VllmPr, ...] = (
+    VllmPr(
+        key="capture-error-mode",
+        title="EncoderCudaGraphManager: let the caller choose the capture error mode",
+        prefixes=("[Core]",),
+        patches=("encoder-cudagraph-capture-error-mode",),
+        tests=(VLLM_TESTS_ROOT + "tests/v1/cudagraph/test_encoder_cudagraph_capture_error_mode.py",),
+    ),
+)
+
+
+class StackError(ExportError):
+    """The stack table does not fit the checkout (the message lists every mismatch)."""
+
+
+def patch_topic(name: str) -> str:
+    """``vllm-omni/0005-minicpmo45-siglip-sdpa-attention.patch`` -> ``minicpmo45-siglip-sdpa-attention``."""
+    return re.sub(r"^\d{4}-", "", PurePosixPath(name).name.removesuffix(".patch"))
+
+
+@dataclass
+class ResolvedPr:
+    """A vllm-omni PR of the stack as found in the checkout."""
+
+    spec: OmniPr
+    number: int
+    patches: list[Patch]
+    owned: dict[str, Path]
+    tests: dict[str, Path]
+    #: design pages this PR adds (repo-relative)
+    pages: list[str]
+    #: (page, heading) of the page sections this PR adds to a page an earlier or this PR adds
+    sections: list[tuple[str, str]]
+    results: tuple[str, ...]
+    vllm: list[str]
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    @property
+    def folder(self) -> str:
+        return f"{self.number:02d}-{self.spec.key}"
+
+    @property
+    def title(self) -> str:
+        return "".join(self.spec.prefixes) + " " + self.spec.title
+
+
+@dataclass
+class ResolvedVllmPr:
+    """A vLLM PR as found in the checkout: its active patches and its tests (source -> vLLM path)."""
+
+    spec: VllmPr
+    patches: list[Patch]
+    tests: dict[str, tuple[str, Path]]
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    @property
+    def folder(self) -> str:
+        return f"vllm-{self.spec.key}"
+
+    @property
+    def title(self) -> str:
+        return "".join(self.spec.prefixes) + " " + self.spec.title
+
+
+@dataclass
+class Stack:
+    omni: list[ResolvedPr]
+    vllm: list[ResolvedVllmPr]
+    #: page -> heading -> key of the PR the section belongs to
+    page_sections: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> list[str]:
+        return [pr.key for pr in self.omni]
+
+    def upto(self, key: str) -> list[str]:
+        """The keys of the PRs up to and including ``key``, in stack order."""
+        keys = self.keys
+        return keys[: keys.index(key) + 1]
+
+    def vllm_pr(self, key: str) -> ResolvedVllmPr | None:
+        return next((pr for pr in self.vllm if pr.key == key), None)
+
+
+def _match_patches(
+    names: tuple[str, ...], series: list[Patch], where: str, problems: list[str]
+) -> list[Patch]:
+    found = []
+    for name in names:
+        hits = [p for p in series if name in (PurePosixPath(p.name).name, patch_topic(p.name))]
+        if len(hits) != 1:
+            listed = ", ".join(PurePosixPath(p.name).name for p in series)
+            problems.append(f"{where}: patch {name!r} matches {len(hits)} patches of the series ({listed})")
+        found += hits[:1]
+    return found
+
+
+def _glob(patterns: tuple[str, ...], files: set[str], where: str, problems: list[str]) -> set[str]:
+    out: set[str] = set()
+    for pattern in patterns:
+        hits = {f for f in files if fnmatch.fnmatchcase(f, pattern)}
+        if not hits:
+            problems.append(f"{where}: {pattern!r} matches no file")
+        out |= hits
+    return out
+
+
+def _tracked_tests(repo: Path, patterns: list[str]) -> set[str]:
+    out = set()
+    for pattern in patterns:
+        head = pattern.split("*", 1)[0]
+        root = repo / PurePosixPath(head).parent
+        for path in root.rglob("*.py") if root.is_dir() else []:
+            rel = path.relative_to(repo).as_posix()
+            if "__pycache__" not in rel and fnmatch.fnmatchcase(rel, pattern):
+                out.add(rel)
+    return out
+
+
+def _headings(text: str) -> set[str]:
+    from minicpmo_cg.export.prtext import markdown_sections
+
+    return {heading for _, heading, _ in markdown_sections(text)}
+
+
+def _once(owner: dict[str, list[str]], what: str, problems: list[str]) -> None:
+    for item, keys in sorted(owner.items()):
+        if len(keys) != 1:
+            where = ", ".join(keys) if keys else "no PR"
+            problems.append(f"{what} {item} is in {where}: it must be in exactly one PR of the stack")
+
+
+def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str]) -> list[ResolvedPr]:
+    series = list(load_series(cs.repo / "patches" / "vllm-omni"))
+    active = {p.name for p in cs.omni_patches}
+    tests_all = set(cs.tests) | _tracked_tests(cs.repo, [g for pr in table for g in pr.tests])
+    owner_patch = {name: [] for name in active}
+    owner_owned: dict[str, list[str]] = {rel: [] for rel in cs.owned}
+    owner_test: dict[str, list[str]] = {rel: [] for rel in tests_all}
+    resolved = []
+    order = [p.name for p in series]
+    last = -1
+    for spec in table:
+        where = f"PR {spec.key}"
+        patches = [p for p in _match_patches(spec.patches, series, where, problems) if p.name in active]
+        for patch in patches:
+            owner_patch[patch.name].append(spec.key)
+            at = order.index(patch.name)
+            if at < last:
+                problems.append(
+                    f"{where}: {patch.name} comes before a patch of an earlier PR in the series, so the stack "
+                    "would not apply PR by PR; order the PRs (or the series) alike"
+                )
+            last = max(last, at)
+        owned = _glob(spec.owned, set(cs.owned), where, problems)
+        tests = _glob(spec.tests, tests_all, where, problems)
+        for rel in owned:
+            owner_owned[rel].append(spec.key)
+        for rel in tests:
+            owner_test[rel].append(spec.key)
+        pages, sections = [], []
+        for doc in spec.docs:
+            page, _, heading = doc.partition("#")
+            if page not in cs.design_pages:
+                problems.append(f"{where}: {page} is not a design page of the checkout")
+            elif not heading:
+                pages.append(page)
+            elif heading not in _headings(cs.design_pages[page].read_text(encoding="utf-8")):
+                problems.append(f"{where}: {page} has no heading {heading!r}")
+            else:
+                sections.append((page, heading))
+        resolved.append(
+            ResolvedPr(
+                spec=spec,
+                number=len(resolved) + 1,
+                patches=patches,
+                owned={rel: cs.owned[rel] for rel in sorted(owned)},
+                tests={rel: cs.repo / rel for rel in sorted(tests)},
+                pages=pages,
+                sections=sections,
+                results=spec.results,
+                vllm=list(spec.vllm),
+            )
+        )
+        if not (patches or owned):
+            problems.append(f"{where}: no active vllm-omni patch and no owned file on lane {cs.lane.name}")
+    _once(owner_patch, "vllm-omni patch", problems)
+    _once(owner_owned, "owned file", problems)
+    _once(owner_test, "test file", problems)
+    intro = {page: [pr.key for pr in resolved if page in pr.pages] for page in cs.design_pages}
+    _once(intro, "design page", problems)
+    return resolved
+
+
+def _resolve_vllm(cs: ChangeSet, table: tuple[VllmPr, ...], problems: list[str]) -> list[ResolvedVllmPr]:
+    series = list(load_series(cs.repo / "patches" / "vllm"))
+    active = {p.name for p in cs.vllm_patches}
+    owner = {name: [] for name in active}
+    out = []
+    for spec in table:
+        where = f"vLLM PR {spec.key}"
+        patches = [p for p in _match_patches(spec.patches, series, where, problems) if p.name in active]
+        for patch in patches:
+            owner[patch.name].append(spec.key)
+        files = _tracked_tests(cs.repo, list(spec.tests))
+        tests = {}
+        for rel in sorted(_glob(spec.tests, files, where, problems)):
+            if not rel.startswith(VLLM_TESTS_ROOT):
+                problems.append(f"{where}: {rel} is not under {VLLM_TESTS_ROOT}")
+                continue
+            tests[rel] = (rel.removeprefix(VLLM_TESTS_ROOT), cs.repo / rel)
+        if patches:  # a change vLLM already ships on this lane needs no PR
+            out.append(ResolvedVllmPr(spec=spec, patches=patches, tests=tests))
+    _once(owner, "vLLM patch", problems)
+    return out
+
+
+def resolve(
+    cs: ChangeSet, table: tuple[OmniPr, ...] = STACK, vllm_table: tuple[VllmPr, ...] = VLLM_PRS
+) -> Stack:
+    """The stack of ``table`` / ``vllm_table`` as the checkout of ``cs`` fills it.
+
+    Raises:
+        StackError: every way the tables and the checkout disagree (a patch, owned file, test file
+            or design page in no PR or in two, an entry that matches nothing, PRs out of series
+            order, an unknown vLLM PR, a duplicate key), one per line.
+    """
+    problems: list[str] = []
+    keys = [pr.key for pr in table] + [pr.key for pr in vllm_table]
+    for key in sorted({k for k in keys if keys.count(k) > 1}):
+        problems.append(f"key {key!r} is used by two PRs")
+    for key in keys:
+        if not re.fullmatch(r"[a-z0-9]+(?:-[a-z0-9]+)*", key):
+            problems.append(f"key {key!r} is not lower-case words joined by '-' (it names a folder)")
+    omni = _resolve_omni(cs, table, problems)
+    vllm = _resolve_vllm(cs, vllm_table, problems)
+    known_vllm = {pr.key for pr in vllm_table}
+    present = {pr.key for pr in vllm}
+    for pr in omni:
+        for key in pr.vllm:
+            if key not in known_vllm:
+                problems.append(
+                    f"PR {pr.key}: depends on vLLM PR {key!r}, which the vLLM table does not have"
+                )
+        pr.vllm = [k for k in pr.vllm if k in present]
+    if problems:
+        raise StackError("the stack table does not fit the checkout:\n  " + "\n  ".join(problems))
+    stack = Stack(omni=omni, vllm=vllm)
+    for pr in omni:
+        for page, heading in pr.sections:
+            stack.page_sections.setdefault(page, {})[heading] = pr.key
+    return stack

@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stack table (``minicpmo_cg.export.stack``) against the checkout, and the pieces that split the
+change set into PRs: the page parts of each PR, the import check of each PR's tree, the PR text's
+environment and test lines. Fast: nothing here exports.
+
+The invariants are checked on whatever the table and the checkout say, so a renumbered series, a new
+owned module or test file, or a moved PR keeps these tests meaningful without editing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path, PurePosixPath
+
+import pytest
+from exportkit import REPO, series_names, tracked
+
+from minicpmo_cg.export import docsplit, prtext, stack, transform
+from minicpmo_cg.export.changeset import read_change_set
+from minicpmo_cg.export.verify import unresolved_imports
+
+pytestmark = [pytest.mark.core_model]
+
+DESIGN_DIR = "docs/design"
+RESULTS = "docs/results/README.md"
+
+
+@pytest.fixture(scope="module")
+def cs():
+    return read_change_set(REPO, "current")
+
+
+@pytest.fixture(scope="module")
+def st(cs):
+    return stack.resolve(cs)
+
+
+def _active_omni_patches(lane_version: str) -> list[str]:
+    """The lane's vllm-omni patches read from the series and the headers, without the export's code."""
+    active = []
+    for name in series_names(REPO / "patches/vllm-omni"):
+        header = (REPO / "patches/vllm-omni" / name).read_text().split("\n---\n", 1)[0]
+        if f"vllm-omni=={lane_version}" in header and "Upstream-Since:" not in header:
+            active.append(f"vllm-omni/{name}")
+    return active
+
+
+def _disjoint_union(parts: list[set[str]]) -> set[str]:
+    union: set[str] = set()
+    for part in parts:
+        assert not union & part, f"in two PRs: {sorted(union & part)}"
+        union |= part
+    return union
+
+
+@pytest.mark.cpu
+def test_every_active_patch_is_in_exactly_one_pr_in_series_order(cs, st):
+    active = _active_omni_patches(cs.lane.vllm_omni)
+    assert active
+    assert _disjoint_union([{p.name for p in pr.patches} for pr in st.omni]) == set(active)
+    stacked = [p.name for pr in st.omni for p in pr.patches]
+    assert stacked == [name for name in active if name in stacked], (
+        "the PRs take the patches out of series order"
+    )
+    vllm = {p.name for p in cs.vllm_patches}
+    assert _disjoint_union([{p.name for p in pr.patches} for pr in st.vllm]) == vllm
+
+
+@pytest.mark.cpu
+def test_every_owned_file_and_test_file_is_in_exactly_one_pr(st):
+    owned = set(tracked("vllm_omni"))
+    assert _disjoint_union([set(pr.owned) for pr in st.omni]) == owned
+    listed = tracked("tests/model_executor/models/minicpmo_4_5", "tests/e2e")
+    tests = {f for f in listed if f.endswith(".py") and not f.startswith("tests/e2e/")}
+    tests |= {
+        f for f in listed if f.startswith("tests/e2e/") and PurePosixPath(f).name.startswith("test_minicpmo")
+    }
+    assert tests and tests <= _disjoint_union([set(pr.tests) for pr in st.omni])
+    vllm_tests = {f for f in tracked(stack.VLLM_TESTS_ROOT) if PurePosixPath(f).name.startswith("test_")}
+    assert vllm_tests <= _disjoint_union([set(pr.tests) for pr in st.vllm])
+    for pr in st.vllm:
+        for source, (target, _) in pr.tests.items():
+            assert target == source.removeprefix(stack.VLLM_TESTS_ROOT) and target.startswith("tests/")
+
+
+@pytest.mark.cpu
+def test_every_design_page_is_added_by_one_pr_and_every_tag_names_a_pr(cs, st):
+    pages = {p for pr in st.omni for p in pr.pages}
+    assert pages == set(cs.design_pages) and sum(len(pr.pages) for pr in st.omni) == len(pages)
+    keys = set(st.keys)
+    for rel in [*cs.design_pages, RESULTS]:
+        text = transform.drop_project_only((REPO / rel).read_text(), rel)
+        tags = set(re.findall(r"<!--\s*pr(?:-before)?:\s*([\w-]+)", text))
+        assert tags <= keys, f"{rel}: tags {sorted(tags - keys)} name no PR of the stack"
+    for pr in st.omni:
+        for heading in pr.results:
+            assert any(
+                h.startswith(heading) for _, h, _ in prtext.markdown_sections((REPO / RESULTS).read_text())
+            )
+
+
+@pytest.mark.cpu
+def test_each_page_version_holds_the_parts_of_its_pr_and_the_earlier_ones_only(cs, st):
+    """A part tagged for PR K shows from K on; a pr-before part of K shows before K only; every
+    version keeps its own anchors (page_version raises on a link to a part it dropped)."""
+    keys = st.keys
+    tags = 0
+    for page, path in cs.design_pages.items():
+        text = transform.drop_project_only(path.read_text(), page)
+        tagged = [
+            (m.group(1), m.group(2))
+            for m in re.finditer(r"^(\S.*?)[ \t]+<!--[ \t]*pr:[ \t]*([\w-]+)[ \t]*-->[ \t]*$", text, re.M)
+        ]
+        hidden = re.findall(r"^<!--\s*pr-before:\s*([\w-]+)\n(.*?)\n-->$", text, re.M | re.S)
+        tags += len(tagged) + len(hidden)
+        for i, key in enumerate(keys):
+            version = docsplit.page_version(text, page, keys[: i + 1], set(keys), st.page_sections.get(page))
+            assert "<!-- pr" not in version and "-->" not in version.replace("<!-- markdownlint", "")
+            for line, owner in tagged:
+                assert (line in version) == (keys.index(owner) <= i), (key, line)
+            for owner, body in hidden:
+                assert (body.strip() in version) == (keys.index(owner) > i), (key, body[:60])
+            for heading, owner in st.page_sections.get(page, {}).items():
+                present = any(h == heading for _, h, _ in prtext.markdown_sections(version))
+                assert present == (keys.index(owner) <= i), (key, heading)
+    assert tags, "no design page tags a part with a PR"
+
+
+# -- the table's errors -----------------------------------------------------------------------------
+
+
+def _replace(table, index, **fields):
+    out = list(table)
+    out[index] = dataclasses.replace(out[index], **fields)
+    return tuple(out)
+
+
+@pytest.mark.cpu
+def test_a_patch_in_two_prs_or_in_none_is_refused(cs):
+    table = stack.STACK
+    doubled = _replace(table, 1, patches=table[1].patches + table[0].patches)
+    with pytest.raises(
+        stack.StackError, match=rf"is in {table[0].key}, {table[1].key}: it must be in exactly one"
+    ):
+        stack.resolve(cs, doubled)
+    with pytest.raises(stack.StackError, match=r"vllm-omni patch .* is in no PR") as info:
+        stack.resolve(cs, table[:-1])
+    assert "test file" in str(info.value) or not table[-1].tests
+
+
+@pytest.mark.cpu
+def test_prs_out_of_series_order_are_refused(cs):
+    table = stack.STACK
+    swapped = (table[1], table[0], *table[2:])
+    with pytest.raises(stack.StackError, match="would not apply PR by PR"):
+        stack.resolve(cs, swapped)
+
+
+@pytest.mark.cpu
+def test_table_entries_that_match_nothing_are_refused_each_one_named(cs):
+    table = _replace(stack.STACK, 0, tests=stack.STACK[0].tests + ("tests/nowhere/test_x.py",),
+                     docs=stack.STACK[0].docs + (f"{DESIGN_DIR}/minicpmo_encoder_cuda_graph.md#No such heading",),
+                     vllm=("no-such-vllm-pr",), patches=stack.STACK[0].patches + ("9999-no-such.patch",))  # fmt: skip
+    with pytest.raises(stack.StackError) as info:
+        stack.resolve(cs, table)
+    message = str(info.value)
+    assert "'tests/nowhere/test_x.py' matches no file" in message
+    assert "has no heading 'No such heading'" in message
+    assert "'no-such-vllm-pr', which the vLLM table does not have" in message
+    assert "patch '9999-no-such.patch' matches 0 patches" in message
+
+
+@pytest.mark.cpu
+def test_a_vllm_change_the_lane_ships_needs_no_pr(cs):
+    shipped = dataclasses.replace(cs, vllm_patches=())
+    resolved = stack.resolve(shipped)
+    assert resolved.vllm == [] and all(pr.vllm == [] for pr in resolved.omni)
+
+
+@pytest.mark.cpu
+def test_patches_are_named_by_topic_or_file_name():
+    assert (
+        stack.patch_topic("vllm-omni/0005-minicpmo45-siglip-sdpa-attention.patch")
+        == "minicpmo45-siglip-sdpa-attention"
+    )
+    assert stack.patch_topic("0001-a-b.patch") == "a-b"
+
+
+# -- page parts -------------------------------------------------------------------------------------
+
+PAGE = """# Title
+
+Intro.
+
+| a | b |
+|---|---|
+| 1 | base |
+| 2 | later | <!-- pr: two -->
+<!-- pr-before: two
+| 2 | before two |
+-->
+
+<!-- pr: three -->
+Three's paragraph, see [Sec](#sec).
+<!-- /pr -->
+
+## Sec
+
+Section of three.
+
+## Other
+
+Link to [Sec](#sec). <!-- pr: three -->
+"""
+
+
+@pytest.mark.cpu
+def test_page_version_takes_tags_blocks_hidden_parts_and_sections():
+    keys = {"one", "two", "three"}
+    sections = {"Sec": "three"}
+    one = docsplit.page_version(PAGE, "p.md", ["one"], keys, sections)
+    assert "| 2 | before two |" in one and "later" not in one and "Three's" not in one and "## Sec" not in one
+    assert "<!--" not in one and "-->" not in one
+    two = docsplit.page_version(PAGE, "p.md", ["one", "two"], keys, sections)
+    assert "| 2 | later |\n" in two and "before two" not in two and "## Sec" not in two
+    three = docsplit.page_version(PAGE, "p.md", ["one", "two", "three"], keys, sections)
+    assert "Three's paragraph" in three and "Section of three." in three and "Link to [Sec](#sec)." in three
+    assert "\n\n\n" not in three
+
+
+@pytest.mark.cpu
+def test_page_version_refuses_unknown_keys_unbalanced_markers_and_dangling_anchors():
+    with pytest.raises(transform.ExportError, match="tagged for four, no PR of the stack"):
+        docsplit.page_version("x <!-- pr: four -->\n", "p.md", ["one"], {"one"})
+    with pytest.raises(transform.ExportError, match="p.md:1: the in block of 'one' is never closed"):
+        docsplit.page_version("<!-- pr: one -->\nx\n", "p.md", ["one"], {"one"})
+    with pytest.raises(transform.ExportError, match="p.md:1: <!-- /pr --> without"):
+        docsplit.page_version("<!-- /pr -->\n", "p.md", ["one"], {"one"})
+    with pytest.raises(transform.ExportError, match=r"as of PR one: links to #sec"):
+        docsplit.page_version(PAGE.replace("Link to [Sec](#sec). <!-- pr: three -->", "Link to [Sec](#sec)."),
+                              "p.md", ["one"], {"one", "two", "three"}, {"Sec": "three"})  # fmt: skip
+
+
+@pytest.mark.cpu
+def test_own_parts_keep_untagged_text_and_the_prs_own_only():
+    text = "Caption.\n\n| r | v |\n|---|---|\n| a | 1 | <!-- pr: one -->\n| b | 2 | <!-- pr: two -->\n"
+    assert (
+        docsplit.own_parts(text, "r.md", "one", {"one", "two"})
+        == "Caption.\n\n| r | v |\n|---|---|\n| a | 1 |\n"
+    )
+
+
+@pytest.mark.cpu
+def test_anchors_are_the_headings_slugs():
+    assert docsplit.slug("Options (`--hf-overrides`)") == "options---hf-overrides"
+    assert docsplit.slug("Streaming (duplex) audio") == "streaming-duplex-audio"
+    assert docsplit.dangling_anchors("# A b\n\n[x](#a-b) [y](#c)\n") == ["c"]
+
+
+# -- imports of a PR's tree -------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_imports_of_modules_or_names_a_later_pr_adds_are_found(tmp_path):
+    model = tmp_path / "vllm_omni/models/m"
+    model.mkdir(parents=True)
+    (model / "__init__.py").write_text("")
+    (model / "llm.py").write_text("from .adapter import Graph\n\nclass Model:\n    pass\n")
+    tests = tmp_path / "tests/m"
+    tests.mkdir(parents=True)
+    (tests / "test_a.py").write_text(
+        "from vllm_omni.models.m.llm import Model, Later\n"
+        "import vllm_omni.models.m.vision\n"
+        "from helper_of_later_pr import x\n"
+        "from vllm_omni.models.m import llm\n"
+        'later = pytest.importorskip("vllm_omni.models.m.later")\n'
+    )
+    problems = unresolved_imports(tmp_path, ["vllm_omni/models/m/llm.py", "tests/m/test_a.py"],
+                                  {"tests/m/helper_of_later_pr.py"})  # fmt: skip
+    assert problems == [
+        "vllm_omni/models/m/llm.py:1: imports vllm_omni.models.m.adapter, which this tree does not have",
+        "tests/m/test_a.py:1: imports Later from vllm_omni.models.m.llm, which does not define it",
+        "tests/m/test_a.py:2: imports vllm_omni.models.m.vision, which this tree does not have",
+        "tests/m/test_a.py:3: imports helper_of_later_pr, which this tree does not have",
+        "tests/m/test_a.py:5: imports vllm_omni.models.m.later, which this tree does not have",
+    ]
+    (model / "adapter.py").write_text("Graph = object\n")
+    (model / "vision.py").write_text("")
+    (model / "later.py").write_text("")
+    (tests / "helper_of_later_pr.py").write_text("x = 1\n")
+    (model / "llm.py").write_text("from .adapter import Graph\n\nclass Model:\n    pass\n\nLater = 1\n")
+    assert unresolved_imports(tmp_path, ["vllm_omni/models/m/llm.py", "tests/m/test_a.py"],
+                              {"tests/m/helper_of_later_pr.py"}) == []  # fmt: skip
+
+
+# -- PR text pieces ---------------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_pin_differences_name_each_version_outside_a_requirement():
+    setup = "one NVIDIA H200 (driver 1.2, torch 2.11.0+cu130, transformers 5.17.0, Python 3.12.3)"
+    requirements = {"vllm": ["torch==2.13.0", "transformers>=5.10.4"], "vllm-omni": ["transformers<5.15,>=5.13.0",
+                                                                                  "python>=3.10"]}  # fmt: skip
+    assert prtext.pin_differences(setup, requirements, {"vllm": "0.30.0", "vllm-omni": "0.30.0"}) == [
+        "torch 2.11.0+cu130 (vLLM 0.30.0 requires torch==2.13.0)",
+        "transformers 5.17.0 (vllm-omni 0.30.0 requires transformers<5.15,>=5.13.0)",
+    ]
+    assert prtext.pin_differences("torch 2.13.0", requirements, {}) == []
+
+
+@pytest.mark.cpu
+def test_run_lines_explain_skips_and_deselection():
+    run = prtext.PytestRun(
+        "core_model and cpu", "3 passed, 2 skipped, 4 deselected", {"needs two GPUs": 2}, "Python 3.11"
+    )
+    [line] = prtext.run_lines([run])
+    assert '`pytest -m "core_model and cpu"`: `3 passed, 2 skipped, 4 deselected`, Python 3.11' in line
+    assert (
+        "Skipped: 2 × needs two GPUs" in line and "Deselected: the tests of the other hardware level" in line
+    )
+
+
+@pytest.mark.cpu
+def test_every_table_gets_the_paragraph_before_it_as_caption():
+    body = "Intro:\n\n| a |\n|---|\n| 1 |\n\nText\n| b |\n|---|\n| 2 |\n"
+    assert prtext.tables_with_captions(body) == [
+        ("Intro:", "| a |\n|---|\n| 1 |"),
+        ("Text", "| b |\n|---|\n| 2 |"),
+    ]
+
+
+@pytest.mark.cpu
+def test_positional_references_are_found_but_not_comparisons():
+    text = "as the table above shows\nsee below\nthe ratio below 3×\nabove 1 GiB\n"
+    found = transform.project_mentions({"PR.md": text}, words=transform.POSITIONAL)
+    assert [f.split(":")[1] for f in found] == ["1", "2"]
+
+
+@pytest.mark.cpu
+def test_what_vllm_omni_lacks_is_found():
+    text = "the demo's table\nthe benchmark runs\nsee the results page\ndemonstrate\n"
+    found = transform.project_mentions({"x": text}, words=transform.NOT_UPSTREAM)
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3"]
+
+
+@pytest.mark.cpu
+def test_the_folder_of_a_pr_is_its_number_and_key(st):
+    assert [pr.folder for pr in st.omni] == [f"{i:02d}-{pr.key}" for i, pr in enumerate(st.omni, 1)]
+    assert all(pr.title.startswith("[") and pr.spec.title in pr.title for pr in st.omni + st.vllm)
+    assert all(re.fullmatch(r"(?:\[[A-Z][\w/]*\])+", "".join(pr.spec.prefixes)) for pr in st.omni + st.vllm)
+    assert Path(REPO / stack.VLLM_TESTS_ROOT).is_dir()

@@ -1,0 +1,623 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fused layer paths for MiniCPM-o 4.5's input encoders: SigLIP (vision) and Whisper (audio).
+
+The encoder layers of vllm-omni's model file are pre-norm transformer layers built from separate
+modules: q, k and v projections, an output projection, a two-GEMM MLP and two LayerNorms. Run one
+module at a time, every layer launches about a dozen small kernels and reads and writes the hidden
+states between each of them; inside a CUDA graph the launches are gone but the kernels and the
+memory traffic stay. The functions here run the same layers, with the same parameters, as:
+
+- **one q/k/v GEMM**: the three projection weights are concatenated once into a ``(3E, E)``
+  tensor and the modules' own ``weight`` and ``bias`` parameters are re-pointed to views of it
+  (:func:`pack_qkv`), so weight memory does not grow and the unfused path, ``state_dict`` and
+  in-place weight loading keep working. Whisper's ``k_proj`` has no bias: its slot of the packed
+  bias is zeros, which adds exactly 0;
+- **bias + GELU in the GEMM's epilogue** where the layer's activation is that math: SigLIP's
+  ``gelu_pytorch_tanh`` is the tanh approximation cuBLASLt's GELU epilogue computes
+  (``torch._addmm_activation(..., use_gelu=True)`` on CUDA; on the CPU that op computes the exact
+  GELU, so the CPU runs ``addmm`` and the tanh GELU). Whisper's ``gelu`` is the exact erf GELU and
+  stays a separate op after the fc1 GEMM with its bias epilogue;
+- **the residual add fused with the LayerNorm after it** (:func:`~.ops.add_layer_norm`): the
+  output projection (and Whisper's fc2) runs without its bias, and one kernel adds the bias and
+  the residual and writes both the sum (the next residual) and its LayerNorm (the next sub-layer's,
+  the next layer's, or the encoder's final one); SigLIP's fc2 keeps its bias in the GEMM, where
+  cuBLAS picks a faster kernel for it. Every residual add of both encoders is followed by a
+  LayerNorm, so none is left on its own;
+- **SDPA on packed q/k/v** with the backend pinned for the shapes (:data:`SIGLIP_SDPA_BACKENDS`,
+  :data:`WHISPER_SDPA_BACKENDS`, :data:`WHISPER_STREAMING_SDPA_BACKENDS`), reading strided views
+  of the q/k/v GEMM's output (no copies) and writing its output in the layout the output
+  projection reads;
+- around SigLIP's layers, its **patch embedding as the GEMM it is** (:func:`siglip_patch_embeddings`)
+  and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`); for Whisper's
+  streaming chunks, graphs that **leave out the all-zero mask** (:func:`whisper_streaming_drops_zero_mask`).
+
+Numerics: not bitwise the unfused layers (the GELU epilogue rounds once where the unfused fc1
+rounds before the GELU; the fused add sums in float32 and rounds once; the attention kernel is
+another), but the same math: in float32 on the CPU the fused path matches the unfused one to
+float32 rounding, and in bf16 at the checkpoint's size its error against the upstream layers
+(eager attention, unfused) is to stay below 1e-2 of the output's largest magnitude, with a mean
+error against float32 no larger than theirs (tests/model_executor/models/minicpmo_4_5/
+test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a replay stays
+bitwise equal to the eager call.
+
+``--hf-overrides encoder_fused_layers`` (``"all"``, the default, ``"vision"``, ``"audio"`` or
+``"none"``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
+with its SDPA attention (``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
+original math. They apply to inference calls only (eval mode, autograd and autocast off; not FP16
+Whisper, whose overflow clamp reads values on the host): anything else runs the unfused layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from vllm.logger import init_logger
+
+from .encoder_cuda_graph import read_hf_overrides
+from .ops.fused_add_layer_norm import add_layer_norm
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "FUSED_LAYERS_CHOICES",
+    "FUSED_LAYERS_KEY",
+    "SIGLIP_SDPA_BACKENDS",
+    "WHISPER_SDPA_BACKENDS",
+    "WHISPER_STREAMING_SDPA_BACKENDS",
+    "PackedQKV",
+    "configure_fused_layers",
+    "pack_qkv",
+    "resampler_needs_weights",
+    "siglip_encode",
+    "siglip_fused_applies",
+    "siglip_patch_embeddings",
+    "whisper_encode_layers",
+    "whisper_encoder_output",
+    "whisper_fused_applies",
+    "whisper_streaming_drops_zero_mask",
+]
+
+#: The ``--hf-overrides`` key choosing the encoders that run the fused layers.
+FUSED_LAYERS_KEY = "encoder_fused_layers"
+#: Its values: both encoders, one of them, or neither.
+FUSED_LAYERS_CHOICES = ("all", "vision", "audio", "none")
+
+#: SDPA backends for SigLIP's attention, in priority order (the first that supports the inputs
+#: runs; a padded multi-slice call carries a key-padding mask, which flash attention refuses).
+SIGLIP_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+#: SDPA backends for Whisper's stateless calls, which always carry their (B, 1, T, T) mask.
+WHISPER_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+#: SDPA backends for Whisper's streaming chunks. The eager chunk carries an all-zero mask and its
+#: graph drops it (:func:`whisper_streaming_drops_zero_mask`), so the backend must be one that runs
+#: with and without a mask and gives the same bits either way: cuDNN (measured bitwise equal with
+#: a zero bias and without one at every past length 0, 50, ..., 1450 of a cache cycle on an H200,
+#: cuDNN 9.19), the memory-efficient kernel and the math path (which add 0.0 to each score). Flash
+#: attention, fastest without a mask, refuses one, so the eager call would run another kernel.
+WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Option and configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def configure_fused_layers(model: nn.Module) -> dict[str, str]:
+    """Choose, from ``--hf-overrides encoder_fused_layers``, which encoders of ``model`` run fused.
+
+    Sets ``_fused_layers`` (bool) on ``model.vpm``, ``model.resampler`` (with the vision state)
+    and ``model.apm`` (where they exist), packs
+    their q/k/v weights (:func:`pack_qkv`) and logs one INFO line with each encoder's state.
+    Called by the model's constructor, after the encoders exist; the weights may be loaded later
+    (loading writes into the packed views in place), and a call that finds the views replaced
+    (the parameters moved or cast) packs again before it runs.
+
+    Args:
+        model: the thinker (``MiniCPMO45OmniLLMForConditionalGeneration``) or anything with
+            ``config`` and optional ``vpm`` / ``apm`` attributes.
+
+    Returns:
+        ``{"vision": state, "audio": state}``, each ``"on"`` or ``"off (<why>)"``.
+
+    Raises:
+        HfOverridesError: (a ``ValueError``) a bad value of this or any other key of the
+            project (``read_hf_overrides``).
+    """
+    choice = read_hf_overrides(model.config)[FUSED_LAYERS_KEY]
+    states = {}
+    vpm = getattr(model, "vpm", None)
+    if vpm is None:
+        states["vision"] = "off (no encoder)"
+    elif choice not in ("all", "vision"):
+        states["vision"] = f"off ({FUSED_LAYERS_KEY}={choice})"
+    elif vpm.config._attn_implementation != "sdpa":
+        states["vision"] = f"off (vision_attn_implementation={vpm.config._attn_implementation})"
+    else:
+        states["vision"] = "on"
+    if vpm is not None:
+        vpm._fused_layers = states["vision"] == "on"
+        if vpm._fused_layers:
+            for layer in vpm.encoder.layers:
+                pack_qkv(layer.self_attn)
+        resampler = getattr(model, "resampler", None)
+        if resampler is not None:
+            resampler._fused_layers = vpm._fused_layers
+    apm = getattr(model, "apm", None)
+    if apm is None:
+        states["audio"] = "off (no encoder)"
+    elif choice not in ("all", "audio"):
+        states["audio"] = f"off ({FUSED_LAYERS_KEY}={choice})"
+    elif apm.config._attn_implementation not in ("sdpa", "eager"):
+        states["audio"] = f"off (Whisper attention {apm.config._attn_implementation})"
+    else:
+        states["audio"] = "on"
+    if apm is not None:
+        apm._fused_layers = states["audio"] == "on"
+        if apm._fused_layers:
+            for layer in apm.layers:
+                pack_qkv(layer.self_attn)
+    logger.info(
+        "MiniCPM-o 4.5 fused encoder layers: vision=%s, audio=%s (--hf-overrides %s=%s)",
+        states["vision"],
+        states["audio"],
+        FUSED_LAYERS_KEY,
+        choice,
+    )
+    return states
+
+
+def _inference_call(module: nn.Module, device: torch.device) -> bool:
+    """Eval mode, autograd off and autocast off: the calls the fused kernels are written for."""
+    return not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed q/k/v
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedQKV:
+    """The q/k/v projections of one attention module as one GEMM.
+
+    Attributes:
+        weight: ``(3E, E)``: rows ``[0, E)`` are ``q_proj.weight``, ``[E, 2E)`` ``k_proj.weight``,
+            ``[2E, 3E)`` ``v_proj.weight``; those parameters are views of it.
+        bias: ``(3E,)``: the three biases (views of it where the module has one, zeros where it
+            has none).
+        pointers: the ``data_ptr()`` each of the six parameters (weights, then biases; None for
+            a missing bias) had right after packing: a parameter found elsewhere was replaced.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    pointers: tuple[int | None, ...]
+
+    def shared_by(self, attention: nn.Module) -> bool:
+        """Whether ``attention``'s q/k/v parameters are still views of this packing."""
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        current = tuple(p.weight.data_ptr() for p in projections) + tuple(
+            None if p.bias is None else p.bias.data_ptr() for p in projections
+        )
+        return current == self.pointers
+
+
+def pack_qkv(attention: nn.Module) -> PackedQKV:
+    """The packed q/k/v projection of ``attention``, packing (or re-packing) it when needed.
+
+    The first call concatenates the three weights (and biases) into new tensors on their
+    device and re-points each projection's ``weight.data`` / ``bias.data`` to its slice, so
+    the former tensors are freed (no extra weight memory) and every later in-place write to a
+    parameter (weight loading, ``copy_``) lands in the packed tensor. Later calls return the
+    same packing while the parameters are still its views; a parameter replaced since (e.g.
+    the module moved or cast, which swaps ``.data``) is packed again.
+
+    Args:
+        attention: a module with ``q_proj``, ``k_proj`` and ``v_proj`` ``nn.Linear`` of the same
+            input width (SigLIP's and Whisper's attention).
+
+    Returns:
+        the :class:`PackedQKV`, also kept on ``attention`` as ``_packed_qkv``.
+
+    Raises:
+        RuntimeError: packing is needed while the current CUDA stream is capturing a graph (it
+            allocates, and the views it makes would point into the graph's pool): pack before,
+            as the eager warmup calls before a capture do.
+    """
+    packed = attention.__dict__.get("_packed_qkv")
+    if packed is not None and packed.shared_by(attention):
+        return packed
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    weight = projections[0].weight
+    if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the q/k/v weights of a fused encoder layer must be packed before a CUDA graph capture, "
+            "not during it (run the layer eagerly first)"
+        )
+    with torch.no_grad(), torch.inference_mode(False):
+        rows = [p.weight.shape[0] for p in projections]
+        packed_weight = torch.cat([p.weight.detach() for p in projections])
+        packed_bias = torch.cat(
+            [
+                p.bias.detach() if p.bias is not None else weight.new_zeros(n)
+                for p, n in zip(projections, rows, strict=True)
+            ]
+        )
+        start = 0
+        for projection, n in zip(projections, rows, strict=True):
+            projection.weight.data = packed_weight[start : start + n]
+            if projection.bias is not None:
+                projection.bias.data = packed_bias[start : start + n]
+            start += n
+    pointers = tuple(p.weight.data_ptr() for p in projections) + tuple(
+        None if p.bias is None else p.bias.data_ptr() for p in projections
+    )
+    packed = PackedQKV(packed_weight, packed_bias, pointers)
+    attention.__dict__["_packed_qkv"] = packed
+    return packed
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa_pin(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager:
+    """``sdpa_kernel`` with ``backends`` in priority order (torch >= 2.6), else as the allowed set."""
+    try:
+        return sdpa_kernel(list(backends), set_priority=True)
+    except TypeError:  # torch without set_priority: the set, in torch's own order
+        return sdpa_kernel(list(backends))
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    backends: Sequence[SDPBackend],
+) -> torch.Tensor:
+    """SDPA of ``(B, heads, Nq, d)`` q over ``(B, heads, Nk, d)`` k/v, backend pinned on CUDA.
+
+    Returns ``(B, Nq, heads * d)``: the attention output read as the output projection takes it
+    (a view when the kernel writes ``(B, Nq, heads, d)`` rows, as flash, memory-efficient and
+    cuDNN attention do for these inputs; a copy otherwise).
+    """
+    if query.device.type == "cuda":
+        with _sdpa_pin(backends):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    batch, heads, positions, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, positions, heads * head_dim)
+
+
+def _split_qkv(qkv: torch.Tensor, batch: int, positions: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """``(B * N, 3E)`` packed projections -> q, k, v as ``(B, heads, N, E / heads)`` strided views."""
+    head_dim = qkv.shape[-1] // (3 * heads)
+    split = qkv.view(batch, positions, 3, heads, head_dim)
+    return tuple(split[:, :, index].transpose(1, 2) for index in range(3))
+
+
+def _attention_update(
+    attention: nn.Module,
+    normed: torch.Tensor,
+    batch: int,
+    positions: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    backends: Sequence[SDPBackend],
+    cache: Any = None,
+) -> torch.Tensor:
+    """The attention sub-layer's output projection, without its bias, for ``(B * N, E)`` rows.
+
+    One packed q/k/v GEMM, SDPA on its strided views (keys and values through ``cache.update``
+    when there is a cache), the output projection; every intermediate is freed on return, so a
+    graph's pool holds the q/k/v and attention outputs of one sub-layer at a time.
+    """
+    packed = pack_qkv(attention)
+    query, key, value = _split_qkv(
+        F.linear(normed, packed.weight, packed.bias), batch, positions, attention.num_heads
+    )
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
+    attended = _attention(query, key, value, mask, scale, backends)
+    del query, key, value  # the q/k/v GEMM's output goes with its last views
+    return F.linear(attended.view(batch * positions, -1), attention.out_proj.weight)
+
+
+def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """SigLIP's MLP with fc2's bias (cuBLAS picks a faster kernel with its bias epilogue at these
+    shapes: 21 vs 26 us per layer at 1 x 1024 patches on an H200); fc1's output is freed on return."""
+    if mlp.config.hidden_act == "gelu_pytorch_tanh":
+        return mlp.fc2(_gelu_tanh_epilogue(mlp.fc1, normed))
+    return mlp.fc2(mlp.activation_fn(mlp.fc1(normed)))
+
+
+def _norm(
+    residual: torch.Tensor,
+    update: torch.Tensor | None,
+    update_bias: torch.Tensor | None,
+    norm: nn.Module,
+    store_sum: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return add_layer_norm(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
+
+
+def _gelu_tanh_epilogue(linear: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(linear(hidden))``: one cuBLASLt GEMM with the bias + GELU epilogue on CUDA."""
+    if hidden.is_cuda and linear.bias is not None:
+        return torch._addmm_activation(linear.bias, hidden, linear.weight.t(), use_gelu=True)
+    # torch._addmm_activation(use_gelu=True) computes the exact GELU on the CPU.
+    return F.gelu(F.linear(hidden, linear.weight, linear.bias), approximate="tanh")
+
+
+def _affine_layer_norms(norms: Sequence[Any]) -> bool:
+    return all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
+
+
+# ---------------------------------------------------------------------------------------------
+# SigLIP
+# ---------------------------------------------------------------------------------------------
+
+
+def siglip_fused_applies(
+    vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+) -> bool:
+    """Whether :func:`siglip_encode` runs this call of ``vpm``'s encoder.
+
+    True when :func:`configure_fused_layers` turned it on (``vpm._fused_layers``), the attention
+    is SDPA with no mask or an additive float mask, the call is an inference call (eval, autograd
+    and autocast off) and every layer has the modules the fused path reads.
+    """
+    if not getattr(vpm, "_fused_layers", False) or not _inference_call(vpm, hidden_states.device):
+        return False
+    if attention_mask is not None and not attention_mask.is_floating_point():
+        return False
+    layers = vpm.encoder.layers
+    return len(layers) > 0 and _affine_layer_norms(
+        [vpm.post_layernorm, *(n for layer in layers for n in (layer.layer_norm1, layer.layer_norm2))]
+    )
+
+
+def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)``.
+
+    The embedding is a ``Conv2d`` whose stride is its kernel (``P``), over one row of ``N``
+    patches; with the fused layers on (:func:`siglip_fused_applies` without a mask) it runs as
+    the GEMM it is: the patches reshaped to ``(B * N, 3 * P * P)`` rows times the flattened
+    kernel, plus the bias, written contiguous (on an H200 25 us instead of the convolution's
+    101 us for one 1024-patch slice, 0.11 instead of 0.50 ms for ten; nearer a float32 reference
+    too). Otherwise, or for any other layout or convolution, the convolution itself, read as
+    ``(B, N, hidden)`` (a transposed view).
+    """
+    conv = vpm.embeddings.patch_embedding
+    patch = conv.kernel_size[0]
+    gemm = (
+        siglip_fused_applies(vpm, pixel_values, None)
+        and pixel_values.dim() == 4
+        and pixel_values.shape[1] == conv.in_channels
+        and pixel_values.shape[2] == patch
+        and pixel_values.shape[3] % patch == 0
+        and tuple(conv.kernel_size) == (patch, patch)
+        and tuple(conv.stride) == (patch, patch)
+        and conv.padding in ((0, 0), "valid")
+        and tuple(conv.dilation) == (1, 1)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+    )
+    if not gemm:
+        return conv(pixel_values).flatten(2).transpose(1, 2)
+    batch, channels, _, width = pixel_values.shape
+    positions = width // patch
+    rows = pixel_values.reshape(batch, channels, patch, positions, patch).permute(0, 3, 1, 2, 4)
+    rows = rows.reshape(batch * positions, channels * patch * patch)
+    embeddings = F.linear(rows, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+    return embeddings.view(batch, positions, conv.out_channels)
+
+
+def resampler_needs_weights(resampler: nn.Module) -> bool:
+    """``need_weights`` for the resampler's attention call: False with the fused vision layers.
+
+    The resampler discards the attention weights its ``MultiheadAttention`` returns; asking for
+    them runs the attention as explicit GEMMs and a softmax over materialised ``(B * heads, Q,
+    N)`` weights, and averages them over heads. Without them it runs SDPA (with the key-padding
+    mask as an additive mask): on an H200 2 MiB less graph pool and 7 % less time for one slice
+    (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24 % less pool for ten slices.
+    """
+    return not getattr(resampler, "_fused_layers", False)
+
+
+def siglip_encode(
+    vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """SigLIP's encoder layers and post LayerNorm, fused: ``post_layernorm(encoder(hidden_states))``.
+
+    Args:
+        vpm: ``SiglipVisionTransformer`` (its ``encoder.layers`` and ``post_layernorm``).
+        hidden_states: ``(B, N, hidden)`` patch embeddings in the model dtype (contiguous, or
+            copied once).
+        attention_mask: None (every patch valid) or the additive key-padding mask
+            ``(B, 1, 1, N)`` in the hidden states' dtype (0 valid, the dtype's minimum padding).
+
+    Returns:
+        ``(B, N, hidden)`` in the model dtype, what ``vpm._encode_last_hidden_state`` returns up
+        to rounding (see the module docstring); tensor ops only, nothing read on the host.
+    """
+    layers = vpm.encoder.layers
+    batch, positions, width = hidden_states.shape
+    residual = hidden_states.reshape(batch * positions, width)
+    normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False)
+    # Intermediates are handed on, never kept in a name into the next sub-layer, so each is freed
+    # as soon as its consumer returns and a graph's pool holds one sub-layer's intermediates at a
+    # time. The pool grows in 20 MiB segments: on an H200 a one-slice stack graph took 64 MiB when
+    # the loop kept its GEMM outputs in names until the next layer rebound them, 44 MiB without.
+    for index, layer in enumerate(layers):
+        attention = layer.self_attn
+        normed, residual = _norm(
+            residual,
+            _attention_update(
+                attention, normed, batch, positions, attention_mask, attention.scale, SIGLIP_SDPA_BACKENDS
+            ),
+            attention.out_proj.bias,
+            layer.layer_norm2,
+        )
+        last = index + 1 == len(layers)
+        next_norm = vpm.post_layernorm if last else layers[index + 1].layer_norm1
+        normed, residual = _norm(
+            residual, _siglip_mlp(layer.mlp, normed), None, next_norm, store_sum=not last
+        )
+    return normed.view(batch, positions, width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whisper
+# ---------------------------------------------------------------------------------------------
+
+
+def whisper_fused_applies(
+    apm: nn.Module, hidden_states: torch.Tensor, head_mask: torch.Tensor | None, output_attentions: bool
+) -> bool:
+    """Whether :func:`whisper_encode_layers` runs this call of ``apm``'s layers.
+
+    True when :func:`configure_fused_layers` turned it on (``apm._fused_layers``), no head mask
+    and no attention weights are asked for, the call is an inference call (eval, autograd and
+    autocast off), the dtype is not FP16 (Whisper's FP16 overflow clamp reads values on the host)
+    and every layer has the modules the fused path reads.
+    """
+    if not getattr(apm, "_fused_layers", False) or head_mask is not None or output_attentions:
+        return False
+    if hidden_states.dtype == torch.float16 or not _inference_call(apm, hidden_states.device):
+        return False
+    layers = apm.layers
+    return len(layers) > 0 and _affine_layer_norms(
+        [
+            apm.layer_norm,
+            *(n for layer in layers for n in (layer.self_attn_layer_norm, layer.final_layer_norm)),
+        ]
+    )
+
+
+def whisper_encode_layers(
+    apm: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any = None,
+    output_hidden_states: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Whisper's encoder layers and final LayerNorm, fused.
+
+    Args:
+        apm: ``MiniCPMWhisperEncoder`` (its ``layers`` and ``layer_norm``).
+        hidden_states: ``(B, T, d_model)``, the embeddings plus positions, in the model dtype.
+        attention_mask: None, or the additive mask ``(B, 1, T, T_keys)`` in that dtype.
+        past_key_values: None (stateless), or the streaming cache: an ``EncoderDecoderCache``
+            (its ``self_attention_cache`` is updated) or a cache with ``update(key, value,
+            layer_idx)``, which receives each layer's ``(B, heads, T, head_dim)`` keys and values
+            and returns past and new ones concatenated, as ``DynamicCache.update`` does.
+        output_hidden_states: also return the hidden states as the unfused encoder's
+            ``encoder_states``: the input, each layer's output but the last, then the final
+            LayerNorm's output.
+
+    Returns:
+        ``(last_hidden_state (B, T, d_model), encoder_states or None)``, what the unfused loop
+        and ``apm.layer_norm`` compute up to rounding (see the module docstring).
+    """
+    layers = apm.layers
+    batch, positions, width = hidden_states.shape
+    cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+    backends = WHISPER_SDPA_BACKENDS if cache is None else WHISPER_STREAMING_SDPA_BACKENDS
+    states = [hidden_states] if output_hidden_states else None
+    residual = hidden_states.reshape(batch * positions, width)
+    normed, _ = _norm(residual, None, None, layers[0].self_attn_layer_norm, store_sum=False)
+    for index, layer in enumerate(layers):
+        attention = layer.self_attn
+        # Whisper scales the projected queries; SDPA scales the scores by the same factor. The
+        # intermediates are handed on as in siglip_encode.
+        normed, residual = _norm(
+            residual,
+            _attention_update(
+                attention, normed, batch, positions, attention_mask, attention.scaling, backends, cache
+            ),
+            attention.out_proj.bias,
+            layer.final_layer_norm,
+        )
+        last = index + 1 == len(layers)
+        next_norm = apm.layer_norm if last else layers[index + 1].self_attn_layer_norm
+        normed, residual = _norm(
+            residual,
+            F.linear(layer.activation_fn(layer.fc1(normed)), layer.fc2.weight),
+            layer.fc2.bias,
+            next_norm,
+            store_sum=not last,
+        )
+        if states is not None:
+            states.append(
+                normed.view(batch, positions, width) if last else residual.view(batch, positions, width)
+            )
+    return normed.view(batch, positions, width), None if states is None else tuple(states)
+
+
+def whisper_encoder_output(
+    apm: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any,
+    use_cache: bool | None,
+    output_hidden_states: bool | None,
+    return_dict: bool | None,
+) -> Any:
+    """What ``MiniCPMWhisperEncoder.forward`` returns after its layers, with the fused layers.
+
+    ``hidden_states`` and ``past_key_values`` as the forward holds them before its layer loop
+    (``past_key_values`` already wrapped in an ``EncoderDecoderCache`` when ``use_cache``); the
+    cache is updated in place. Returns a ``BaseModelOutputWithPast`` (``attentions`` None,
+    ``past_key_values`` the cache when ``use_cache``) or, without ``return_dict``, the tuple of
+    its non-None fields but the cache, as the unfused forward does.
+    """
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    # The layers get the cache whether or not use_cache is set, as in the unfused forward.
+    last, states = whisper_encode_layers(
+        apm, hidden_states, attention_mask, past_key_values, bool(output_hidden_states)
+    )
+    if not return_dict:
+        return tuple(v for v in (last, states) if v is not None)
+    return BaseModelOutputWithPast(
+        last_hidden_state=last,
+        hidden_states=states,
+        attentions=None,
+        past_key_values=past_key_values if use_cache else None,
+    )
+
+
+def whisper_streaming_drops_zero_mask(apm: nn.Module) -> bool:
+    """Whether a streaming audio graph may leave out the all-zero mask of its chunk.
+
+    True when ``apm`` runs the fused layers (``apm._fused_layers``): their streaming attention
+    (:data:`WHISPER_STREAMING_SDPA_BACKENDS`) gives the same bits with the all-zero mask the eager
+    chunk passes and without it, so the graph skips building the mask and the kernel's bias reads
+    (on an H200 cuDNN attention takes 12.6 instead of 17.2 us per layer at a past of 700
+    positions). The other calls of the streaming path decide as before.
+    """
+    return bool(getattr(apm, "_fused_layers", False))
