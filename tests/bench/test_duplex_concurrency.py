@@ -27,7 +27,7 @@ def _result(batched_8=3.0, batched_32=5.0, single=2.5, first_max=4.0):
     return {
         "sessions": sessions,
         "first_session": {"max_ms": first_max, "p90_ms": 3.0},
-        "detail": {"rows": rows},
+        "detail": {"rows": rows, "host_ms": {"audio_1s_call": 0.2, "duplex_chunk": 0.25}},
     }
 
 
@@ -39,13 +39,13 @@ def test_the_scenario_is_a_section_of_the_benchmark():
 
 def test_targets_are_the_issues():
     assert duplex_concurrency.missed_targets(_result()) == []
-    missed = duplex_concurrency.missed_targets(
-        _result(batched_8=3.6, batched_32=6.1, single=3.2, first_max=5.5)
-    )
-    assert missed == [
+    result = _result(batched_8=3.6, batched_32=6.1, single=3.2, first_max=5.5)
+    result["detail"]["host_ms"]["duplex_chunk"] = 2.2  # a call that waits for the GPU
+    assert duplex_concurrency.missed_targets(result) == [
         "8 sessions batched 3.60 ms > 3.5 ms",
         "32 sessions batched 6.10 ms > 6 ms",
         "1 session 3.20 ms per chunk > 3 ms",
+        "duplex_chunk host time 2.200 ms > 0.3 ms",
         "first session worst chunk 5.50 ms > 5 ms",
     ]
 
@@ -75,6 +75,7 @@ def test_cpu_dry_run_writes_the_schema(tmp_path: Path) -> None:
     for row in s["detail"]["rows"].values():
         assert row["parity"]["per_session_bitwise"] and row["parity"]["batched_worst_rel"] <= 1e-4
         assert row["batch_stats"]["batched_rows"] > 0 and row["batch_stats"]["single_rows"] == 0
+    assert set(s["detail"]["host_ms"]) == {"audio_1s_call", "duplex_chunk", "batched_step_4"}
     startup = s["detail"]["first_session"]["batched"]["startup"]
     assert (
         startup["graphs"] == {"streaming audio": 30, "vision": 1, "duplex audio batch": 3}

@@ -67,6 +67,20 @@ def _has_mask_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
+def _masked_fill(name: str, args) -> bool:
+    """``x[mask] = scalar``: one boolean index and a value held on the CPU with one element, which
+    ATen runs as ``masked_fill_`` (no size from the data, no read of the device)."""
+    if not name.startswith(("index_put", "_index_put")) or len(args) < 3:
+        return False
+    indices, value = args[1], args[2]
+    return (
+        len([i for i in indices if i is not None]) == 1
+        and isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.numel() == 1
+    )
+
+
 class _OperatorReads(TorchDispatchMode):
     #: operators that copy a value to the host, or size their output by the data
     SCALAR = ("item", "_local_scalar_dense", "is_nonzero", "equal")
@@ -82,7 +96,11 @@ class _OperatorReads(TorchDispatchMode):
             self.sink.append(HostRead(f"aten::{name}", _storage(args[0]), _where()))
         elif name in self.SIZED:
             self.sink.append(HostRead(f"aten::{name}", 0, _where()))
-        elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_mask_index(args[1]):
+        elif (
+            name in ("index", "index_put", "index_put_", "_index_put_impl_")
+            and _has_mask_index(args[1])
+            and not _masked_fill(name, args)
+        ):
             self.sink.append(HostRead(f"aten::{name} with a boolean mask", 0, _where()))
         elif (
             name == "repeat_interleave"

@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.core_model]
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 audio_lengths = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.audio_lengths")
 
-MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 N = 10  # positions per streaming chunk (0.2 s)
 POSITIONS = 128  # a session's cache resets every 12 chunks
 POOL = 2
@@ -295,16 +294,18 @@ def test_graphed_duplex_chunk_makes_the_host_wait_for_nothing(medium):
     """A session's chunks as the duplex stage passes them (float32 mel and lengths on the device):
     every key is captured at its second sighting (the steady chunk at past 0 first comes after the
     first reset, chunk 29, and is captured at chunk 58), so chunks 59-61 replay, with synchronising
-    CUDA calls as errors."""
+    CUDA calls as errors. The data are built first (their lengths' copy to the device is the
+    caller's, as the stage's move of its BatchFeature is)."""
     from minicpmo_cg import duplex
 
     mel = duplex.speech_mel(62)
     session = DuplexSession()
     graph = medium._streaming_audio_encoder_graph
     for i, chunk in enumerate(duplex.frame_chunks(mel, 62, device="cuda")):
+        data = chunk.data
         if i < 59:
-            session.encode(medium, chunk)
+            encode_streaming(medium, session, data, chunk.prefix_extra_frames)
             continue
         hits = graph.get_cumulative_stats()["graph_hits"]
-        _no_sync(lambda c=chunk: session.encode(medium, c))
+        _no_sync(lambda d=data, c=chunk: encode_streaming(medium, session, d, c.prefix_extra_frames))
         assert graph.get_cumulative_stats()["graph_hits"] == hits + 1

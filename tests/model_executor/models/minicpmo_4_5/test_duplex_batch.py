@@ -513,23 +513,39 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
 
 @pytest.mark.cuda
 def test_a_replaying_batched_step_makes_the_host_wait_for_nothing(medium):
+    """Four sessions' steps; the tenth (a replay) runs with synchronising CUDA calls as errors. The
+    chunks' data are built first (their lengths' copy to the device is the caller's)."""
     from minicpmo_cg import duplex
 
     model, _ = medium
     chunks = duplex.frame_chunks(duplex.speech_mel(12), 12, device="cuda")
+    data = [(c.data, c.prefix_extra_frames) for c in chunks]
     sessions = [DuplexSession() for _ in range(4)]
+
+    def encode(session, item):
+        previous, model.audio_past_key_values = model.audio_past_key_values, session.cache
+        try:
+            model.get_audio_embedding_streaming(
+                item[0], use_extra_context=True, prefix_extra_frames=item[1], suffix_extra_frames=2
+            )
+            session.cache = model.audio_past_key_values
+        finally:
+            model.audio_past_key_values = previous
+
     with torch.inference_mode():
         for t in range(10):
-            if t == 9:
-                torch.accelerator.synchronize()
-                previous = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("error")
+            calls = [lambda s=s, d=data[t]: encode(s, d) for s in sessions]
+            if t < 9:
+                db.run_batched(model, calls)
+                continue
+            torch.accelerator.synchronize()
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
             try:
-                db.run_batched(model, [lambda s=s, c=chunks[t]: s.encode(model, c) for s in sessions])
+                db.run_batched(model, calls)
             finally:
-                if t == 9:
-                    torch.cuda.set_sync_debug_mode(previous)
-    assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] > 0
+                torch.cuda.set_sync_debug_mode(previous)
+    assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] >= 8
 
 
 # ---------------------------------------------------------------------------
@@ -631,3 +647,20 @@ def test_the_stage_model_answers_the_runner_with_the_batch_module(cpu_backend, m
     monkeypatch.setattr(db, "preprocess_append_batch", lambda *args: seen.append(args) or ["r"])
     assert stage.preprocess_append_batch(input_ids=[1], input_embeds=[None], req_infos=[info]) == ["r"]
     assert seen == [(stage, [1], [None], [info])]
+
+
+@pytest.mark.cpu
+def test_a_batched_step_reads_nothing_on_the_host_in_the_runners_thread(cpu_backend):
+    """The step's encoder call and its row bookkeeping (the runner's thread; each request's own code
+    runs in its worker thread, whose reads the audio call path tests cover)."""
+    from helpers.host_reads import HostReads
+
+    model = batched_model(cpu_backend)
+    sess = {n: DuplexSession() for n in "abc"}
+    streams = {n: stream(CYCLE + 2, seed) for seed, n in enumerate("abc")}
+    with torch.inference_mode():
+        for t in range(CYCLE + 2):  # warmup, capture, replays; a reset inside
+            with HostReads() as watch:
+                db.run_batched(model, [lambda n=n, t=t: sess[n].encode(model, streams[n][t]) for n in "abc"])
+            assert watch.reads == [], (t, watch.reads[:3])
+    assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] == CYCLE + 1

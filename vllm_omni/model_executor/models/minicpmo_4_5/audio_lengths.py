@@ -78,12 +78,12 @@ def mask_lengths(lengths: torch.Tensor, host: list[int] | None, device: torch.de
     return lengths if host is None else to_device(lengths, device)
 
 
-def embedding_counts(model: Any, lengths: torch.Tensor, host: list[int] | None) -> list[int] | torch.Tensor:
-    """Each clip chunk's embedding count: Python integers from ``host`` (nothing is read), else
-    ``model._get_feat_extract_output_lengths(lengths)``'s (a tensor the caller reads)."""
+def embedding_counts(model: Any, counts: torch.Tensor, host: list[int] | None) -> list[int] | torch.Tensor:
+    """Each clip chunk's embedding count as Python integers from ``host`` (nothing is read), else
+    ``counts`` (the model's ``_get_feat_extract_output_lengths``, a tensor the caller reads)."""
     if host is not None:
         return pooled_lengths(host, model.config.audio_pool_step)
-    return model._get_feat_extract_output_lengths(lengths)[1]
+    return counts
 
 
 def streaming_embedding_count(
