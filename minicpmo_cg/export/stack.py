@@ -93,9 +93,10 @@ _MODEL = "vllm_omni/model_executor/models/minicpmo_4_5/"
 _DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
 
 # The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
-# tree its tests pass in: test_encoder_cuda_graph_options.py checks the design overview's options
-# table against every key the adapter registers, the streaming-audio key included, so it waits for
-# the streaming-audio PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# tree its tests pass in: the adapter registers every --hf-overrides key, while the design overview's
+# options table gains a key's row with the PR that gives the key its effect, so the test of that
+# table against the registry (test_encoder_cuda_graph_options_page.py) waits for the last of them,
+# the fused-layers PR; test_model_wiring.py checks the vision wiring of the image-call patch.
 STACK: tuple[OmniPr, ...] = (
     OmniPr(
         key="siglip-attention",
@@ -128,6 +129,7 @@ STACK: tuple[OmniPr, ...] = (
                     "cuda",
                     "failed_capture",
                     "multi_gpu",
+                    "options",
                     "platform",
                     "policy",
                     "static_args",
@@ -163,7 +165,7 @@ STACK: tuple[OmniPr, ...] = (
         patches=("minicpmo45-graph-streaming-audio",),
         # streaming_audio.py imports duplex_batch.py (and it duplex_rows.py): they travel with it
         owned=(_MODEL + "streaming_audio.py", _MODEL + "duplex_batch.py", _MODEL + "duplex_rows.py"),
-        tests=(_MC45 + "test_streaming_audio_graph.py", _MC45 + "test_encoder_cuda_graph_options.py"),
+        tests=(_MC45 + "test_streaming_audio_graph.py",),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=("Real inputs", "Duplex session", "Admission: cost vs count"),
     ),
@@ -190,7 +192,11 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-fused-encoder-layers",),
-        tests=(_MC45 + "test_fused_layers.py", _MC45 + "test_fused_layers_cuda.py"),
+        tests=(
+            _MC45 + "test_fused_layers.py",
+            _MC45 + "test_fused_layers_cuda.py",
+            _MC45 + "test_encoder_cuda_graph_options_page.py",
+        ),
         docs=(_DESIGN + "/fused_layers.md",),
     ),
 )

@@ -33,11 +33,6 @@ def _folders(manifest: dict) -> list[str]:
 
 
 @pytest.mark.cpu
-@pytest.mark.xfail(
-    reason="known open gap of the PR stack: the streaming-audio PR's own tree fails one CPU test and a PR text "
-    "drops a pytest warning count; tracked with the stack work",
-    strict=False,
-)
 def test_each_pr_applies_on_the_previous_is_signed_off_lint_clean_and_its_tests_pass(exported):
     out, manifest, report = exported
     assert report.ok, "\n".join(report.all_problems())
@@ -135,11 +130,6 @@ def _tables_have_captions(text: str, where: str) -> None:
 
 
 @pytest.mark.cpu
-@pytest.mark.xfail(
-    reason="known open gap of the PR stack: the streaming-audio PR's own tree fails one CPU test and a PR text "
-    "drops a pytest warning count; tracked with the stack work",
-    strict=False,
-)
 def test_each_pr_text_reads_once_a_maintainer(exported):
     """Template sections, its own stack position and dependencies, captions on every table, the test
     runs from its own tree with their skip reasons, the GPU environment against the pins, Not run."""
