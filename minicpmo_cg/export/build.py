@@ -429,6 +429,9 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
         pr.vllm = [vllm_by_key[k].folder for k in resolved.vllm]
         inp.earlier = [(p.title, p.folder) for p in earlier]
         inp.vllm_deps = [(vllm_by_key[k].title, vllm_by_key[k].folder) for k in resolved.vllm]
+        via = [folder for p in earlier for folder in p.vllm if folder not in pr.vllm]
+        by_folder = {v.folder: v for v in result.vllm_prs}
+        inp.vllm_via = [(by_folder[f].title, f) for f in dict.fromkeys(via)]
         inp.total = len(result.prs)
         inp.results_headings = resolved.results
         if results is not None:
@@ -495,7 +498,7 @@ def _refuse_foreign_text(exported: dict[str, str], out: Path, result: ExportResu
         )
 
 
-def rewrite_prs(result: ExportResult, runs: dict[str, list[prtext.TestRun]]) -> None:
+def rewrite_prs(result: ExportResult, runs: dict[str, list[prtext.PytestRun]]) -> None:
     """Write each PR's ``PR.md`` again with its test runs (folder -> runs) in its Test Result, and
     ``STACK.md`` with every PR's runs."""
     for pr in result.prs + result.vllm_prs:

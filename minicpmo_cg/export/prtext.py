@@ -203,6 +203,8 @@ class PrInputs:
     #: (title, folder) of the earlier PRs of the stack, of the vLLM PRs it needs, of the PRs needing it
     earlier: list[tuple[str, str]] = field(default_factory=list)
     vllm_deps: list[tuple[str, str]] = field(default_factory=list)
+    #: (title, folder) of the vLLM PRs an earlier PR of the stack needs and this one does not name itself
+    vllm_via: list[tuple[str, str]] = field(default_factory=list)
     needed_by: list[tuple[str, str]] = field(default_factory=list)
     total: int = 1
     results_headings: tuple[str, ...] = ()
@@ -339,6 +341,20 @@ def _depends_on(inp: PrInputs) -> list[str]:
         out.append(
             "So it can merge only once vllm-omni's vLLM pin includes that change (encoder-graph PRs merge "
             "after the next vLLM pin bump, issue #7452)."
+        )
+        out.append("")
+    if inp.vllm_via:
+        count = "a change" if len(inp.vllm_via) == 1 else f"{len(inp.vllm_via)} changes"
+        out.append(
+            f"Through the earlier pull requests it also needs {count} to vLLM that vLLM {inp.vllm_version} does "
+            "not have, proposed to vllm-project/vllm as its own pull request:"
+        )
+        out.append("")
+        out += [f"- {title}" for title, _ in inp.vllm_via]
+        out.append("")
+        out.append(
+            "So it can merge only after them, once vllm-omni's vLLM pin includes that change (encoder-graph PRs "
+            "merge after the next vLLM pin bump, issue #7452)."
         )
         out.append("")
     if not inp.earlier and not inp.vllm_deps:
