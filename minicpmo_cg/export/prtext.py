@@ -169,6 +169,8 @@ class PytestRun:
         skipped: skip reason -> number of tests skipped for it.
         environment: where it ran (``Python 3.11.9, torch 2.13.0+cu130, transformers 5.14.1``).
         ok: pytest's exit status was 0 (or 5: no test of ``marks``).
+        warnings: warning (category, where it is raised, its first sentence) -> how many times
+            pytest's warnings summary counts it; the counts add up to the summary's ``N warnings``.
     """
 
     marks: str
@@ -176,6 +178,7 @@ class PytestRun:
     skipped: dict[str, int] = field(default_factory=dict)
     environment: str = ""
     ok: bool = True
+    warnings: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -396,7 +399,7 @@ def _test_plan(inp: PrInputs) -> list[str]:
 
 
 def run_lines(runs: list[PytestRun]) -> list[str]:
-    """One bullet per run: command, pytest's summary, where it ran, and why tests skipped."""
+    """One bullet per run: command, pytest's summary, where it ran, why tests skipped and what warned."""
     out = []
     for run in runs:
         command = f'pytest -m "{run.marks}"' if run.marks else "pytest"
@@ -405,9 +408,12 @@ def run_lines(runs: list[PytestRun]) -> list[str]:
         if run.skipped:
             reasons = "; ".join(f"{n} × {reason}" for reason, n in sorted(run.skipped.items()))
             line += f". Skipped: {reasons}"
+        if run.warnings:
+            found = "; ".join(f"{n} × {warning}" for warning, n in sorted(run.warnings.items()))
+            line += f". Warnings: {found}"
         if run.summary and "deselected" in run.summary:
             line += ". Deselected: the tests of the other hardware level"
-        out.append(line + ".")
+        out.append(line if line.endswith((".", "!", "?")) else line + ".")
     return out
 
 

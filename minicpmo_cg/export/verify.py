@@ -158,6 +158,32 @@ def _skip_reasons(output: str) -> dict[str, int]:
     return found
 
 
+def _warnings(output: str, tree: Path) -> dict[str, int]:
+    """The warnings of pytest's warnings summary: ``"FutureWarning (transformers/x.py:202): The ...
+    is deprecated."`` -> how many times it was raised.
+
+    pytest lists each warning under the tests that raised it (one line each) or under its location
+    with a count (``path:365: 14 warnings``), then the warning indented. Paths are cut to the
+    installed package (after ``site-packages/``) or to ``tree``; the message to its first sentence.
+    """
+    m = re.search(r"^=+ warnings summary =+$(.*?)^-- Docs: ", output, re.MULTILINE | re.DOTALL)
+    found: dict[str, int] = {}
+    for group in re.split(r"\n\s*\n", m.group(1).strip("\n")) if m else []:
+        lines = group.splitlines()
+        heads = [line for line in lines if line and not line[0].isspace()]
+        warned = next((w for line in lines if (w := re.match(r"^\s+(\S+?):(\d+): (\w+): (.*)$", line))), None)
+        if warned is None:
+            continue
+        path, lineno, category, message = warned.groups()
+        path = re.sub(r"^.*/site-packages/", "", path).removeprefix(f"{tree}/")
+        path = PurePosixPath(path).name if path.startswith("/") else path
+        sentence = re.match(r"^(.*?[.!?])(?:\s|$)", message.strip())
+        key = f"{category} ({path}:{lineno}): {sentence.group(1) if sentence else message.strip()}"
+        counts = [re.search(r": (\d+) warnings?$", head) for head in heads]
+        found[key] = found.get(key, 0) + sum(int(c.group(1)) if c else 1 for c in counts)
+    return found
+
+
 def environment() -> str:
     """Where the tests run: Python, torch and transformers versions, and the GPU or its absence."""
     parts = [f"Python {platform.python_version()}"]
@@ -176,7 +202,8 @@ def _run(tree: Path, tests: list[str], marks: str, work: Path, check: PrCheck, e
     code, output = run_exported_tests(tree, tests, marks, work)
     summary = _summary(output)
     ok = code in (0, 5)  # 5: no test of these marks in the files
-    check.runs.append(PytestRun(marks, summary or "no tests ran", _skip_reasons(output), env, ok))
+    run = PytestRun(marks, summary or "no tests ran", _skip_reasons(output), env, ok, _warnings(output, tree))
+    check.runs.append(run)
     check.outputs.append(output)
     if not ok:
         check.problems.append(f"tests (-m {marks!r}) failed, pytest exit {code}: {summary}")

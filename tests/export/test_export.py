@@ -53,6 +53,10 @@ def test_each_pr_applies_on_the_previous_is_signed_off_lint_clean_and_its_tests_
         [run] = check.runs  # one per --marks expression
         assert run.ok and " passed" in run.summary, check.outputs
         assert not re.search(r"\d+ (failed|error)", run.summary)
+    for check in report.checks:
+        for run in check.runs:  # every warning pytest counted is named in the PR text
+            warned = re.search(r"(\d+) warnings?\b", run.summary)
+            assert sum(run.warnings.values()) == (int(warned.group(1)) if warned else 0), check.outputs
 
 
 @pytest.mark.cpu
@@ -154,6 +158,13 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
             assert run.summary in text and run.environment in text
             for reason in run.skipped:
                 assert reason in text
+            for warning in run.warnings:
+                assert warning in text, where
+        # a vLLM change an earlier PR needs holds this one back too, and its text says so
+        needed = {v for p in manifest["prs"][: manifest["prs"].index(pr) + 1] for v in p["vllm"]}
+        for vllm_pr in manifest["vllm_prs"]:
+            if vllm_pr["folder"] in needed:
+                assert vllm_pr["title"] in text and "#7452" in text, where
         _tables_have_captions(text, where)
         assert transform.project_mentions({where: text}, words=transform.POSITIONAL) == []
         not_run = text.split("### Not run", 1)[1]

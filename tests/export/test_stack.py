@@ -321,6 +321,50 @@ def test_run_lines_explain_skips_and_deselection():
     )
 
 
+_PYTEST_OUTPUT = """\
+....                                                                     [100%]
+=============================== warnings summary ===============================
+tests/m/test_a.py::test_one[dtype0]
+tests/m/test_a.py::test_one[dtype1]
+  /venv/lib/python3.11/site-packages/transformers/masks.py:202: FutureWarning: The mask API is deprecated and will be removed in v5.10. Use masking_utils.
+    warnings.warn(MESSAGE, FutureWarning)
+
+../../venv/lib/python3.11/site-packages/torch/jit/_script.py:365: 14 warnings
+  /venv/lib/python3.11/site-packages/torch/jit/_script.py:365: DeprecationWarning: `torch.jit.script_method` is deprecated. Please switch to `torch.compile`.
+    warnings.warn(
+
+tests/m/test_b.py::test_two
+  {tree}/tests/m/test_b.py:12: UserWarning: a test's own warning
+    warnings.warn("a test's own warning")
+
+-- Docs: https://docs.pytest.org/en/stable/how-to/capture-warnings.html
+4 passed, 17 warnings in 1.50s
+"""
+
+
+@pytest.mark.cpu
+def test_the_warnings_of_a_run_are_read_with_their_counts_and_named_in_its_line(tmp_path):
+    from minicpmo_cg.export import verify
+
+    output = _PYTEST_OUTPUT.replace("{tree}", str(tmp_path))
+    found = verify._warnings(output, tmp_path)
+    assert found == {
+        "FutureWarning (transformers/masks.py:202): The mask API is deprecated and will be removed in v5.10.": 2,
+        "DeprecationWarning (torch/jit/_script.py:365): `torch.jit.script_method` is deprecated.": 14,
+        "UserWarning (tests/m/test_b.py:12): a test's own warning": 1,
+    }
+    assert verify._summary(output) == "4 passed, 17 warnings"
+    assert sum(found.values()) == 17
+    assert verify._warnings("4 passed in 1.50s\n", tmp_path) == {}
+    run = prtext.PytestRun(
+        "core_model and cpu", "4 passed, 17 warnings", environment="Python 3.11", warnings=found
+    )
+    [line] = prtext.run_lines([run])
+    assert "Warnings: 14 × DeprecationWarning (torch/jit/_script.py:365)" in line
+    assert all(f"{n} × {warning}" in line for warning, n in found.items())
+    assert str(tmp_path) not in line and "site-packages" not in line
+
+
 @pytest.mark.cpu
 def test_every_table_gets_the_paragraph_before_it_as_caption():
     body = "Intro:\n\n| a |\n|---|\n| 1 |\n\nText\n| b |\n|---|\n| 2 |\n"
