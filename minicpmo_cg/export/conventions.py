@@ -165,6 +165,9 @@ NOT_UPSTREAM_WORDS = (
 #: above" points at whatever ended up before it); a comparison with a number ("below 3×") is none.
 POSITIONAL_WORDS = (r"\b(?:above|below)\b(?!\s*[-−+~≈]?\d)",)
 
+#: The "Not run" item of a PR whose own paths have no results section (the stack table's ``results``).
+PR_NO_MEASUREMENTS = "Measurements of the paths this PR adds"
+
 #: The one line of each ``PR.md`` that may name this project: where the measurements come from.
 PR_SOURCE_NOTE_PREFIX = "> **Where the measurements come from:**"
 PR_SOURCE_NOTE = (

@@ -528,6 +528,11 @@ def _not_run(inp: PrInputs) -> list[str]:
     items.append(serving + ".")
     if inp.multi_gpu:
         items.append("The tests that need two GPUs (they skip on one GPU).")
+    if not inp.results_headings:
+        items.append(
+            f"{conv.PR_NO_MEASUREMENTS}: no GPU measurement of them is recorded for this PR; the "
+            "measurements of the earlier PRs of the stack cover the paths those add."
+        )
     ran = {run.marks for run in inp.runs}
     units = [f for f in inp.test_files if not f.startswith("tests/e2e/")]
     for marks in UNIT_MARKS if units and inp.number else ():

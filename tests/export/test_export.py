@@ -169,6 +169,7 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         assert transform.project_mentions({where: text}, words=transform.POSITIONAL) == []
         not_run = text.split("### Not run", 1)[1]
         assert "checkpoint" in not_run and "Buildkite" in not_run
+        assert (conv.PR_NO_MEASUREMENTS in not_run) == (not source.results), where
         two_gpu = any("pytest.mark.multi_gpu" in path.read_text() for path in source.tests.values())
         assert ("two GPUs" in not_run) == two_gpu
 
