@@ -195,6 +195,8 @@ class PrInputs:
     omni_commit: str | None = None
     #: (file name, docstring) of the owned modules the PR adds
     modules: list[tuple[str, str]] = field(default_factory=list)
+    #: paragraphs the stack table adds to the Purpose after the new modules
+    remarks: list[str] = field(default_factory=list)
     #: (page, its version as of this PR) when the PR adds a design page
     design: tuple[str, str] | None = None
     #: (page, its version) of the other design pages the PR adds (topic pages)
@@ -276,6 +278,8 @@ def _purpose(inp: PrInputs) -> list[str]:
         summary = first_paragraph(doc)
         if summary:
             out += [f"New module `{name}`: {summary}", ""]
+    for remark in inp.remarks:
+        out += [remark, ""]
     if inp.design:
         out += _design_parts(inp)
     for page, text in inp.pages_added:

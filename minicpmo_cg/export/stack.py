@@ -22,7 +22,9 @@ is derived and checked by :func:`resolve` against the checkout:
   later PR adds;
 - ``results``: headings of ``docs/results/README.md`` whose sections go into the PR's Test Result
   (rows and paragraphs tagged for another PR left out, see :mod:`.docsplit`);
-- ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without.
+- ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without;
+- ``remarks``: paragraphs of the PR text's Purpose, after its new modules, for what the stack itself
+  explains (a module carried before the PR that puts it to use).
 
 A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
 keys when the series is renumbered. Editing the stack is editing these two tables; the export
@@ -68,6 +70,7 @@ class OmniPr:
     docs: tuple[str, ...] = ()
     results: tuple[str, ...] = ()
     vllm: tuple[str, ...] = ()
+    remarks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,11 @@ STACK: tuple[OmniPr, ...] = (
             _MODEL + "encoder_graphs.py",
             _MODEL + "fused_layers.py",
             _MODEL + "ops/*",
+        ),
+        remarks=(
+            "`fused_layers.py` and `ops/` come with this PR because `encoder_graphs.py` imports them; they stay "
+            "off (every call takes the unfused layers) until the fused-layers PR of the stack turns them on "
+            "with `--hf-overrides encoder_fused_layers`.",
         ),
         tests=(
             _MC45 + "conftest.py",
