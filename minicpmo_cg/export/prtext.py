@@ -273,7 +273,8 @@ def _purpose(inp: PrInputs) -> list[str]:
     many = len(inp.patches) > 1
     for patch in inp.patches:
         subject = patch.subject.removeprefix("minicpmo_4_5: ")
-        out += [f"**{subject[0].upper()}{subject[1:]}.** {patch.why}" if many else patch.why, ""]
+        why = patch.why[:1].upper() + patch.why[1:]  # a patch's Why may go on from its subject in lower case
+        out += [f"**{subject[0].upper()}{subject[1:]}.** {why}" if many else why, ""]
     for name, doc in inp.modules:
         summary = first_paragraph(doc)
         if summary:
