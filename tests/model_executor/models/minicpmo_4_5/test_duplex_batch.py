@@ -347,7 +347,7 @@ def test_the_start_up_line_says_whether_steps_are_batched(sessions, mode, state,
 
 def fake_flash_attn(monkeypatch, *, imports=True, fa2_available=True, op_namespace="_mcg_absent_fa2"):
     """``vllm.vllm_flash_attn`` as an install may have it: missing, FA2 unavailable, or importing
-    (the offline GPU host's stub module) with or without its compiled op in ``torch.ops``."""
+    (an empty stand-in for its extension module) with or without its compiled op in ``torch.ops``."""
     if not imports:
         monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", None)  # import raises ImportError
         return
@@ -704,7 +704,7 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
 
     model, reference = medium
     encoder = model._duplex_batch
-    cuda = torch.device("cuda", torch.cuda.current_device())
+    cuda = torch.device("cuda", torch.accelerator.current_device_index())
     assert encoder is not None
     attention, reason = encoder.attention_choice(cuda)
     assert attention == ("flash" if fa2_op_registered() else "reference"), reason
@@ -738,6 +738,42 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     print(
         f"per-row parity on CUDA (bf16), attention {attention} ({reason}): worst rel {worst:.3e} "
         f"(tolerance {tol:.3e}), bitwise {bitwise}"
+    )
+
+
+@pytest.mark.cuda
+def test_startup_capture_of_every_bucket_on_cuda_leaves_the_steps_nothing_to_capture():
+    """Start-up capture on CUDA runs the batched forward on padding rows (and vLLM's manager its
+    all-zero warm-up inputs) for buckets 1, 2, 4, 8 with the device's attention; then steps of 1 to
+    8 sessions only replay, scratch holds no NaN and the zero page stays zeros."""
+    if not torch.cuda.is_available():
+        pytest.skip("encoder CUDA graphs need a CUDA device")
+    from minicpmo_cg import duplex, standalone
+
+    startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
+    config = duplex_config(8)
+    model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
+    standalone.wire_encoder_graphs(model, config, enabled=True)
+    report = startup.capture_at_startup(model, config)
+    assert report.graphs.get("duplex audio batch") == 4 and report.stopped is None, report
+    encoder = model._duplex_batch
+    pool = next(iter(encoder._pools.values()))
+    assert bool(torch.isfinite(pool.kv).all()) and pool.free_pages == pool.scratch_start
+    mel = duplex.speech_mel(8 * 3)
+    streams = [duplex.frame_chunks(mel[:, k * 300 : k * 300 + 302], 3, device="cuda") for k in range(8)]
+    sessions = [DuplexSession() for _ in range(8)]
+    joined = [0, 1, 1, 2, 2, 2, 2, 2]  # the step each session sends its first chunk in
+    with torch.inference_mode():
+        for t, width in enumerate((1, 3, 8)):  # buckets 1, 4, 8
+            chunks = [streams[k][t - joined[k]] for k in range(width)]
+            calls = [lambda s=s, c=c: s.encode(model, c) for s, c in zip(sessions, chunks)]
+            outs = db.run_batched(model, calls)
+            assert len(outs) == width and all(bool(torch.isfinite(o).all()) for o in outs), t
+    stats = encoder.graph.get_cumulative_stats()
+    assert (stats["num_graphs"], stats["graph_misses"], stats["graph_hits"]) == (4, 0, 3)
+    assert not pool.kv[:, :, pool.zero_page].any() and bool(torch.isfinite(pool.kv).all())
+    print(
+        f"start-up capture with batched steps, attention {encoder.attention(torch.device('cuda'))}: {report}"
     )
 
 

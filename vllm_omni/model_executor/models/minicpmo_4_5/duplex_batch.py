@@ -209,7 +209,7 @@ class DuplexBatchEncoder:
         logs it)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", torch.accelerator.current_device_index())
         dtype = self.model.apm.conv1.weight.dtype
         choice = self._attention.get((device, dtype))
         if choice is None:
