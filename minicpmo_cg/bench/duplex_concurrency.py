@@ -11,7 +11,9 @@ use were captured at start-up (``startup_capture.capture_at_startup``) and a few
 - ``per_session``: each chunk its own replay (``encoder_cuda_graph_duplex_batch=false``);
 - ``batched``: the step's chunks in one call through ``duplex_batch.run_batched``, the path the
   model runner's batched preprocess takes (worker-thread coroutines, paged K/V, one graph per
-  batch bucket).
+  batch bucket), with the attention the device offers: vLLM's FlashAttention over the pages
+  where its compiled op is registered, else the SDPA reference over the gathered pages (named,
+  with the reason, in ``detail.attention`` and the table).
 
 Per N and way: the step's audio encoder ms (``step_ms``: the chunks of the step, timed as one
 call for ``batched`` and summed over the sessions' calls otherwise; frames apart) and the chunk
@@ -24,7 +26,7 @@ bytes and seconds), then one session's chunks of a whole cache cycle and more, e
 the same session without start-up capture (lazy captures) for comparison.
 
 JSON: ``{"sessions": {"8": {"step_ms": {"eager": .., "per_session": .., "batched": ..}}, ...},
-"first_session": {"max_ms": .., "p90_ms": ..}, "detail": {...}}``.
+"first_session": {"max_ms": .., "p90_ms": ..}, "detail": {"attention": {"name": .., "reason": ..}, ...}}``.
 """
 
 from __future__ import annotations
@@ -142,7 +144,10 @@ def _sessions_row(ctx: Ctx, n: int, frame: Any) -> dict[str, Any]:
         row["chunk_ms"][way] = summary(chunk_times)
         outs[way] = way_outs
         if way == "batched":
-            row["batch_stats"] = ctx.model._duplex_batch.stats()
+            encoder = ctx.model._duplex_batch
+            row["batch_stats"] = encoder.stats()
+            name, reason = encoder.attention_choice(ctx.device)
+            row["attention"] = {"name": name, "reason": reason}
     row["parity"] = _parity(ctx, n, outs)
     standalone.wire_encoder_graphs(ctx.model, ctx.vllm_config, enabled=False)
     release_memory()
@@ -271,6 +276,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "sessions": {n: {"step_ms": row["step_ms"]} for n, row in rows.items()},
         "first_session": {"max_ms": first["batched"]["max_ms"], "p90_ms": first["batched"]["p90_ms"]},
         "detail": {
+            "attention": next(iter(rows.values()))["attention"],
             "rows": rows,
             "first_session": first,
             "host_ms": host,
@@ -313,6 +319,9 @@ def format_section(s: dict[str, Any]) -> list[str]:
         f"{'sessions':>8s}{'eager':>10s}{'per-session':>13s}{'batched':>10s}{'x vs per-s.':>12s}"
         f"{'chunk ms (p-s / b)':>22s}{'batched rel diff':>18s}",
     ]
+    attention = detail.get("attention")  # (a result written before the attention was recorded has none)
+    if attention:
+        lines.insert(1, f"batched steps' attention: {attention['name']} ({attention['reason']})")
     for n, row in detail["rows"].items():
         st, ch, par = row["step_ms"], row["chunk_ms"], row["parity"]
         ratio = st["per_session"] / st["batched"] if st["batched"] else float("nan")

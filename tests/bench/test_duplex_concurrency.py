@@ -75,6 +75,9 @@ def test_cpu_dry_run_writes_the_schema(tmp_path: Path) -> None:
     for row in s["detail"]["rows"].values():
         assert row["parity"]["per_session_bitwise"] and row["parity"]["batched_worst_rel"] <= 1e-4
         assert row["batch_stats"]["batched_rows"] > 0 and row["batch_stats"]["single_rows"] == 0
+        assert row["batch_stats"]["attention"] == {"cpu": "reference"}
+    attention = s["detail"]["attention"]
+    assert attention["name"] == "reference" and attention["reason"].startswith("a cpu device")
     assert set(s["detail"]["host_ms"]) == {"audio_1s_call", "duplex_chunk", "batched_step_4"}
     startup = s["detail"]["first_session"]["batched"]["startup"]
     assert (
@@ -83,3 +86,4 @@ def test_cpu_dry_run_writes_the_schema(tmp_path: Path) -> None:
     )
     section = r.stdout.split("-- duplex concurrency")[1]
     assert "first session after start-up (batched): worst chunk" in section and "targets: " in section
+    assert f"batched steps' attention: reference ({attention['reason']})" in section

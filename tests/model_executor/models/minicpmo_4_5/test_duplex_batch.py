@@ -9,8 +9,11 @@ session's every chunk and final cache must match its own eager run within
 ``minicpmo_cg.measure.GRAPH_REL_TOL`` (rows of one call differ from a session's own call only by
 the GEMMs' row count); the bookkeeping must be exact: cache lengths, pages taken and returned,
 resets, sessions that join (a first chunk inside a batched step) or leave, chunks the batch does
-not cover, a full page pool, errors, and rows that never see each other (bitwise). CUDA tests do
-the same at Whisper-medium's widths in bf16 with real speech and FlashAttention over the pages.
+not cover, a full page pool, errors, and rows that never see each other (bitwise), not even
+through a NaN left in pages a row does not own. The attention choice (vLLM's FlashAttention only
+where its compiled op is registered, else the SDPA reference) is checked against faked vLLM
+installs. CUDA tests do the same at Whisper-medium's widths in bf16 with real speech and whichever
+attention the device offers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import sys
 import threading
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -335,6 +340,204 @@ def test_the_start_up_line_says_whether_steps_are_batched(sessions, mode, state,
     assert line.startswith(f"MiniCPM-o 4.5 duplex audio batching: {state}")
 
 
+# ---------------------------------------------------------------------------
+# The attention choice (CPU: vLLM installs faked)
+# ---------------------------------------------------------------------------
+
+
+def fake_flash_attn(monkeypatch, *, imports=True, fa2_available=True, op_namespace="_mcg_absent_fa2"):
+    """``vllm.vllm_flash_attn`` as an install may have it: missing, FA2 unavailable, or importing
+    (an empty stand-in for its extension module) with or without its compiled op in ``torch.ops``."""
+    if not imports:
+        monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", None)  # import raises ImportError
+        return
+    interface = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
+    interface.FA2_AVAILABLE = fa2_available
+    interface.FA2_UNAVAILABLE_REASON = (
+        None if fa2_available else "libcudart.so.12: cannot open shared object file"
+    )
+    package = types.ModuleType("vllm.vllm_flash_attn")
+    package.flash_attn_interface = interface
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", package)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", interface)
+    monkeypatch.setattr(rows_mod, "FA2_VARLEN_OP", (op_namespace, "varlen_fwd"))
+
+
+#: a torch.ops namespace with a registered varlen_fwd (the compiled op, as far as the choice can tell)
+_REGISTERED = torch.library.Library("_mcg_registered_fa2", "DEF")
+_REGISTERED.define("varlen_fwd(Tensor q) -> Tensor")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "device, dtype, capability, install, want",
+    [
+        ("cpu", torch.bfloat16, None, {}, ("reference", "a cpu device (vLLM's FlashAttention runs on CUDA)")),
+        (
+            "cuda:0",
+            torch.float32,
+            (9, 0),
+            {},
+            ("reference", "Whisper in float32 (vLLM's FlashAttention takes"),
+        ),
+        (
+            "cuda:0",
+            torch.bfloat16,
+            (7, 5),
+            {},
+            ("reference", "compute capability 7.5 (vLLM's FlashAttention 2"),
+        ),
+        (
+            "cuda:0",
+            torch.bfloat16,
+            (9, 0),
+            {"imports": False},
+            ("reference", "vllm.vllm_flash_attn does not import"),
+        ),
+        (
+            "cuda:0",
+            torch.bfloat16,
+            (9, 0),
+            {"fa2_available": False},
+            ("reference", "vLLM FlashAttention 2 unavailable (libcudart.so.12"),
+        ),
+        (  # the package imports (a stub of its extension module), its op does not exist
+            "cuda:0",
+            torch.bfloat16,
+            (9, 0),
+            {},
+            (
+                "reference",
+                "vLLM FlashAttention ops not built (torch.ops._mcg_absent_fa2.varlen_fwd is not registered)",
+            ),
+        ),
+        (
+            "cuda:0",
+            torch.float16,
+            (8, 0),
+            {"op_namespace": "_mcg_registered_fa2"},
+            ("flash", "vLLM FlashAttention 2 ops registered, compute capability 8.0"),
+        ),
+    ],
+    ids=["cpu", "float32", "sm75", "no-package", "fa2-unavailable", "ops-not-built", "usable"],
+)
+def test_flash_attention_only_where_its_compiled_op_is_registered(
+    monkeypatch, device, dtype, capability, install, want
+):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or capability)
+    fake_flash_attn(monkeypatch, **install)
+    name, reason = rows_mod.paged_attention_choice(torch.device(device), dtype)
+    assert name == want[0] and reason.startswith(want[1]), (name, reason)
+    assert name in rows_mod.ATTENTION
+    assert asked == ([] if device == "cpu" or dtype == torch.float32 else [torch.device(device)])
+
+
+@pytest.mark.cpu
+def test_the_attention_choice_is_logged_once_per_device_and_kept_in_the_stats(
+    cpu_backend, monkeypatch, log_records
+):
+    records = log_records(db.logger)
+    model = batched_model(cpu_backend)
+    (line,) = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 duplex audio batching")]
+    assert line.endswith(
+        "; on cpu: attention SDPA over the gathered pages (reference_paged_attention): "
+        "a cpu device (vLLM's FlashAttention runs on CUDA)"
+    )
+    encoder = model._duplex_batch
+    with torch.inference_mode():
+        for chunk in stream(2, seed=1):
+            db.run_batched(model, [lambda c=chunk: DuplexSession().encode(model, c)])
+    assert encoder.stats()["attention"] == {"cpu": "reference"}
+    assert (
+        len([m for m in records.messages() if "duplex audio batching" in m]) == 1
+    )  # cpu: in the start-up line
+    # another device: one line of its own, the first time only
+    seen = []
+    choice = (
+        "reference",
+        "vLLM FlashAttention ops not built (torch.ops._vllm_fa2_C.varlen_fwd is not registered)",
+    )
+    monkeypatch.setattr(
+        db, "paged_attention_choice", lambda device, dtype: seen.append((device, dtype)) or choice
+    )
+    cuda = torch.device("cuda", 0)
+    assert encoder.attention(cuda) == "reference" and encoder.attention(cuda) == "reference"
+    assert seen == [(cuda, torch.float32)]
+    lines = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 duplex audio batching on cuda:0")]
+    assert lines == [
+        "MiniCPM-o 4.5 duplex audio batching on cuda:0: attention SDPA over the gathered pages "
+        "(reference_paged_attention): vLLM FlashAttention ops not built "
+        "(torch.ops._vllm_fa2_C.varlen_fwd is not registered)"
+    ]
+    assert encoder.stats()["attention"] == {"cpu": "reference", "cuda:0": "reference"}
+
+
+# ---------------------------------------------------------------------------
+# NaN never crosses rows (CPU)
+# ---------------------------------------------------------------------------
+
+
+def poison(pool, sessions):
+    """NaN into every page no live session owns (free pages, scratch), the zero page apart."""
+    owned = {
+        p for batched, _ in sessions.live.values() if batched.cache is not None for p in batched.cache.pages
+    }
+    others = [p for p in range(pool.num_pages) if p not in owned and p != pool.zero_page]
+    pool.kv[:, :, torch.tensor(others)] = float("nan")
+    return len(others)
+
+
+@pytest.mark.cpu
+def test_a_nan_in_pages_a_row_does_not_own_never_reaches_it(cpu_backend):
+    """Before every step, NaN fills the pages no live session owns: the free pages the sessions
+    take next (a join, a reset, a cache growing into a new page) and the scratch pages the padding
+    rows write and read. Every real row still matches its session's own eager encode (a NaN would
+    fail the comparison): a taken page is zeroed first, a row's page table ends at the zero page,
+    masked positions so hold zeros or the row's own K/V."""
+    model = batched_model(cpu_backend)
+    encoder = model._duplex_batch
+    sessions = Sessions(model)
+    streams = {name: stream(CYCLE + 4, seed) for seed, name in enumerate("abc")}
+    started, plan = {}, {0: "ab", 2: "c"}  # 3 rows: bucket 4, one padding row
+    for t in range(CYCLE + 2):  # a and b reset at their chunk 12
+        for name in plan.get(t, ""):
+            sessions.join(name)
+            started[name] = t
+        if encoder._pools:
+            assert poison(next(iter(encoder._pools.values())), sessions) > 0
+        out = sessions.step({name: streams[name][t - started[name]] for name in sessions.live})
+        assert all(bool(torch.isfinite(o).all()) for o in out.values()), t
+    sessions.caches_match()
+    pool = next(iter(encoder._pools.values()))
+    assert not pool.kv[:, :, pool.zero_page].any()  # nothing wrote the zero page
+    assert encoder.stats()["single_rows"] == 0 and encoder.graph.get_cumulative_stats()["graph_hits"] > 0
+
+
+@pytest.mark.cpu
+def test_no_row_attends_to_nothing_not_even_on_the_graph_managers_zero_inputs(monkeypatch):
+    """vLLM's graph manager runs the forward on all-zero inputs before a capture: every row then
+    has 0 valid positions, an all-masked softmax that some kernels turn into NaN. The forward gives
+    every row at least one position."""
+    model = tiny()
+    model._init_encoder_cuda_graphs(duplex_config(4))
+    encoder = model._duplex_batch
+    pool = encoder.pool(torch.device("cpu"))
+    seen = []
+    reference = rows_mod.ATTENTION["reference"]
+
+    def watched(query, keys, values, table, used):
+        seen.append(int(used.min()))
+        return reference(query, keys, values, table, used)
+
+    monkeypatch.setitem(rows_mod.ATTENTION, "reference", watched)
+    mel, meta, _ = encoder.inputs([], torch.device("cpu"), 4)
+    with torch.inference_mode():
+        out = rows_mod.encode_rows(model, torch.zeros_like(mel), torch.zeros_like(meta), pool, N, "reference")
+    assert seen == [1] * len(model.apm.layers) and bool(torch.isfinite(out).all())
+    assert bool(torch.isfinite(pool.kv).all()) and not pool.kv[:, :, : pool.scratch_start].any()
+
+
 @pytest.mark.cpu
 def test_paged_caches_round_trip_and_return_their_pages(cpu_backend):
     model = batched_model(cpu_backend)
@@ -457,7 +660,7 @@ def test_startup_capture_captures_every_batch_bucket(cpu_backend):
 
 
 # ---------------------------------------------------------------------------
-# CUDA: Whisper-medium's widths, bf16, real speech, FlashAttention over the pages
+# CUDA: Whisper-medium's widths, bf16, real speech, the attention the device offers
 # ---------------------------------------------------------------------------
 
 
@@ -476,13 +679,35 @@ def medium():
     return model, reference
 
 
+def fa2_op_registered() -> bool:
+    """Whether vLLM's compiled FA2 varlen op exists in this process (imports the package first)."""
+    try:
+        import vllm.vllm_flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    namespace, op = rows_mod.FA2_VARLEN_OP
+    return hasattr(getattr(torch.ops, namespace), op)
+
+
 @pytest.mark.cuda
 def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(medium):
+    """Eight sessions over 36 steps: joins mid-stream (first chunks inside batched steps), a leave,
+    a's cache reset at its chunk 29. The attention is whichever the device offers: vLLM's
+    FlashAttention over the pages only where its compiled op is registered (else the run would
+    raise), else the SDPA reference over the gathered pages. Per-row parity reached: within
+    ``GRAPH_REL_TOL`` (bf16: 2**-8) of each session's own eager encode, not bitwise, with either
+    attention: the rows' GEMMs run over ``rows x 50`` tokens instead of 50, and attention runs
+    FlashAttention, or masked SDPA over the row's 94 pages, instead of SDPA over exactly its past
+    and chunk positions (bitwise is the per-session path's, ``encoder_cuda_graph_duplex_batch:
+    false``). The worst difference, the attention and whether any step was bitwise are printed."""
     from minicpmo_cg import duplex
 
     model, reference = medium
     encoder = model._duplex_batch
-    assert encoder is not None and encoder.attention(torch.device("cuda")) == "flash"
+    cuda = torch.device("cuda", torch.accelerator.current_device_index())
+    assert encoder is not None
+    attention, reason = encoder.attention_choice(cuda)
+    assert attention == ("flash" if fa2_op_registered() else "reference"), reason
     mel = duplex.speech_mel(8 * 40)
     streams = {
         n: duplex.frame_chunks(mel[:, k * 4000 : k * 4000 + 40 * 100 + 2], 40, device="cuda")
@@ -507,14 +732,57 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
                 worst, bitwise = max(worst, diff), bitwise and torch.equal(want, out)
     stats = encoder.graph.get_cumulative_stats()
     assert stats["capture_failures"] == 0 and stats["num_graphs"] <= 4 and stats["graph_hits"] >= 30
-    assert encoder.stats()["single_rows"] == 0
-    print(f"per-row parity on CUDA (bf16): worst rel {worst:.3e} (tolerance {tol:.3e}), bitwise {bitwise}")
+    assert encoder.stats()["single_rows"] == 0 and encoder.stats()["attention"] == {str(cuda): attention}
+    pool = next(iter(encoder._pools.values()))
+    assert not pool.kv[:, :, pool.zero_page].any()  # the zero page a row's table ends at stayed zeros
+    print(
+        f"per-row parity on CUDA (bf16), attention {attention} ({reason}): worst rel {worst:.3e} "
+        f"(tolerance {tol:.3e}), bitwise {bitwise}"
+    )
+
+
+@pytest.mark.cuda
+def test_startup_capture_of_every_bucket_on_cuda_leaves_the_steps_nothing_to_capture():
+    """Start-up capture on CUDA runs the batched forward on padding rows (and vLLM's manager its
+    all-zero warm-up inputs) for buckets 1, 2, 4, 8 with the device's attention; then steps of 1 to
+    8 sessions only replay, scratch holds no NaN and the zero page stays zeros."""
+    if not torch.cuda.is_available():
+        pytest.skip("encoder CUDA graphs need a CUDA device")
+    from minicpmo_cg import duplex, standalone
+
+    startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
+    config = duplex_config(8)
+    model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
+    standalone.wire_encoder_graphs(model, config, enabled=True)
+    report = startup.capture_at_startup(model, config)
+    assert report.graphs.get("duplex audio batch") == 4 and report.stopped is None, report
+    encoder = model._duplex_batch
+    pool = next(iter(encoder._pools.values()))
+    assert bool(torch.isfinite(pool.kv).all()) and pool.free_pages == pool.scratch_start
+    mel = duplex.speech_mel(8 * 3)
+    streams = [duplex.frame_chunks(mel[:, k * 300 : k * 300 + 302], 3, device="cuda") for k in range(8)]
+    sessions = [DuplexSession() for _ in range(8)]
+    joined = [0, 1, 1, 2, 2, 2, 2, 2]  # the step each session sends its first chunk in
+    with torch.inference_mode():
+        for t, width in enumerate((1, 3, 8)):  # buckets 1, 4, 8
+            chunks = [streams[k][t - joined[k]] for k in range(width)]
+            calls = [lambda s=s, c=c: s.encode(model, c) for s, c in zip(sessions, chunks)]
+            outs = db.run_batched(model, calls)
+            assert len(outs) == width and all(bool(torch.isfinite(o).all()) for o in outs), t
+    stats = encoder.graph.get_cumulative_stats()
+    assert (stats["num_graphs"], stats["graph_misses"], stats["graph_hits"]) == (4, 0, 3)
+    assert not pool.kv[:, :, pool.zero_page].any() and bool(torch.isfinite(pool.kv).all())
+    print(
+        f"start-up capture with batched steps, attention {encoder.attention(torch.device('cuda'))}: {report}"
+    )
 
 
 @pytest.mark.cuda
 def test_a_replaying_batched_step_makes_the_host_wait_for_nothing(medium):
-    """Four sessions' steps; the tenth (a replay) runs with synchronising CUDA calls as errors. The
-    chunks' data are built first (their lengths' copy to the device is the caller's)."""
+    """Four sessions' steps; the tenth (a replay) runs with synchronising CUDA calls as errors, with
+    whichever attention the device offers (printed). The chunks' data are built first (their
+    lengths' copy to the device is the caller's). In that step the sessions' caches grow into new
+    pages (450 -> 500 positions), so the zeroing of taken pages runs in it too."""
     from minicpmo_cg import duplex
 
     model, _ = medium
@@ -546,6 +814,7 @@ def test_a_replaying_batched_step_makes_the_host_wait_for_nothing(medium):
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
     assert model._duplex_batch.graph.get_cumulative_stats()["graph_hits"] >= 8
+    print(f"batched step without host syncs, attention {model._duplex_batch.attention(torch.device('cuda'))}")
 
 
 # ---------------------------------------------------------------------------

@@ -27,13 +27,19 @@ call, replayed from one CUDA graph per batch bucket:
   of per-row data: the position table rows, the page table, the cached lengths and the slots the
   new K/V go to. Its shapes depend on the bucket alone (1, 2, 4, 8, 16, 32 rows), so every past
   length of the 1500-position cache cycle, a session's first chunk and a reset session replay
-  the same graph. On CUDA in bf16/fp16, attention is vLLM's FlashAttention over the pages
-  (``flash_attn_varlen_func`` with a block table); elsewhere a gather of the pages and masked
-  SDPA (:func:`~.duplex_rows.reference_paged_attention`).
+  the same graph.
+- **Attention.** vLLM's FlashAttention over the pages (``flash_attn_varlen_func`` with a block
+  table) where it can run: CUDA, compute capability 8.0+, bf16/fp16, and vLLM's compiled FA2 op
+  registered (a vLLM install without its compiled extensions imports the Python package but has
+  no op). Elsewhere a gather of the pages and masked SDPA
+  (:func:`~.duplex_rows.reference_paged_attention`). The choice is made once per device and
+  dtype (:func:`~.duplex_rows.paged_attention_choice`), logged at INFO with its reason (in the
+  start-up line for the model's device) and kept in :meth:`DuplexBatchEncoder.stats`.
 
 Per-row parity: a row differs from the session's own eager encode only by kernel choice (GEMMs of
-``rows x 50`` instead of 50 tokens, FlashAttention instead of SDPA), i.e. within
-``GRAPH_REL_TOL``, not bitwise; the per-session path (bitwise) stays with
+``rows x 50`` instead of 50 tokens; FlashAttention, or SDPA over the row's padded pages with a
+mask, instead of SDPA over exactly its positions), i.e. within ``GRAPH_REL_TOL``, not bitwise; the
+per-session path (bitwise) stays with
 ``encoder_cuda_graph_duplex_batch: false``. A chunk the batched forward does not cover (other
 framing or length, autograd, FP16 Whisper, a cache the eager path made, a full pool) is encoded on
 its own, as without batching.
@@ -56,7 +62,14 @@ from torch import nn
 from vllm.logger import init_logger
 
 from . import streaming_audio as sa
-from .duplex_rows import PAGE_SIZE, KVPagePool, PagedStreamingCache, encode_rows, on_device
+from .duplex_rows import (
+    PAGE_SIZE,
+    KVPagePool,
+    PagedStreamingCache,
+    encode_rows,
+    on_device,
+    paged_attention_choice,
+)
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
 
@@ -121,6 +134,8 @@ class DuplexBatchEncoder:
         self.chunk = chunk
         self.largest = bucket_for(sessions, BATCH_BUCKETS[-1])
         self._pools: dict[tuple[torch.device, int | None], KVPagePool] = {}
+        #: (device, dtype) -> (attention, reason), chosen and logged once each
+        self._attention: dict[tuple[torch.device, torch.dtype], tuple[str, str]] = {}
         #: rows encoded batched / requests encoded alone, since construction
         self.batched_rows = 0
         self.single_rows = 0
@@ -187,14 +202,27 @@ class DuplexBatchEncoder:
         per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
         return pages * PAGE_SIZE * per_position
 
-    def attention(self, device: torch.device) -> str:
+    def attention_choice(self, device: torch.device, *, log: bool = True) -> tuple[str, str]:
+        """``(attention, reason)`` of batched calls on ``device``: ``"flash"`` or ``"reference"``
+        (:func:`~.duplex_rows.paged_attention_choice` for Whisper's dtype), chosen once per device
+        and dtype; the first time, one INFO line says which and why (``log=False``: the caller
+        logs it)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.accelerator.current_device_index())
         dtype = self.model.apm.conv1.weight.dtype
-        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-            with contextlib.suppress(ImportError):
-                from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+        choice = self._attention.get((device, dtype))
+        if choice is None:
+            choice = self._attention[(device, dtype)] = paged_attention_choice(device, dtype)
+            if log:
+                logger.info(
+                    "MiniCPM-o 4.5 duplex audio batching on %s: %s", device, describe_attention(*choice)
+                )
+        return choice
 
-                return "flash"
-        return "reference"
+    def attention(self, device: torch.device) -> str:
+        """The attention of batched calls on ``device`` (a key of ``duplex_rows.ATTENTION``)."""
+        return self.attention_choice(device)[0]
 
     # -- a step ----------------------------------------------------------------------
     def encode(self, requests: Sequence[ChunkRequest]) -> None:
@@ -248,7 +276,7 @@ class DuplexBatchEncoder:
     ) -> tuple[torch.Tensor, torch.Tensor, KVPagePool]:
         """The batched forward's tensor inputs for ``rows`` of ``(mel, prefix, cache)``, padded to
         ``bucket`` (default: the smallest that holds them; a row without a cache is a padding row:
-        scratch pages only)."""
+        scratch pages only). A real row's page table is its pages, then the pool's zero page."""
         pool = self.pool(device)
         bucket = bucket_for(max(1, len(rows)), self.largest) if bucket is None else bucket
         n, per_row = self.chunk, pool.pages_per_session
@@ -271,13 +299,14 @@ class DuplexBatchEncoder:
             start.append(1 if prefix else 0)
             used.append(past + n)
             positions.extend(range(past, past + n))
-            table.extend(cache.pages + [pool.scratch_start] * (per_row - len(cache.pages)))
+            table.extend(cache.pages + [pool.zero_page] * (per_row - len(cache.pages)))  # never scratch
             slots.extend(slot + 1 for slot in pool.slots(cache, past, n))
         return mel, on_device(start + used + positions + table + slots, device, torch.int32), pool
 
     def _encode_batch(self, rows: Sequence[tuple[ChunkRequest, PagedStreamingCache]]) -> None:
         device = rows[0][0].wavforms.device
         mel, meta, pool = self.inputs([(req.wavforms, req.context[1], cache) for req, cache in rows], device)
+        pool.zero_reserved()  # the pages the rows took this step, before the forward writes them
         args = (mel, meta, pool, self.chunk, self.attention(device))
         out = self.graph(*args) if self.graph is not None else encode_rows(self.model, *args)
         for r, (request, cache) in enumerate(rows):
@@ -298,6 +327,7 @@ class DuplexBatchEncoder:
             "single_rows": self.single_rows,
             "pool_bytes": sum(p.nbytes for p in pools),
             "free_pages": sum(p.free_pages for p in pools),
+            "attention": {str(device): name for (device, _), (name, _) in self._attention.items()},
         }
 
 
@@ -523,14 +553,26 @@ def init_duplex_batch(model: nn.Module, vllm_config: Any, options: EncoderCudaGr
                 captured_modules=AUDIO_CAPTURED_MODULES,
                 lora_reason=lora_may_reach(vllm_config, model, AUDIO_CAPTURED_MODULES),
             )
-        model._duplex_batch = DuplexBatchEncoder(model, graph, sessions, chunk)
-        largest = model._duplex_batch.largest
+        encoder = model._duplex_batch = DuplexBatchEncoder(model, graph, sessions, chunk)
+        largest = encoder.largest
+        device = model.apm.conv1.weight.device
         state = (
             f"on, a step's chunks in one call of up to {largest} rows (buckets "
             f"{', '.join(str(b) for b in BATCH_BUCKETS if b <= largest)}), K/V pages for {sessions} sessions, "
             f"{'graphed' if graph is not None else 'eager'}"
         )
+        if device.type != "meta":  # the model's device: its attention goes in this line
+            state += f"; on {device}: {describe_attention(*encoder.attention_choice(device, log=False))}"
     logger.info("MiniCPM-o 4.5 duplex audio batching: %s", state)
+
+
+def describe_attention(name: str, reason: str) -> str:
+    """The log phrase of an attention choice: ``attention <which> (<reason>)``."""
+    which = {
+        "flash": "vLLM FlashAttention over the pages",
+        "reference": "SDPA over the gathered pages (reference_paged_attention)",
+    }[name]
+    return f"attention {which}: {reason}"
 
 
 def _batch_options(options: EncoderCudaGraphOptions) -> EncoderCudaGraphOptions:

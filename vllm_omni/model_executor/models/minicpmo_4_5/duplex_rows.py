@@ -6,10 +6,18 @@ cache in pages of one pool per device (:class:`KVPagePool`, the paged layout of 
 FlashAttention), referenced by the session's :class:`PagedStreamingCache`. :func:`encode_rows`
 (the region the batched graph captures) runs one chunk per row: the convolutions and position
 table rows per row, each layer's new keys and values written into the row's own pages and
-attention over the row's own pages only (:func:`reference_paged_attention`, or vLLM's
-FlashAttention with a block table on CUDA in bf16/fp16), then the projection and pooling. Every
-per-row number is data (one int32 tensor laid out by :class:`RowLayout`), so one graph per batch
-bucket serves every past length.
+attention over the row's own pages only (vLLM's FlashAttention with a block table where
+:func:`paged_attention_choice` finds it usable, else :func:`reference_paged_attention`), then the
+projection and pooling. Every per-row number is data (one int32 tensor laid out by
+:class:`RowLayout`), so one graph per batch bucket serves every past length.
+
+What a real row reads: its own positions, and zeros. A page is zeroed when a session takes it
+(:meth:`KVPagePool.reserve`, applied by :meth:`KVPagePool.zero_reserved` before the next write),
+so the positions of its last page past its length are zeros, never another session's K/V; the
+rest of its page table points at the pool's zero page, which nothing writes. Padding rows write
+and read the scratch pages only. A NaN that reaches scratch (or a page another session left) so
+never reaches a real row, whose masked positions would otherwise turn it into NaN (``-inf`` plus
+a NaN score, or a zero weight times a NaN value, is NaN).
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from . import streaming_audio as sa
 
 __all__ = [
     "ATTENTION",
+    "FA2_VARLEN_OP",
     "PAGE_SIZE",
     "KVPagePool",
     "PagedStreamingCache",
     "RowLayout",
     "encode_rows",
     "on_device",
+    "paged_attention_choice",
     "reference_paged_attention",
 ]
 
@@ -47,9 +57,11 @@ class KVPagePool:
     """Whisper K/V pages shared by the batched duplex sessions of one device.
 
     ``kv`` is ``(layers, 2, pages, PAGE_SIZE, heads, head_dim)`` (index 0 of dim 1: keys, 1:
-    values), each layer's keys and values in the paged layout of vLLM's FlashAttention. The last
-    ``scratch_pages`` pages are scratch: the padding rows of a batched call write and read there
-    only. A normal tensor even under inference mode (calls under ``no_grad`` write it in place).
+    values), each layer's keys and values in the paged layout of vLLM's FlashAttention. Pages
+    ``[0, scratch_start)`` hold sessions' caches; the next ``scratch_pages`` are scratch (the
+    padding rows of a batched call write and read there only); the last, ``zero_page``, is all
+    zeros and never written (a real row's page table past its pages). A normal tensor even under
+    inference mode (calls under ``no_grad`` write it in place).
 
     Args:
         sessions: sessions whose full cache (``max_positions``) the pool holds at once.
@@ -80,13 +92,15 @@ class KVPagePool:
             self.kv = torch.zeros(
                 (layers, 2, self.num_pages, PAGE_SIZE, heads, head_dim), dtype=dtype, device=device
             )
-        self.scratch_start = self.num_pages - self.scratch_pages
+        self.scratch_start = self.num_pages - self.scratch_pages - 1
+        self.zero_page = self.num_pages - 1
         self._free = list(range(self.scratch_start - 1, -1, -1))  # popped from the end: lowest first
+        self._reserved: list[int] = []  # pages taken since the last zero_reserved()
 
     @staticmethod
     def page_count(*, sessions: int, rows: int, chunk: int, max_positions: int) -> int:
-        """Pages of a pool for ``sessions`` full caches and the scratch of ``rows`` padding rows."""
-        return sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE)
+        """Pages of a pool for ``sessions`` full caches, the scratch of ``rows`` padding rows and the zero page."""
+        return sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE) + 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kv.device}, {self.scratch_start} pages of {PAGE_SIZE})"
@@ -100,14 +114,27 @@ class KVPagePool:
         return len(self._free)
 
     def reserve(self, cache: PagedStreamingCache, length: int) -> bool:
-        """Give ``cache`` pages for ``length`` positions; False (nothing taken) when the pool is full."""
+        """Give ``cache`` pages for ``length`` positions; False (nothing taken) when the pool is full.
+
+        The pages taken are zeroed by the next :meth:`zero_reserved` (call it before writing them)."""
         need = math.ceil(length / PAGE_SIZE) - len(cache.pages)
         if need <= 0:
             return True
         if need > len(self._free):
             return False
-        cache.pages.extend(self._free.pop() for _ in range(need))
+        taken = [self._free.pop() for _ in range(need)]
+        cache.pages.extend(taken)
+        self._reserved.extend(taken)
         return True
+
+    def zero_reserved(self) -> None:
+        """Zero the pages :meth:`reserve` gave out since the last call (one ``index_fill_`` on the
+        current stream; the page numbers reach the device from pinned memory, the host waits for
+        nothing). A page so holds nothing a previous session left when its new session reads its
+        positions past its length (masked, but a NaN there would still reach the row)."""
+        if self._reserved:
+            self.kv.index_fill_(2, on_device(self._reserved, self.kv.device), 0)
+            self._reserved.clear()
 
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
@@ -164,6 +191,7 @@ class PagedStreamingCache:
         paged = cls(pool)
         if cache.length and not pool.reserve(paged, cache.length):
             return None
+        pool.zero_reserved()
         if cache.blocks:
             pool.store(paged, torch.cat(cache.blocks, dim=4)[:, :, 0])
         paged.length = cache.length
@@ -198,7 +226,10 @@ def reference_paged_attention(
 
     Returns:
         ``(rows, n, heads, head_dim)``: each row's gathered pages, the positions past ``used``
-        masked with ``-inf``, through SDPA with scale 1.
+        masked with ``-inf``, through SDPA with scale 1. Graph-safe and free of host reads: a
+        gather of the pages by the table (no boolean indexing), the mask built on the device.
+        Masked positions must hold finite values (a NaN there gives NaN); :func:`encode_rows`
+        keeps them zeros or the row's own.
     """
     rows, per_row = table.shape
     k = keys[table.long()].flatten(1, 2).transpose(1, 2)  # (rows, heads, per_row * PAGE_SIZE, head_dim)
@@ -236,6 +267,47 @@ def _flash_paged_attention(
 
 
 ATTENTION = {"reference": reference_paged_attention, "flash": _flash_paged_attention}
+
+#: The compiled op ``flash_attn_varlen_func`` calls (FA2, its default version): ``torch.ops`` namespace and name.
+FA2_VARLEN_OP = ("_vllm_fa2_C", "varlen_fwd")
+
+
+def paged_attention_choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """The attention of the batched duplex forward on ``device`` for Whisper in ``dtype``, and why.
+
+    ``"flash"`` (vLLM's paged varlen FlashAttention 2) only where it can run: a CUDA device of
+    compute capability 8.0 or newer, bf16/fp16, ``vllm.vllm_flash_attn`` importing with FA2
+    available, and its compiled op (:data:`FA2_VARLEN_OP`) registered in ``torch.ops``, since a
+    vLLM install whose extensions were left out may import the Python package without the op.
+    Else ``"reference"`` (:func:`reference_paged_attention`). Host-side checks only.
+
+    Returns:
+        ``(name, reason)``: a key of :data:`ATTENTION` and a phrase for the log line.
+    """
+    if device.type != "cuda":
+        return "reference", f"a {device.type} device (vLLM's FlashAttention runs on CUDA)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return (
+            "reference",
+            f"Whisper in {str(dtype).removeprefix('torch.')} (vLLM's FlashAttention takes bf16/fp16)",
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return "reference", f"compute capability {major}.{minor} (vLLM's FlashAttention 2 needs 8.0 or newer)"
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface
+    except ImportError as exc:
+        return "reference", f"vllm.vllm_flash_attn does not import ({exc})"
+    if not getattr(flash_attn_interface, "FA2_AVAILABLE", False):
+        why = getattr(flash_attn_interface, "FA2_UNAVAILABLE_REASON", None) or "FA2_AVAILABLE is false"
+        return "reference", f"vLLM FlashAttention 2 unavailable ({why})"
+    namespace, op = FA2_VARLEN_OP
+    if not hasattr(getattr(torch.ops, namespace), op):
+        return (
+            "reference",
+            f"vLLM FlashAttention ops not built (torch.ops.{namespace}.{op} is not registered)",
+        )
+    return "flash", f"vLLM FlashAttention 2 ops registered, compute capability {major}.{minor}"
 
 
 @dataclass(frozen=True)
@@ -292,6 +364,10 @@ def encode_rows(
     rows = mel.shape[0]
     layout = RowLayout(rows, chunk, pool.pages_per_session)
     start, used, positions, table, codes = layout.split(meta)
+    # a row attends to at least one position: the all-zero inputs vLLM's graph manager runs before
+    # a capture (every row used 0) would otherwise give some kernels an all-masked row, NaN, and
+    # write it to scratch (real rows never read scratch; the padding rows would)
+    used = used.clamp_min(1)
     codes = codes.long()
     scratch = pool.scratch_start * PAGE_SIZE + torch.arange(codes.numel(), device=codes.device)
     slots = torch.where(codes > 0, codes - 1, scratch)
