@@ -49,8 +49,8 @@ error against float32 no larger than theirs (tests/model_executor/models/minicpm
 test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a replay stays
 bitwise equal to the eager call.
 
-``--hf-overrides encoder_fused_layers`` (``"all"``, the default, ``"vision"``, ``"audio"`` or
-``"none"``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
+``--hf-overrides encoder_fused_layers`` (``"all"``, ``"vision"``, ``"audio"`` or ``"none"``; the
+default is the option registry's, ``encoder_cuda_graph/options.py``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
 with its SDPA attention (``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
 original math. They apply to inference calls only (eval mode, autograd and autocast off; not FP16
 Whisper, whose overflow clamp reads values on the host): anything else runs the unfused layers.
