@@ -537,7 +537,8 @@ def test_the_triton_kernel_computes_the_reference_under_the_interpreter(tmp_path
 def test_option_is_registered_and_validated_with_the_other_keys(ecg):
     spec = ecg.HF_OVERRIDE_KEYS[fused.FUSED_LAYERS_KEY]
     # the default is a choice ("all" or "audio", whichever the CUDA bound tests support; not pinned here)
-    assert (spec.kind, spec.choices) == ("choice", fused.FUSED_LAYERS_CHOICES) and spec.default in spec.choices
+    assert (spec.kind, spec.choices) == ("choice", fused.FUSED_LAYERS_CHOICES)
+    assert spec.default in spec.choices
     assert ecg.read_hf_overrides(SimpleNamespace())[fused.FUSED_LAYERS_KEY] == spec.default
     with pytest.raises(ecg.HfOverridesError) as info:
         ecg.EncoderCudaGraphOptions.from_hf_config(SimpleNamespace(encoder_fused_layers=True))
