@@ -369,8 +369,8 @@ def detached(model, fn, fused_on=True):
 
 
 def _frame(frames):
-    """``name (file:line)`` of the innermost frame in the project's model code, else the innermost one."""
-    ours = [f for f in frames if "minicpmo_4_5" in f["filename"] or "minicpmo_cg" in f["filename"]]
+    """``name (file:line)`` of the innermost frame in the model's code, else the innermost one."""
+    ours = [f for f in frames if "minicpmo_4_5" in f["filename"]]
     f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
     inner = frames[0]["name"] if frames else "?"
     return f"{f['name']} ({f['filename'].rsplit('/', 1)[-1]}:{f['line']}) <- {inner}"

@@ -50,8 +50,9 @@ test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so
 bitwise equal to the eager call.
 
 ``--hf-overrides encoder_fused_layers`` (``"all"``, ``"vision"``, ``"audio"`` or ``"none"``; the
-default is the option registry's, ``encoder_cuda_graph/options.py``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
-with its SDPA attention (``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
+default is the option registry's, ``encoder_cuda_graph/options.py``) chooses which encoders run
+them (:func:`configure_fused_layers`). SigLIP runs them only with its SDPA attention
+(``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
 original math. They apply to inference calls only (eval mode, autograd and autocast off; not FP16
 Whisper, whose overflow clamp reads values on the host): anything else runs the unfused layers.
 """
@@ -494,8 +495,9 @@ def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch
 
     The embedding is a ``Conv2d`` whose stride is its kernel (``P``), over one row of ``N``
     patches; with the fused layers on (:func:`siglip_fused_applies` without a mask) it runs as
-    the GEMM it is (piece ``"patch_gemm"`` of :data:`SIGLIP_PIECES`): the patches reshaped to ``(B * N, 3 * P * P)`` rows times the flattened
-    kernel, plus the bias, written contiguous (on an H200 25 us instead of the convolution's
+    the GEMM it is (piece ``"patch_gemm"`` of :data:`SIGLIP_PIECES`): the patches reshaped to
+    ``(B * N, 3 * P * P)`` rows times the flattened kernel, plus the bias, written contiguous (on an
+    H200 25 us instead of the convolution's
     101 us for one 1024-patch slice, 0.11 instead of 0.50 ms for ten; nearer a float32 reference
     too). Otherwise, or for any other layout or convolution, the convolution itself, read as
     ``(B, N, hidden)`` (a transposed view).
@@ -532,8 +534,9 @@ def resampler_needs_weights(resampler: nn.Module) -> bool:
     The resampler discards the attention weights its ``MultiheadAttention`` returns; asking for
     them runs the attention as explicit GEMMs and a softmax over materialised ``(B * heads, Q,
     N)`` weights, and averages them over heads. Without them it runs SDPA (with the key-padding
-    mask as an additive mask; piece ``"resampler_sdpa"`` of :data:`SIGLIP_PIECES`): on an H200 2 MiB less graph pool and 7 % less time for one slice
-    (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24 % less pool for ten slices.
+    mask as an additive mask; piece ``"resampler_sdpa"`` of :data:`SIGLIP_PIECES`): on an H200
+    2 MiB less graph pool and 7 % less time for one slice (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24
+    % less pool for ten slices.
     """
     return not (getattr(resampler, "_fused_layers", False) and _piece(resampler, "resampler_sdpa"))
 
