@@ -231,7 +231,7 @@ def build_thinker_encoders(
             (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
             ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
         fused_layers: the ``--hf-overrides`` key ``encoder_fused_layers`` (``"all"``, ``"vision"``,
-            ``"audio"`` or ``"none"``); None keeps the model's default (``"all"``). Configured after
+            ``"audio"`` or ``"none"``); None keeps the option's default. Configured after
             the weights are in place, as the model's constructor configures it (the q/k/v weights
             are packed then).
         config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).

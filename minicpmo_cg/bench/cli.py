@@ -124,7 +124,16 @@ def make_context(args: argparse.Namespace, mode: str) -> Ctx:
         raise UsageError(f"cannot import the patched vllm-omni / minicpmo_cg: {exc}") from exc
     reduced = args.reduced or mode == "cpu"
     log(f"building encoders ({'reduced' if reduced else 'full'}, {dtype}, {device}) ...")
-    build_args = {"device": device, "dtype": dtype, "reduced": reduced, "seed": args.seed, "progress": True}
+    # Every encoder runs its fused layers, whatever the option's default: the sections compare them
+    # with the unfused layers by the modules' flags (bench.kernels.fused_layers).
+    build_args = {
+        "device": device,
+        "dtype": dtype,
+        "reduced": reduced,
+        "seed": args.seed,
+        "progress": True,
+        "fused_layers": "all",
+    }
     model = standalone.build_thinker_encoders(**build_args)
     if not standalone.has_graph_wiring(model):
         raise UsageError(f"{standalone.WIRING_MISSING}; run `minicpmo-cg-patch apply` first")

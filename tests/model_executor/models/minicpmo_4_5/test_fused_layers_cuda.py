@@ -11,18 +11,26 @@ too, so that a dropped or doubled bias shows.
   attention, no fused layers) the fused model's output stays within 1e-2 of the original's largest
   magnitude (``max |fused - original| <= 1e-2 * max |original|``), for one 1024-patch slice, three
   padded slices, 100 mel frames (1 s) and a duplex session's chunks; and its mean error against a
-  float32 model with the same (bf16-rounded) weights is no larger than the original's.
+  float32 model with the same (bf16-rounded) weights is no larger than the original's. The vision
+  bound runs for both vision configurations, SigLIP fused (``encoder_fused_layers="all"``) and
+  unfused (``"audio"``): the one the option's default selects must hold it; the other reports its
+  figures and is an expected failure where it misses.
+- SigLIP's pieces: a table of the bound's figures for each fused piece on its own, each left out and
+  the default set (``fused_layers.SIGLIP_PIECES``), for choosing the default.
 - Graphs: a replay equals the fused eager call bitwise and differs from the unfused one (the
   graph ran the fused kernels); the single-slice image graph holds at most 64 MiB with its static
-  buffers.
+  buffers, and the test prints where its pool's bytes go (segments, live blocks, peak, largest
+  allocations with the code that made them).
 - The Triton kernel against its torch reference on the GPU, the fallback, and packing refused
   inside a capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,9 +69,25 @@ def build(**kwargs):
     return model
 
 
+def option_default():
+    """``encoder_fused_layers``'s default, read from the option registry."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph import read_hf_overrides
+
+    return read_hf_overrides(SimpleNamespace())["encoder_fused_layers"]
+
+
+def fuses_vision(choice):
+    return choice in ("all", "vision")
+
+
+#: the two vision configurations: SigLIP fused, and SigLIP on its unfused SDPA layers
+VISION_CONFIGS = ["all", "audio"]
+
+
 @pytest.fixture(scope="module")
 def fused():
-    model = build(dtype=torch.bfloat16, vision_attn="sdpa")
+    """Both encoders fused, whatever the option's default (tests switch SigLIP's off by its flags)."""
+    model = build(dtype=torch.bfloat16, vision_attn="sdpa", fused_layers="all")
     assert model.build_info.fused_layers == {"vision": "on", "audio": "on"}
     assert len(model.vpm.encoder.layers) == 26 and len(model.apm.layers) == 24
     return model
@@ -105,20 +129,68 @@ def audio_data(lengths, frames, seed, dtype=torch.float32):
     }
 
 
-def check_bound(got, want, ref, what):
-    """The bound against the original and the mean error against float32; returns both figures."""
+def bound_figures(got, want, ref):
+    """``(max|got - want| / max|want|, mean|got - ref|, mean|want - ref|)`` in float32."""
     got, want, ref = got.float(), want.float(), ref.float()
     assert torch.isfinite(got).all() and torch.isfinite(want).all()
     rel = float((got - want).abs().max() / want.abs().max())
-    fused_mean = float((got - ref).abs().mean())
-    original_mean = float((want - ref).abs().mean())
+    return rel, float((got - ref).abs().mean()), float((want - ref).abs().mean())
+
+
+def check_bound(got, want, ref, what, expected=True):
+    """The bound against the original and the mean error against float32; returns the figures.
+
+    ``expected=False`` (a configuration other than the option's default): a miss is reported as an
+    expected failure instead of failing the test."""
+    rel, fused_mean, original_mean = bound_figures(got, want, ref)
     print(
         f"{what}: max|fused - original| / max|original| = {rel:.3e} (bound {BOUND}); mean error vs float32 "
         f"fused {fused_mean:.3e}, original {original_mean:.3e}"
     )
+    missed = rel > BOUND or fused_mean > MEAN_SLACK * original_mean
+    if missed and not expected:
+        pytest.xfail(
+            f"{what} (not the option's default): rel {rel:.3e}, mean {fused_mean:.3e}/{original_mean:.3e}"
+        )
     assert rel <= BOUND, f"{what}: {rel} > {BOUND}"
     assert fused_mean <= MEAN_SLACK * original_mean, (what, fused_mean, original_mean)
     return rel, fused_mean, original_mean
+
+
+@contextlib.contextmanager
+def vision_config(model, choice):
+    """SigLIP (and the resampler) of ``model`` as ``encoder_fused_layers=choice`` sets them, graph
+    adapters detached, for the block."""
+    adapter = model.vpm.__dict__.get("_encoder_graph")
+    modules = (model.vpm, model.resampler)
+    states = [m._fused_layers for m in modules]
+    model.vpm._encoder_graph = None
+    for m in modules:
+        m._fused_layers = fuses_vision(choice)
+    try:
+        yield
+    finally:
+        model.vpm._encoder_graph = adapter
+        for m, state in zip(modules, states, strict=True):
+            m._fused_layers = state
+
+
+def siglip_stack(model, pixels, tgt, valid, padded):
+    """SigLIP's own output (patch embedding to post LayerNorm), the valid patches of each slice."""
+    from vllm_omni.model_executor.models.minicpmo_4_5 import vision_path
+
+    return vision_path.encode_packed_slices(model.vpm, pixels, tgt, valid if padded else None)[valid]
+
+
+def stack_inputs(grids, seed):
+    from vllm_omni.model_executor.models.minicpmo_4_5 import vision_path
+
+    data = vision_data(grids, seed=seed)
+    pixels, padded = vision_path.pad_vision_slices(data["pixel_values"])
+    tgt = data["tgt_sizes"]
+    n = pixels.shape[-1] // 14
+    valid = torch.arange(n, device="cuda")[None, :] < tgt.prod(-1, keepdim=True)
+    return data, pixels, tgt, valid, padded
 
 
 # ---------------------------------------------------------------------------
@@ -127,36 +199,116 @@ def check_bound(got, want, ref, what):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("choice", VISION_CONFIGS)
 @pytest.mark.parametrize("grids", [ONE_SLICE, PADDED], ids=["1 slice", "3 padded slices"])
 @torch.inference_mode()
-def test_image_call_within_the_bound_of_the_original_layers(fused, original, reference, grids):
+def test_image_call_within_the_bound_of_the_original_layers(fused, original, reference, grids, choice):
     data = vision_data(grids, seed=11)
-    got = fused.get_vision_hidden_states(data)
+    with vision_config(fused, choice):
+        got = fused.get_vision_hidden_states(data)
     want = original.get_vision_hidden_states(data)
     ref = reference.get_vision_hidden_states(
         {**data, "pixel_values": [p.float() for p in data["pixel_values"]]}
     )
     assert got.shape == want.shape == (len(grids), 64, 4096)
-    check_bound(got, want, ref, f"image call, {len(grids)} slice(s)")
+    expected = fuses_vision(choice) == fuses_vision(option_default())
+    check_bound(got, want, ref, f"image call ({choice}), {len(grids)} slice(s)", expected)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("choice", VISION_CONFIGS)
 @pytest.mark.parametrize("grids", [ONE_SLICE, PADDED], ids=["1 slice", "3 padded slices"])
 @torch.inference_mode()
-def test_siglip_stack_within_the_bound_of_the_original_layers(fused, original, reference, grids):
+def test_siglip_stack_within_the_bound_of_the_original_layers(fused, original, reference, grids, choice):
     """SigLIP's own output (patch embedding to post LayerNorm), the valid patches of each slice."""
-    from vllm_omni.model_executor.models.minicpmo_4_5 import vision_path
+    _, pixels, tgt, valid, padded = stack_inputs(grids, seed=12)
+    with vision_config(fused, choice):
+        got = siglip_stack(fused, pixels, tgt, valid, padded)
+    want = siglip_stack(original, pixels, tgt, valid, padded)
+    ref = siglip_stack(reference, pixels.float(), tgt, valid, padded)
+    expected = fuses_vision(choice) == fuses_vision(option_default())
+    check_bound(got, want, ref, f"SigLIP stack ({choice}), {len(grids)} slice(s)", expected)
 
-    data = vision_data(grids, seed=12)
-    pixels, padded = vision_path.pad_vision_slices(data["pixel_values"])
-    tgt = data["tgt_sizes"]
-    n = pixels.shape[-1] // 14
-    valid = torch.arange(n, device="cuda")[None, :] < tgt.prod(-1, keepdim=True)
-    outs = [
-        vision_path.encode_packed_slices(m.vpm, p, tgt, valid if padded else None)
-        for m, p in ((fused, pixels), (original, pixels), (reference, pixels.float()))
+
+def piece_rows():
+    """``(label, pieces or None)``: None runs SigLIP's unfused SDPA layers; then the fused path with
+    no piece, each piece alone, each left out, and the default set."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.fused_layers import SIGLIP_DEFAULT_PIECES, SIGLIP_PIECES
+
+    rows = [("unfused SDPA layers", None), ("fused, no piece", ())]
+    rows += [(f"only {p}", (p,)) for p in SIGLIP_PIECES]
+    rows += [(f"all but {p}", tuple(q for q in SIGLIP_PIECES if q != p)) for p in SIGLIP_PIECES]
+    left_out = [p for p in SIGLIP_PIECES if p not in SIGLIP_DEFAULT_PIECES]
+    label = f"default (without {', '.join(left_out)})" if left_out else "default (every piece)"
+    rows += [(label, tuple(SIGLIP_DEFAULT_PIECES))]
+    return rows
+
+
+@pytest.mark.cuda
+@torch.inference_mode()
+def test_siglip_pieces_table(fused, original, reference):
+    """The bound's figures for each of SigLIP's fused pieces (a diagnostic for choosing the default):
+    max rel error vs the original and mean error vs float32, for the stack at one slice and three
+    padded slices and for the whole image call at one slice (the resampler's piece shows only
+    there); ``=`` marks a row bitwise equal to the fused path with no piece."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.fused_layers import siglip_fused_pieces
+
+    cases = []
+    for grids, label in ((ONE_SLICE, "stack 1"), (PADDED, "stack 3p")):
+        data, pixels, tgt, valid, padded = stack_inputs(grids, seed=12)
+        cases.append(
+            (
+                label,
+                lambda pixels=pixels, tgt=tgt, valid=valid, padded=padded: siglip_stack(
+                    fused, pixels, tgt, valid, padded
+                ),
+                siglip_stack(original, pixels, tgt, valid, padded),
+                siglip_stack(reference, pixels.float(), tgt, valid, padded),
+            )
+        )
+    data = vision_data(ONE_SLICE, seed=11)
+    cases.append(
+        (
+            "image 1",
+            lambda: fused.get_vision_hidden_states(data),
+            original.get_vision_hidden_states(data),
+            reference.get_vision_hidden_states(
+                {**data, "pixel_values": [p.float() for p in data["pixel_values"]]}
+            ),
+        )
+    )
+    table, outputs = {}, {}
+    for label, pieces in piece_rows():
+        with vision_config(fused, "audio" if pieces is None else "all"), contextlib.ExitStack() as stack:
+            if pieces is not None:
+                stack.enter_context(siglip_fused_pieces(fused, pieces))
+            outputs[label] = [call() for _, call, _, _ in cases]
+        table[label] = [
+            bound_figures(got, want, ref) for got, (_, _, want, ref) in zip(outputs[label], cases)
+        ]
+    base = outputs["fused, no piece"]
+    header = "".join(f" | {name:>8s} rel   mean  " for name, *_ in cases)
+    lines = [
+        f"SigLIP fused pieces (bound {BOUND}; original mean error vs float32: "
+        + ", ".join(f"{name} {table['fused, no piece'][i][2]:.3e}" for i, (name, *_) in enumerate(cases))
+        + ")",
+        f"{'configuration':58s}{header}",
     ]
-    check_bound(*(o[valid] for o in outs), f"SigLIP stack, {len(grids)} slice(s)")
+    for label, figures in table.items():
+        cells = "".join(
+            f" | {'=' if torch.equal(out, b) else ' '}{rel:.3e} {mean:.3e}"
+            for (rel, mean, _), out, b in zip(figures, outputs[label], base)
+        )
+        lines.append(f"{label[:58]:58s}{cells}")
+    print("\n".join(lines))
+    for label, figures in table.items():
+        assert all(torch.isfinite(torch.tensor(f)).all() for f in figures), label
+    # the fused path with no piece runs the upstream layers' math with SDPA: within the bound
+    assert all(rel <= BOUND for rel, _, _ in table["fused, no piece"]), table["fused, no piece"]
+    # the switches take effect: the GELU epilogue rounds elsewhere, the resampler's SDPA is another kernel
+    assert not torch.equal(outputs["only gelu_epilogue"][0], base[0])
+    assert not torch.equal(outputs["only resampler_sdpa"][2], base[2])
+    assert torch.equal(outputs["only resampler_sdpa"][0], base[0])  # it does not touch the stack
 
 
 @pytest.mark.cuda
@@ -216,6 +368,70 @@ def detached(model, fn, fused_on=True):
             m._fused_layers = state
 
 
+def _frame(frames):
+    """``name (file:line)`` of the innermost frame in the model's code, else the innermost one."""
+    ours = [f for f in frames if "minicpmo_4_5" in f["filename"]]
+    f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    inner = frames[0]["name"] if frames else "?"
+    return f"{f['name']} ({f['filename'].rsplit('/', 1)[-1]}:{f['line']}) <- {inner}"
+
+
+def recorded_pool_breakdown(call):
+    """``call()`` with the caching allocator's history on; returns ``(its result, lines)`` that say
+    where the bytes of the graph pool segments created meanwhile went: each segment with its live
+    blocks after the capture (what stays allocated inside the pool: e.g. a cuBLAS workspace made on
+    the capture stream), the peak of live bytes in those segments during the call and the largest
+    allocations in them, each with the code that made it."""
+    torch.accelerator.synchronize()
+    before = {seg["address"] for seg in torch.cuda.memory_snapshot()}
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        out = call()
+        torch.accelerator.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    segments = [
+        seg
+        for seg in snapshot["segments"]
+        if seg["address"] not in before and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    ]
+    mib = 2**-20
+    lines = [
+        f"graph pool segments: {len(segments)}, {sum(s['total_size'] for s in segments) * mib:.1f} MiB "
+        f"(large {sum(s['total_size'] for s in segments if s['segment_type'] == 'large') * mib:.1f}, "
+        f"small {sum(s['total_size'] for s in segments if s['segment_type'] == 'small') * mib:.1f}); "
+        f"pool ids {sorted({tuple(s['segment_pool_id']) for s in segments})}"
+    ]
+    for seg in sorted(segments, key=lambda s: -s["total_size"]):
+        live = [b for b in seg["blocks"] if b["state"] != "inactive"]
+        lines.append(
+            f"  segment {seg['total_size'] * mib:6.1f} MiB {seg['segment_type']:5s}: "
+            f"{seg['allocated_size'] * mib:.2f} MiB live after the call in {len(live)} block(s)"
+            + "".join(f"; {b['size'] * mib:.2f} MiB by {_frame(b.get('frames', []))}" for b in live[:3])
+        )
+    spans = [(s["address"], s["address"] + s["total_size"]) for s in segments]
+    inside = [
+        e
+        for trace in snapshot.get("device_traces", [])
+        for e in trace
+        if "addr" in e and any(lo <= e["addr"] < hi for lo, hi in spans)
+    ]
+    live_bytes = peak = 0
+    allocs = []
+    for entry in inside:
+        if entry["action"] == "alloc":
+            live_bytes += entry["size"]
+            peak = max(peak, live_bytes)
+            allocs.append(entry)
+        elif entry["action"] == "free_requested":
+            live_bytes -= entry["size"]
+    lines.append(f"  {len(allocs)} allocations in the pool, peak live {peak * mib:.1f} MiB")
+    for entry in sorted(allocs, key=lambda e: -e["size"])[:10]:
+        lines.append(f"    {entry['size'] * mib:6.2f} MiB by {_frame(entry.get('frames', []))}")
+    return out, lines
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("grids", [ONE_SLICE, PADDED], ids=["1 slice", "3 padded slices"])
 @torch.inference_mode()
@@ -223,8 +439,13 @@ def test_image_graph_replays_the_fused_layers_bitwise(graphed, grids):
     graph = graphed.vpm._encoder_graph
     data = vision_data(grids, seed=15)
     before = graph.get_cumulative_stats()["num_graphs"]
-    for _ in range(3):
-        out = graphed.get_vision_hidden_states(data)
+
+    def calls():
+        for _ in range(3):
+            out = graphed.get_vision_hidden_states(data)
+        return out
+
+    out, breakdown = recorded_pool_breakdown(calls) if grids == ONE_SLICE else (calls(), [])
     assert graph.get_cumulative_stats()["num_graphs"] == before + 1
     assert torch.equal(out, detached(graphed, lambda: graphed.get_vision_hidden_states(data)))
     assert not torch.equal(
@@ -238,6 +459,7 @@ def test_image_graph_replays_the_fused_layers_bitwise(graphed, grids):
             f"single-slice image graph: {mib:.1f} MiB (pool {entry['pool_bytes'] / 2**20:.1f}, "
             f"static {entry['static_bytes'] / 2**20:.1f})"
         )
+        print("\n".join(breakdown))
         assert mib <= 64.0
 
 
@@ -305,6 +527,12 @@ def test_triton_kernel_matches_its_torch_reference(rows, cols):
     only, none = aln.add_layer_norm(x, None, None, weight, ln_bias, 1e-6, store_sum=False)
     assert none is None
     torch.testing.assert_close(only, torch.nn.functional.layer_norm(x, (cols,), weight, ln_bias, 1e-6))
+    # without a bias the sum is torch's bf16 residual + update, bitwise (SigLIP's residual stream)
+    normed, total = aln.add_layer_norm(x, y, None, weight, ln_bias, 1e-6)
+    assert torch.equal(total, x + y)
+    want = torch.nn.functional.layer_norm(x + y, (cols,), weight, ln_bias, 1e-6)
+    diff = float((normed.float() - want.float()).abs().max())
+    assert diff <= 2**-7 * float(want.float().abs().max()), diff
     strided = torch.randn(rows, 2 * cols, device="cuda", generator=generator).bfloat16()[:, :cols]
     got, _ = aln.add_layer_norm(strided, y, None, weight, ln_bias, 1e-6)
     torch.testing.assert_close(got, aln.add_layer_norm_reference(strided, y, None, weight, ln_bias, 1e-6)[0])

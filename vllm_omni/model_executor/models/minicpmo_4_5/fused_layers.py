@@ -17,32 +17,42 @@ memory traffic stay. The functions here run the same layers, with the same param
   (``torch._addmm_activation(..., use_gelu=True)`` on CUDA; on the CPU that op computes the exact
   GELU, so the CPU runs ``addmm`` and the tanh GELU). Whisper's ``gelu`` is the exact erf GELU and
   stays a separate op after the fc1 GEMM with its bias epilogue;
-- **the residual add fused with the LayerNorm after it** (:func:`~.ops.add_layer_norm`): the
-  output projection (and Whisper's fc2) runs without its bias, and one kernel adds the bias and
-  the residual and writes both the sum (the next residual) and its LayerNorm (the next sub-layer's,
-  the next layer's, or the encoder's final one); SigLIP's fc2 keeps its bias in the GEMM, where
-  cuBLAS picks a faster kernel for it. Every residual add of both encoders is followed by a
-  LayerNorm, so none is left on its own;
+- **the residual add fused with the LayerNorm after it** (:func:`~.ops.add_layer_norm`): one
+  kernel adds the residual and the sub-layer's output and writes both the sum (the next residual)
+  and its LayerNorm (the next sub-layer's, the next layer's, or the encoder's final one). SigLIP's
+  output projection and fc2 keep their biases in their GEMMs, so the sum is the one the unfused
+  ``residual + update`` rounds (see Numerics); Whisper's output projection and fc2 run without
+  theirs and the kernel adds them with the residual. Every residual add of both encoders is
+  followed by a LayerNorm, so none is left on its own;
 - **SDPA on packed q/k/v** with the backend pinned for the shapes (:data:`SIGLIP_SDPA_BACKENDS`,
   :data:`WHISPER_SDPA_BACKENDS`, :data:`WHISPER_STREAMING_SDPA_BACKENDS`), reading strided views
   of the q/k/v GEMM's output (no copies) and writing its output in the layout the output
   projection reads;
 - around SigLIP's layers, its **patch embedding as the GEMM it is** (:func:`siglip_patch_embeddings`)
-  and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`); for Whisper's
+  and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`) on contiguous
+  keys and values (:func:`resampler_keys_values`); for Whisper's
   streaming chunks, graphs that **leave out the all-zero mask** (:func:`whisper_streaming_drops_zero_mask`).
 
-Numerics: not bitwise the unfused layers (the GELU epilogue rounds once where the unfused fc1
-rounds before the GELU; the fused add sums in float32 and rounds once; the attention kernel is
-another), but the same math: in float32 on the CPU the fused path matches the unfused one to
-float32 rounding, and in bf16 at the checkpoint's size its error against the upstream layers
+Numerics: SigLIP's fused stack rounds where the unfused layers round wherever that costs little:
+each GEMM rounds ``acc + bias`` once as ``nn.Linear`` does, the fused add rounds the float32 sum
+of two bf16 tensors once as torch's bf16 ``residual + update`` does, and the LayerNorm normalises
+that stored sum with float32 statistics as torch's LayerNorm does. What still rounds elsewhere:
+the GELU epilogue rounds ``gelu(acc + bias)`` once where the unfused fc1 rounds ``acc + bias``
+before its GELU, and the attention, q/k/v and patch GEMMs are other kernels (other summation
+orders). Each such piece (:data:`SIGLIP_PIECES`) can be switched off for a diagnostic
+(:func:`siglip_fused_pieces`); :data:`SIGLIP_DEFAULT_PIECES` are those the fused vision path
+runs. Whisper's fused add sums residual, update and bias in float32 and rounds once (the
+unfused layers round twice). In float32 on the CPU the fused paths match the unfused ones to
+float32 rounding, and in bf16 at the checkpoint's size their error against the upstream layers
 (eager attention, unfused) is to stay below 1e-2 of the output's largest magnitude, with a mean
 error against float32 no larger than theirs (tests/model_executor/models/minicpmo_4_5/
 test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a replay stays
 bitwise equal to the eager call.
 
-``--hf-overrides encoder_fused_layers`` (``"all"``, the default, ``"vision"``, ``"audio"`` or
-``"none"``) chooses which encoders run them (:func:`configure_fused_layers`). SigLIP runs them only
-with its SDPA attention (``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
+``--hf-overrides encoder_fused_layers`` (``"all"``, ``"vision"``, ``"audio"`` or ``"none"``; the
+default is the option registry's, ``encoder_cuda_graph/options.py``) chooses which encoders run
+them (:func:`configure_fused_layers`). SigLIP runs them only with its SDPA attention
+(``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
 original math. They apply to inference calls only (eval mode, autograd and autocast off; not FP16
 Whisper, whose overflow clamp reads values on the host): anything else runs the unfused layers.
 """
@@ -61,7 +71,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from vllm.logger import init_logger
 
 from .encoder_cuda_graph import read_hf_overrides
-from .ops.fused_add_layer_norm import add_layer_norm
+from .ops.fused_add_layer_norm import add_layer_norm, add_layer_norm_reference
 
 logger = init_logger(__name__)
 
@@ -71,12 +81,16 @@ __all__ = [
     "SIGLIP_SDPA_BACKENDS",
     "WHISPER_SDPA_BACKENDS",
     "WHISPER_STREAMING_SDPA_BACKENDS",
+    "SIGLIP_DEFAULT_PIECES",
+    "SIGLIP_PIECES",
     "PackedQKV",
     "configure_fused_layers",
     "pack_qkv",
+    "resampler_keys_values",
     "resampler_needs_weights",
     "siglip_encode",
     "siglip_fused_applies",
+    "siglip_fused_pieces",
     "siglip_patch_embeddings",
     "whisper_encode_layers",
     "whisper_encoder_output",
@@ -88,6 +102,26 @@ __all__ = [
 FUSED_LAYERS_KEY = "encoder_fused_layers"
 #: Its values: both encoders, one of them, or neither.
 FUSED_LAYERS_CHOICES = ("all", "vision", "audio", "none")
+
+#: The pieces of SigLIP's fused path, each of which a diagnostic can switch off on its own
+#: (:func:`siglip_fused_pieces`; not an option): the patch embedding as a GEMM
+#: (:func:`siglip_patch_embeddings`), the packed q/k/v GEMM (:func:`pack_qkv`; off: three GEMMs),
+#: the pinned attention backends (:data:`SIGLIP_SDPA_BACKENDS`; off: SDPA's own choice), fc1's
+#: bias + GELU epilogue (off: fc1, then the tanh GELU), the fused residual add + LayerNorm
+#: (off: torch's add and ``layer_norm``), the resampler's attention through SDPA
+#: (:func:`resampler_needs_weights`) and its keys and values written contiguous
+#: (:func:`resampler_keys_values`).
+SIGLIP_PIECES = (
+    "patch_gemm",
+    "packed_qkv",
+    "attention_backends",
+    "gelu_epilogue",
+    "add_layer_norm",
+    "resampler_sdpa",
+    "resampler_kv_layout",
+)
+#: The pieces SigLIP's fused path runs (``encoder_fused_layers`` ``"all"`` or ``"vision"``).
+SIGLIP_DEFAULT_PIECES: frozenset[str] = frozenset(SIGLIP_PIECES)
 
 #: SDPA backends for SigLIP's attention, in priority order (the first that supports the inputs
 #: runs; a padded multi-slice call carries a key-padding mask, which flash attention refuses).
@@ -125,7 +159,8 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
     """Choose, from ``--hf-overrides encoder_fused_layers``, which encoders of ``model`` run fused.
 
     Sets ``_fused_layers`` (bool) on ``model.vpm``, ``model.resampler`` (with the vision state)
-    and ``model.apm`` (where they exist), packs
+    and ``model.apm`` (where they exist), ``_fused_pieces`` (:data:`SIGLIP_DEFAULT_PIECES`) on
+    the first two, packs
     their q/k/v weights (:func:`pack_qkv`) and logs one INFO line with each encoder's state.
     Called by the model's constructor, after the encoders exist; the weights may be loaded later
     (loading writes into the packed views in place), and a call that finds the views replaced
@@ -155,12 +190,14 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
         states["vision"] = "on"
     if vpm is not None:
         vpm._fused_layers = states["vision"] == "on"
+        vpm._fused_pieces = SIGLIP_DEFAULT_PIECES
         if vpm._fused_layers:
             for layer in vpm.encoder.layers:
                 pack_qkv(layer.self_attn)
         resampler = getattr(model, "resampler", None)
         if resampler is not None:
             resampler._fused_layers = vpm._fused_layers
+            resampler._fused_pieces = SIGLIP_DEFAULT_PIECES
     apm = getattr(model, "apm", None)
     if apm is None:
         states["audio"] = "off (no encoder)"
@@ -188,6 +225,41 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
 def _inference_call(module: nn.Module, device: torch.device) -> bool:
     """Eval mode, autograd off and autocast off: the calls the fused kernels are written for."""
     return not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
+
+
+def _piece(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` (SigLIP or the resampler) runs the fused piece ``name``."""
+    return name in module.__dict__.get("_fused_pieces", SIGLIP_DEFAULT_PIECES)
+
+
+@contextlib.contextmanager
+def siglip_fused_pieces(model: nn.Module, pieces: Sequence[str]) -> Any:
+    """Run SigLIP's fused path with only ``pieces`` of :data:`SIGLIP_PIECES` for the block.
+
+    A diagnostic for tests and the bench, not an option: it measures what each piece does to the
+    numerics or the time. It sets ``_fused_pieces`` on ``model.vpm`` and ``model.resampler`` and
+    restores what they had on exit. Whether the fused path runs at all stays
+    ``_fused_layers``'s choice. A graph captured before the block replays the pieces it was
+    captured with: run the block's calls eagerly (graph adapters detached).
+
+    Raises:
+        ValueError: a name that is not one of :data:`SIGLIP_PIECES`.
+    """
+    unknown = sorted(set(pieces) - set(SIGLIP_PIECES))
+    if unknown:
+        raise ValueError(f"siglip_fused_pieces: unknown piece(s) {unknown}; choose from {SIGLIP_PIECES}")
+    modules = [m for m in (getattr(model, "vpm", None), getattr(model, "resampler", None)) if m is not None]
+    saved = [m.__dict__.get("_fused_pieces") for m in modules]
+    try:
+        for module in modules:
+            module._fused_pieces = frozenset(pieces)
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            if value is None:
+                module.__dict__.pop("_fused_pieces", None)
+            else:
+                module._fused_pieces = value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,15 +367,16 @@ def _attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    backends: Sequence[SDPBackend],
+    backends: Sequence[SDPBackend] | None,
 ) -> torch.Tensor:
-    """SDPA of ``(B, heads, Nq, d)`` q over ``(B, heads, Nk, d)`` k/v, backend pinned on CUDA.
+    """SDPA of ``(B, heads, Nq, d)`` q over ``(B, heads, Nk, d)`` k/v, backend pinned on CUDA
+    (``backends`` None: SDPA's own choice).
 
     Returns ``(B, Nq, heads * d)``: the attention output read as the output projection takes it
     (a view when the kernel writes ``(B, Nq, heads, d)`` rows, as flash, memory-efficient and
     cuDNN attention do for these inputs; a copy otherwise).
     """
-    if query.device.type == "cuda":
+    if query.device.type == "cuda" and backends is not None:
         with _sdpa_pin(backends):
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     else:
@@ -326,30 +399,44 @@ def _attention_update(
     positions: int,
     mask: torch.Tensor | None,
     scale: float,
-    backends: Sequence[SDPBackend],
+    backends: Sequence[SDPBackend] | None,
     cache: Any = None,
+    packed: bool = True,
+    out_bias: bool = False,
 ) -> torch.Tensor:
-    """The attention sub-layer's output projection, without its bias, for ``(B * N, E)`` rows.
+    """The attention sub-layer's output projection for ``(B * N, E)`` rows, ``(B * N, E)``.
 
-    One packed q/k/v GEMM, SDPA on its strided views (keys and values through ``cache.update``
-    when there is a cache), the output projection; every intermediate is freed on return, so a
-    graph's pool holds the q/k/v and attention outputs of one sub-layer at a time.
+    One packed q/k/v GEMM (``packed``; else the three projections), SDPA on its strided views
+    (keys and values through ``cache.update`` when there is a cache), the output projection with
+    its bias (``out_bias``) or without it; every intermediate is freed on return, so a graph's
+    pool holds the q/k/v and attention outputs of one sub-layer at a time.
     """
-    packed = pack_qkv(attention)
-    query, key, value = _split_qkv(
-        F.linear(normed, packed.weight, packed.bias), batch, positions, attention.num_heads
-    )
+    if packed:
+        qkv = pack_qkv(attention)
+        query, key, value = _split_qkv(
+            F.linear(normed, qkv.weight, qkv.bias), batch, positions, attention.num_heads
+        )
+    else:
+        query, key, value = (
+            projection(normed).view(batch, positions, attention.num_heads, -1).transpose(1, 2)
+            for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+        )
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx)
     attended = _attention(query, key, value, mask, scale, backends)
     del query, key, value  # the q/k/v GEMM's output goes with its last views
-    return F.linear(attended.view(batch * positions, -1), attention.out_proj.weight)
+    out_proj = attention.out_proj
+    return F.linear(
+        attended.view(batch * positions, -1), out_proj.weight, out_proj.bias if out_bias else None
+    )
 
 
-def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
-    """SigLIP's MLP with fc2's bias (cuBLAS picks a faster kernel with its bias epilogue at these
-    shapes: 21 vs 26 us per layer at 1 x 1024 patches on an H200); fc1's output is freed on return."""
-    if mlp.config.hidden_act == "gelu_pytorch_tanh":
+def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor, epilogue: bool) -> torch.Tensor:
+    """SigLIP's MLP with fc2's bias in its GEMM (as ``nn.Linear`` rounds it; cuBLAS also picks a
+    faster kernel with the bias epilogue at these shapes: 21 vs 26 us per layer at 1 x 1024
+    patches on an H200); fc1 with the bias + GELU epilogue where ``epilogue`` and the activation is
+    the tanh GELU. fc1's output is freed on return."""
+    if epilogue and mlp.config.hidden_act == "gelu_pytorch_tanh":
         return mlp.fc2(_gelu_tanh_epilogue(mlp.fc1, normed))
     return mlp.fc2(mlp.activation_fn(mlp.fc1(normed)))
 
@@ -360,8 +447,11 @@ def _norm(
     update_bias: torch.Tensor | None,
     norm: nn.Module,
     store_sum: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return add_layer_norm(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
+    """The residual sum and its LayerNorm: the fused kernel, or (``fused`` False) torch's ops."""
+    op = add_layer_norm if fused else add_layer_norm_reference
+    return op(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
 
 
 def _gelu_tanh_epilogue(linear: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -405,8 +495,9 @@ def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch
 
     The embedding is a ``Conv2d`` whose stride is its kernel (``P``), over one row of ``N``
     patches; with the fused layers on (:func:`siglip_fused_applies` without a mask) it runs as
-    the GEMM it is: the patches reshaped to ``(B * N, 3 * P * P)`` rows times the flattened
-    kernel, plus the bias, written contiguous (on an H200 25 us instead of the convolution's
+    the GEMM it is (piece ``"patch_gemm"`` of :data:`SIGLIP_PIECES`): the patches reshaped to
+    ``(B * N, 3 * P * P)`` rows times the flattened kernel, plus the bias, written contiguous (on an
+    H200 25 us instead of the convolution's
     101 us for one 1024-patch slice, 0.11 instead of 0.50 ms for ten; nearer a float32 reference
     too). Otherwise, or for any other layout or convolution, the convolution itself, read as
     ``(B, N, hidden)`` (a transposed view).
@@ -415,6 +506,7 @@ def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch
     patch = conv.kernel_size[0]
     gemm = (
         siglip_fused_applies(vpm, pixel_values, None)
+        and _piece(vpm, "patch_gemm")
         and pixel_values.dim() == 4
         and pixel_values.shape[1] == conv.in_channels
         and pixel_values.shape[2] == patch
@@ -442,10 +534,37 @@ def resampler_needs_weights(resampler: nn.Module) -> bool:
     The resampler discards the attention weights its ``MultiheadAttention`` returns; asking for
     them runs the attention as explicit GEMMs and a softmax over materialised ``(B * heads, Q,
     N)`` weights, and averages them over heads. Without them it runs SDPA (with the key-padding
-    mask as an additive mask): on an H200 2 MiB less graph pool and 7 % less time for one slice
-    (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24 % less pool for ten slices.
+    mask as an additive mask; piece ``"resampler_sdpa"`` of :data:`SIGLIP_PIECES`): on an H200
+    2 MiB less graph pool and 7 % less time for one slice (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24
+    % less pool for ten slices.
     """
-    return not getattr(resampler, "_fused_layers", False)
+    return not (getattr(resampler, "_fused_layers", False) and _piece(resampler, "resampler_sdpa"))
+
+
+def resampler_keys_values(resampler: nn.Module, keys: torch.Tensor) -> torch.Tensor:
+    """The resampler's keys and values ``(L, B, D)`` as its attention reads them.
+
+    The resampler permutes its ``(B, L, D)`` LayerNorm output to ``(L, B, D)``: for more than one
+    slice a non-contiguous view, which the key sum ``keys + pos_embed`` inherits. Its attention's
+    in-projections of such inputs cannot fold into one GEMM over the rows: in the graphed call's
+    profile on an H200 they were two GEMM kernels whose narrow tile is the slice count (8 and 16
+    columns), without a bias epilogue (a strided add after each), 3.7 ms each for three padded
+    slices and 3.9 ms each for ten: 45 % and 28 % of the call. With the fused
+    vision layers (piece ``"resampler_kv_layout"`` of :data:`SIGLIP_PIECES`) the view is copied
+    once to a contiguous ``(L, B, D)`` tensor (the same values; one slice's view is contiguous
+    already and is returned as it is), so both projections are single GEMMs with their bias
+    epilogue. Otherwise ``keys`` is returned unchanged.
+
+    Args:
+        resampler: the ``Resampler`` (its ``_fused_layers`` and pieces).
+        keys: ``(L, B, D)`` in the model dtype, any layout.
+
+    Returns:
+        ``(L, B, D)``: ``keys`` or its contiguous copy.
+    """
+    if getattr(resampler, "_fused_layers", False) and _piece(resampler, "resampler_kv_layout"):
+        return keys.contiguous()
+    return keys
 
 
 def siglip_encode(
@@ -466,26 +585,44 @@ def siglip_encode(
     """
     layers = vpm.encoder.layers
     batch, positions, width = hidden_states.shape
+    packed, epilogue, fused_norm = (_piece(vpm, n) for n in ("packed_qkv", "gelu_epilogue", "add_layer_norm"))
+    backends = SIGLIP_SDPA_BACKENDS if _piece(vpm, "attention_backends") else None
     residual = hidden_states.reshape(batch * positions, width)
-    normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False)
+    normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False, fused=fused_norm)
     # Intermediates are handed on, never kept in a name into the next sub-layer, so each is freed
     # as soon as its consumer returns and a graph's pool holds one sub-layer's intermediates at a
     # time. The pool grows in 20 MiB segments: on an H200 a one-slice stack graph took 64 MiB when
     # the loop kept its GEMM outputs in names until the next layer rebound them, 44 MiB without.
+    # Both projections keep their biases in their GEMMs, so each residual sum is the one the
+    # unfused layers compute (the module docstring's Numerics).
     for index, layer in enumerate(layers):
         attention = layer.self_attn
         normed, residual = _norm(
             residual,
             _attention_update(
-                attention, normed, batch, positions, attention_mask, attention.scale, SIGLIP_SDPA_BACKENDS
+                attention,
+                normed,
+                batch,
+                positions,
+                attention_mask,
+                attention.scale,
+                backends,
+                packed=packed,
+                out_bias=True,
             ),
-            attention.out_proj.bias,
+            None,
             layer.layer_norm2,
+            fused=fused_norm,
         )
         last = index + 1 == len(layers)
         next_norm = vpm.post_layernorm if last else layers[index + 1].layer_norm1
         normed, residual = _norm(
-            residual, _siglip_mlp(layer.mlp, normed), None, next_norm, store_sum=not last
+            residual,
+            _siglip_mlp(layer.mlp, normed, epilogue),
+            None,
+            next_norm,
+            store_sum=not last,
+            fused=fused_norm,
         )
     return normed.view(batch, positions, width)
 

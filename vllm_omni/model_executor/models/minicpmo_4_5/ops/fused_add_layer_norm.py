@@ -11,8 +11,11 @@ writes the sum (the next residual) and the normalised rows.
 
 Numerics: ``residual + (update + update_bias)`` is summed in float32 and rounded once to the
 residual's dtype; the LayerNorm (biased variance, float32 statistics) normalises that rounded sum,
-as the unfused LayerNorm reads the stored sum, and the result is rounded once. Unfused, the bias
-add and the residual add each round to the model dtype.
+as the unfused LayerNorm reads the stored sum, and the result is rounded once. Without
+``update_bias`` the sum is bitwise torch's ``residual + update`` (which adds the two in float32
+and rounds once too), so a caller that keeps the bias in its GEMM gets the unfused layers'
+residual stream; with it, the unfused bias add and residual add would each round to the model
+dtype where the kernel rounds once.
 
 Where Triton cannot run (not installed or no usable driver: ``vllm.triton_utils.HAS_TRITON`` is
 False; or the tensors are not on a CUDA device), :func:`add_layer_norm` runs
