@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION[,SECTION]",
         help=f"run only these sections ({', '.join(SECTIONS)}); repeatable",
     )
-    ap.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
+    ap.add_argument("--json", metavar="PATH", help="write all numbers as JSON (rewritten after each section)")
     ap.add_argument(
         "--allow-cpu",
         action="store_true",
@@ -168,8 +168,16 @@ def _meta(ctx: Ctx, sections: list[str]) -> dict[str, Any]:
     }
 
 
-def run_scenarios(ctx: Ctx, sections: list[str], res: dict[str, Any]) -> bool:
+def run_scenarios(
+    ctx: Ctx,
+    sections: list[str],
+    res: dict[str, Any],
+    after_section: Callable[[dict[str, Any]], None] | None = None,
+) -> bool:
     """Run each selected scenario into ``res``; a failing one is reported and the others still run.
+
+    ``after_section(res)``, when given, is called after each scenario (finished or failed): the
+    console entry point writes the JSON there, so a run stopped part-way keeps what it measured.
 
     Returns:
         True when every scenario ran to the end.
@@ -187,6 +195,8 @@ def run_scenarios(ctx: Ctx, sections: list[str], res: dict[str, Any]) -> bool:
                 traceback.print_exc()
                 ctx.problems.append(f"section {section} failed: {type(exc).__name__}: {exc}")
             log(f"section {section}: {time.perf_counter() - t0:.1f} s")
+            if after_section is not None:
+                after_section(res)
     return complete
 
 
@@ -204,13 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     res: dict[str, Any] = {"meta": _meta(ctx, args.sections), "targets": TARGETS}
+
+    def write_json(res: dict[str, Any]) -> None:
+        res["problems"] = ctx.problems
+        res["meta"]["elapsed_s"] = time.perf_counter() - t_start
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+
     with contextlib.redirect_stdout(sys.stderr):
-        complete = run_scenarios(ctx, args.sections, res)
-    res["problems"] = ctx.problems
-    res["meta"]["elapsed_s"] = time.perf_counter() - t_start
+        complete = run_scenarios(ctx, args.sections, res, after_section=write_json)
+    write_json(res)
     print(format_report(res), flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
         log(f"wrote {args.json}")
     return 1 if not complete or ctx.problems else 0

@@ -6,6 +6,7 @@ model call sites."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -538,3 +540,37 @@ def test_duplex_breakdown_fits_the_replay_against_the_past_length() -> None:
         and "0: 2.000, 700: 2.700, 1400: 3.400" in lines[1]
     )
     assert duplex_breakdown.format_lines(None, None) == []
+
+
+@pytest.mark.cpu
+def test_the_json_is_rewritten_after_each_section_so_a_stopped_run_keeps_what_it_measured(
+    monkeypatch,
+) -> None:
+    """A section that finishes is in the JSON before the next one starts; a failing one is reported
+    there too, and the later sections still run."""
+    from minicpmo_cg.bench import cli
+
+    seen: list[dict] = []
+
+    def failing(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(cli.SCENARIOS, "first", lambda ctx: {"figure": 1.0})
+    monkeypatch.setitem(cli.SCENARIOS, "second", failing)
+    monkeypatch.setitem(cli.SCENARIOS, "third", lambda ctx: {"figure": 3.0})
+
+    ctx = SimpleNamespace(cpu=False, problems=[], adapter_mod=None)
+
+    def after(res):
+        seen.append({k: v for k, v in res.items() if k in ("first", "second", "third")})
+
+    monkeypatch.setattr(cli, "adapter_clock", lambda mod, clock: contextlib.nullcontext())
+    res: dict = {}
+    complete = cli.run_scenarios(ctx, ["first", "second", "third"], res, after_section=after)
+    assert not complete
+    assert seen == [
+        {"first": {"figure": 1.0}},
+        {"first": {"figure": 1.0}},
+        {"first": {"figure": 1.0}, "third": {"figure": 3.0}},
+    ]
+    assert ctx.problems == ["section second failed: RuntimeError: boom"]
