@@ -402,7 +402,8 @@ def wire_encoder_graphs(
             stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
             ``encoder_cuda_graph_max_graphs``, ``streaming_audio=False`` sets
-            ``encoder_cuda_graph_streaming_audio``.
+            ``encoder_cuda_graph_streaming_audio``, ``duplex_batch=True`` turns on the opt-in
+            batched duplex steps (``encoder_cuda_graph_duplex_batch``, default false).
 
     Raises:
         PatchMissingError: the installed model file has no encoder CUDA graph wiring.

@@ -30,8 +30,8 @@ TARGETS = {
     "audio_1s_speedup": 3.0,
     "bookkeeping_us": 20.0,
     "duplex_chunk_ms": 2.0,
-    # N duplex sessions sharing steps, batched: audio encoder ms per step at most; the first session
-    # after a start-up: its worst chunk at most (ms)
+    # N duplex sessions sharing steps, batched (opt-in): audio encoder ms per step at most; the first
+    # session after a start-up, on the default (per-session) path: its worst chunk at most (ms)
     # one session of the shared-steps scenario, per chunk (the duplex scenario's own chunk target is above)
     "duplex_sessions_1_chunk_ms": 3.0,
     "duplex_batch_8_step_ms": 3.5,

