@@ -715,7 +715,7 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     FlashAttention over the pages only where its compiled op is registered (else the run would
     raise), else the SDPA reference over the gathered pages. Per-row parity reached: not bitwise,
     and not within ``GRAPH_REL_TOL`` (bf16: 2**-8): an H200 with the SDPA reference measured a worst
-    rel 7.2e-3 here (1.09e-2 at 32 sessions in the benchmark), the reason batched steps are opt-in.
+    rel 7.2e-3 here (1.09e-2 with 32 sessions), the reason batched steps are opt-in.
     The bound asserted is the opt-in path's, four bf16 steps (2**-6), so a row that drifts further
     (a wrong page, a cross-row read) still fails. The rows' GEMMs run over ``rows x 50`` tokens
     instead of 50, and attention runs FlashAttention, or masked SDPA over the row's 94 pages,

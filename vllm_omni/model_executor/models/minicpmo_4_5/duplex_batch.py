@@ -41,7 +41,7 @@ Per-row parity: a row differs from the session's own eager encode only by kernel
 ``rows x 50`` instead of 50 tokens; FlashAttention, or SDPA over the row's padded pages with a
 mask, instead of SDPA over exactly its positions), not bitwise. Measured on an H200 in bf16 with
 the SDPA reference attention, the worst per-row relative difference is 7e-3 to 1.1e-2 (1 to 32
-sessions), above ``minicpmo_cg.measure.GRAPH_REL_TOL`` (one bf16 step), and a batched step is
+sessions), above one bf16 rounding step (2**-8 of the largest magnitude), and a batched step is
 slower than the per-session replays below 4 sessions (faster from 8 on: 9.1 against 14.1 ms at 8,
 21.1 against 52.9 ms at 32). Hence opt-in, for deployments with many concurrent duplex sessions;
 the exact per-session path (``encoder_cuda_graph_duplex_batch: false``) is the default. A chunk

@@ -412,7 +412,7 @@ class EncoderCudaGraphOptions:
             eager encode. Opt-in because, measured on an H200 with the SDPA
             reference paged attention, the batched rows differ from each
             session's own encode by a relative 7e-3 to 1.1e-2 (above
-            ``minicpmo_cg.measure.GRAPH_REL_TOL``, one bf16 step) and a batched
+            one bf16 rounding step, 2**-8 of the largest magnitude) and a batched
             step is slower than the per-session replays below 4 sessions; it pays
             off for deployments with many concurrent duplex sessions.
 
