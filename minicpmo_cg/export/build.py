@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, transform, upstream_edits
+from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
 from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
@@ -217,6 +217,14 @@ class _StackBuilder:
             omni_version=self.cs.lane.vllm_omni,
             omni_commit=self.omni_commit,
             test_files=[f for f in tests if PurePosixPath(f).name.startswith("test_")],
+            unit_marks=testmarks.levels_with_tests(
+                prtext.UNIT_MARKS,
+                [
+                    path.read_text(encoding="utf-8")
+                    for rel, path in pr.tests.items()
+                    if PurePosixPath(rel).name.startswith("test_") and not rel.startswith("tests/e2e/")
+                ],
+            ),
             multi_gpu=any(
                 "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8") for path in pr.tests.values()
             ),
