@@ -30,6 +30,7 @@ __all__ = [
     "stack_overview",
     "tables_with_captions",
     "pytest_commands",
+    "vllm_changes_needed",
     "vllm_pr",
 ]
 
@@ -388,11 +389,23 @@ def pytest_commands(files: list[str], levels: tuple[str, ...] = UNIT_MARKS) -> l
     ]
 
 
+def vllm_changes_needed(inp: PrInputs) -> str:
+    """What the PR's tree needs on top of the vLLM release, for its Test Plan's vLLM line: the vLLM
+    PRs it depends on itself or through an earlier PR of the stack, named by their stack keys
+    (`` with the vLLM change (capture error mode)``); ``""`` when it needs none."""
+    names = list(
+        dict.fromkeys(f.removeprefix("vllm-").replace("-", " ") for _, f in inp.vllm_deps + inp.vllm_via)
+    )
+    if not names:
+        return ""
+    return f" with the vLLM change{'s' if len(names) > 1 else ''} ({', '.join(names)})"
+
+
 def _test_plan(inp: PrInputs) -> list[str]:
     omni = f"v{inp.omni_version} release"
     omni += f" (commit {inp.omni_commit})" if inp.omni_commit else " (its wheel records no commit id)"
     omni += " + the earlier PRs of the stack" if inp.earlier else ""
-    vllm = inp.vllm_version + (" with the vLLM change this PR depends on" if inp.vllm_deps else "")
+    vllm = inp.vllm_version + vllm_changes_needed(inp)
     out = [
         conv.PR_TEMPLATE_HEADINGS[1],
         "",

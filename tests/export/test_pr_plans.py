@@ -97,3 +97,24 @@ def test_each_test_plan_command_selects_tests_of_its_pr(plain_export, tmp_path):
             compiled = Expression.compile(expr)
             selected = [node for node, names in tests.items() if compiled.evaluate(lambda n, **_: n in names)]
             assert selected, f"{folder}: -m {expr!r} selects none of {named} (pytest would exit 5)"
+
+
+@pytest.mark.cpu
+def test_the_vllm_version_names_the_vllm_changes_a_pr_needs_itself_or_through_earlier_prs(plain_export):
+    """A PR on top of one that needs an unmerged vLLM change runs on vLLM with that change too: its
+    Test Plan's vLLM line says so, as the PR needing it does; a PR needing none names the release."""
+    out, manifest = plain_export
+    names = {v["folder"]: v["key"].replace("-", " ") for v in manifest["vllm_prs"]}
+    needed: list[str] = []
+    for pr in manifest["prs"]:
+        needed += [f for f in pr["vllm"] if f not in needed]
+        text = (out / pr["folder"] / "PR.md").read_text()
+        line = next(line for line in text.splitlines() if line.startswith(conv.PR_FIELD_VLLM))
+        if not needed:
+            assert line == f"{conv.PR_FIELD_VLLM} {manifest['vllm']}", pr["folder"]
+            continue
+        shown = ", ".join(names[f] for f in needed)
+        change = "change" if len(needed) == 1 else "changes"
+        assert line == f"{conv.PR_FIELD_VLLM} {manifest['vllm']} with the vLLM {change} ({shown})", pr[
+            "folder"
+        ]
