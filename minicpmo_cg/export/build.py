@@ -208,7 +208,7 @@ class _StackBuilder:
             title=pr.title,
             patches=list(pr.patches),
             modules=modules,
-            remarks=list(pr.spec.remarks),
+            remarks=list(pr.remarks),
             design=next(((p, pages[p]) for p in pr.pages if p == result.page), None),
             pages_added=[(p, pages[p]) for p in pr.pages if p != result.page],
             sections_added=[(page, heading) for page, heading in pr.sections if page not in pr.pages],
