@@ -457,3 +457,33 @@ def test_the_duplex_batch_remark_states_the_registrys_default(st):
     assert f"default `{json.dumps(key.default)}`" in text, owner.key
     assert text.startswith("Batched duplex steps are " + ("on by default" if key.default else "opt-in"))
     assert "within a tolerance" in text and "not bitwise" in text and key.doc in text
+
+
+@pytest.mark.cpu
+def test_a_part_tagged_for_several_prs_goes_with_each_of_them_only():
+    text = "Setup.\nGraphs bitwise. <!-- pr: two, three -->\nDuplex example. <!-- pr: three -->\n"
+    known = {"one", "two", "three"}
+    assert docsplit.own_parts(text, "r.md", "one", known) == "Setup.\n"
+    assert docsplit.own_parts(text, "r.md", "two", known) == "Setup.\nGraphs bitwise.\n"
+    assert docsplit.own_parts(text, "r.md", "three", known) == "Setup.\nGraphs bitwise.\nDuplex example.\n"
+    # a design page shows it from the first of its PRs on
+    assert "Graphs bitwise." not in docsplit.page_version(text, "p.md", ["one"], known)
+    assert "Graphs bitwise." in docsplit.page_version(text, "p.md", ["one", "two"], known)
+    with pytest.raises(transform.ExportError, match="four"):
+        docsplit.own_parts("x <!-- pr: two, four -->\n", "r.md", "two", known)
+
+
+@pytest.mark.cpu
+def test_each_tagged_line_of_the_results_page_goes_with_the_prs_it_names_only(st):
+    """Sentences and rows of the results page tagged for one PR or several (the Setup's graph and
+    duplex sentences among them) show in those PRs' results and in no other's."""
+    text = transform.drop_project_only((REPO / RESULTS).read_text(), RESULTS)
+    tagged = [
+        (m.group(1), {k.strip() for k in m.group(2).split(",")})
+        for m in re.finditer(r"^(\S.*?)[ \t]+<!--[ \t]*pr:[ \t]*([\w, -]+?)[ \t]*-->[ \t]*$", text, re.M)
+    ]
+    assert any(len(keys) > 1 for _, keys in tagged), "no line of the results page is tagged for several PRs"
+    for key in st.keys:
+        own = docsplit.own_parts(text, RESULTS, key, set(st.keys)).splitlines()
+        for line, keys in tagged:
+            assert (line in own) == (key in keys), (key, line)
