@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, transform, upstream_edits
+from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
 from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
@@ -208,7 +208,7 @@ class _StackBuilder:
             title=pr.title,
             patches=list(pr.patches),
             modules=modules,
-            remarks=list(pr.spec.remarks),
+            remarks=list(pr.remarks),
             design=next(((p, pages[p]) for p in pr.pages if p == result.page), None),
             pages_added=[(p, pages[p]) for p in pr.pages if p != result.page],
             sections_added=[(page, heading) for page, heading in pr.sections if page not in pr.pages],
@@ -217,6 +217,14 @@ class _StackBuilder:
             omni_version=self.cs.lane.vllm_omni,
             omni_commit=self.omni_commit,
             test_files=[f for f in tests if PurePosixPath(f).name.startswith("test_")],
+            unit_marks=testmarks.levels_with_tests(
+                prtext.UNIT_MARKS,
+                [
+                    path.read_text(encoding="utf-8")
+                    for rel, path in pr.tests.items()
+                    if PurePosixPath(rel).name.startswith("test_") and not rel.startswith("tests/e2e/")
+                ],
+            ),
             multi_gpu=any(
                 "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8") for path in pr.tests.values()
             ),

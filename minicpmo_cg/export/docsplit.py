@@ -7,6 +7,8 @@ which part belongs where with HTML comments, invisible where the page is rendere
 - ``<!-- pr: KEY -->`` alone on a line opens a block that ``<!-- /pr -->`` closes: the lines
   between belong to the PR ``KEY``;
 - a line ending in ``<!-- pr: KEY -->`` (a table row, a list item) belongs to ``KEY``;
+- ``<!-- pr: KEY, KEY2 -->`` (either form) names several PRs: a results page's part that each of
+  them shows (a sentence true of each), a design page's part shown from the first of them on;
 - ``<!-- pr-before: KEY`` alone on a line opens a hidden block that ``-->`` alone on a line
   closes: the page's text *before* ``KEY`` (what ``KEY`` replaces). The page as this repository
   renders it (every PR applied) hides it;
@@ -27,9 +29,10 @@ from minicpmo_cg.export.transform import ExportError
 
 __all__ = ["anchors", "dangling_anchors", "own_parts", "page_version", "slug"]
 
-_OPEN = re.compile(r"^\s*<!--\s*pr:\s*([\w-]+)\s*-->\s*$")
+_KEYS = r"([\w-]+(?:\s*,\s*[\w-]+)*)"
+_OPEN = re.compile(rf"^\s*<!--\s*pr:\s*{_KEYS}\s*-->\s*$")
 _CLOSE = re.compile(r"^\s*<!--\s*/pr\s*-->\s*$")
-_TRAILING = re.compile(r"\s*<!--\s*pr:\s*([\w-]+)\s*-->\s*$")
+_TRAILING = re.compile(rf"\s*<!--\s*pr:\s*{_KEYS}\s*-->\s*$")
 _BEFORE_OPEN = re.compile(r"^\s*<!--\s*pr-before:\s*([\w-]+)\s*$")
 _BEFORE_CLOSE = re.compile(r"^\s*-->\s*$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
@@ -41,22 +44,26 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def _tag_lines(text: str, where: str) -> list[tuple[str, str | None, str | None]]:
-    """``(line, in_key, before_key)`` per kept line; marker lines dropped, trailing markers cut."""
-    out: list[tuple[str, str | None, str | None]] = []
-    block: tuple[str, str, int] | None = None  # (kind, key, line number)
+def _keys(group: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in group.split(","))
+
+
+def _tag_lines(text: str, where: str) -> list[tuple[str, tuple[str, ...] | None, str | None]]:
+    """``(line, in_keys, before_key)`` per kept line; marker lines dropped, trailing markers cut."""
+    out: list[tuple[str, tuple[str, ...] | None, str | None]] = []
+    block: tuple[str, tuple[str, ...], int] | None = None  # (kind, keys, line number)
     for n, line in enumerate(text.split("\n"), 1):
         if m := _OPEN.match(line):
             if block:
                 raise ExportError(f"{where}:{n}: a pr block inside the block opened at line {block[2]}")
-            block = ("in", m.group(1), n)
+            block = ("in", _keys(m.group(1)), n)
             continue
         if m := _BEFORE_OPEN.match(line):
             if block:
                 raise ExportError(
                     f"{where}:{n}: a pr-before block inside the block opened at line {block[2]}"
                 )
-            block = ("before", m.group(1), n)
+            block = ("before", (m.group(1),), n)
             continue
         if _CLOSE.match(line):
             if not block or block[0] != "in":
@@ -67,14 +74,16 @@ def _tag_lines(text: str, where: str) -> list[tuple[str, str | None, str | None]
             block = None
             continue
         in_key = block[1] if block and block[0] == "in" else None
-        before_key = block[1] if block and block[0] == "before" else None
+        before_key = block[1][0] if block and block[0] == "before" else None
         if m := _TRAILING.search(line):
-            if in_key and in_key != m.group(1):
+            if in_key and set(in_key) != set(_keys(m.group(1))):
                 raise ExportError(f"{where}:{n}: a line tagged {m.group(1)!r} inside a block of {in_key!r}")
-            line, in_key = line[: m.start()], m.group(1)
+            line, in_key = line[: m.start()], _keys(m.group(1))
         out.append((line, in_key, before_key))
     if block:
-        raise ExportError(f"{where}:{block[2]}: the {block[0]} block of {block[1]!r} is never closed")
+        raise ExportError(
+            f"{where}:{block[2]}: the {block[0]} block of {', '.join(block[1])!r} is never closed"
+        )
     return out
 
 
@@ -97,7 +106,7 @@ def _section_keys(lines: list[str], sections: dict[str, str]) -> list[list[str]]
 
 
 def _check_keys(tagged, known: set[str], where: str) -> None:
-    used = {k for _, a, b in tagged for k in (a, b) if k}
+    used = {k for _, a, b in tagged for k in (*(a or ()), b) if k}
     unknown = sorted(used - known)
     if unknown:
         raise ExportError(
@@ -122,7 +131,7 @@ def _select(
     text: str,
     where: str,
     known: set[str],
-    keep: Callable[[str | None, str | None, list[str]], bool],
+    keep: Callable[[tuple[str, ...] | None, str | None, list[str]], bool],
     sections,
 ) -> str:
     tagged = _tag_lines(text, where)
@@ -137,8 +146,9 @@ def page_version(
 ) -> str:
     """The page as of the PR whose keys up to itself are ``included`` (stack order).
 
-    A part tagged (or a section assigned) to a key outside ``included`` is left out; a
-    ``pr-before`` part of a key outside ``included`` is shown.
+    A part tagged (or a section assigned) to a key outside ``included`` is left out (a part tagged
+    with several keys shows once one of them is included); a ``pr-before`` part of a key outside
+    ``included`` is shown.
 
     Raises:
         ExportError: an unknown key, an unbalanced marker, or a link to an anchor the version lacks.
@@ -148,7 +158,9 @@ def page_version(
         text,
         where,
         known,
-        lambda a, b, secs: (a is None or a in inc) and (b is None or b not in inc) and set(secs) <= inc,
+        lambda a, b, secs: (a is None or bool(inc & set(a)))
+        and (b is None or b not in inc)
+        and set(secs) <= inc,
         sections or {},
     )
     missing = dangling_anchors(out)
@@ -161,8 +173,9 @@ def page_version(
 
 
 def own_parts(text: str, where: str, key: str, known: set[str]) -> str:
-    """``text`` without the parts tagged for another PR (and without hidden ``pr-before`` parts)."""
-    return _select(text, where, known, lambda a, b, secs: b is None and (a is None or a == key), {})
+    """``text`` without the parts tagged for other PRs only (and without hidden ``pr-before`` parts):
+    a part tagged ``KEY, KEY2`` is kept for both."""
+    return _select(text, where, known, lambda a, b, secs: b is None and (a is None or key in a), {})
 
 
 def anchors(text: str) -> set[str]:

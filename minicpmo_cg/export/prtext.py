@@ -30,6 +30,7 @@ __all__ = [
     "stack_overview",
     "tables_with_captions",
     "pytest_commands",
+    "vllm_changes_needed",
     "vllm_pr",
 ]
 
@@ -204,6 +205,9 @@ class PrInputs:
     #: (page, heading) of the sections the PR adds to a page an earlier PR added
     sections_added: list[tuple[str, str]] = field(default_factory=list)
     test_files: list[str] = field(default_factory=list)
+    #: the ``-m`` expressions of :data:`UNIT_MARKS` that select at least one of the unit tests
+    #: (:func:`minicpmo_cg.export.testmarks.levels_with_tests`); a level without tests is not listed
+    unit_marks: tuple[str, ...] = ()
     multi_gpu: bool = False
     #: (title, folder) of the earlier PRs of the stack, of the vLLM PRs it needs, of the PRs needing it
     earlier: list[tuple[str, str]] = field(default_factory=list)
@@ -374,21 +378,34 @@ def _depends_on(inp: PrInputs) -> list[str]:
     return out
 
 
-def pytest_commands(files: list[str]) -> list[str]:
-    """The pytest command lines of a PR's test files (unit levels, then each serving test)."""
+def pytest_commands(files: list[str], levels: tuple[str, ...] = UNIT_MARKS) -> list[str]:
+    """The pytest command lines of a PR's test files: one per unit level of ``levels`` (the ``-m``
+    expressions that select some of its unit tests), then each serving test."""
     units = sorted(f for f in files if not f.startswith("tests/e2e/"))
     e2e = sorted(f for f in files if f.startswith("tests/e2e/"))
-    out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in UNIT_MARKS] if units else []
+    out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in levels] if units else []
     return out + [
         f"pytest -sv {f}  # serving: needs the MiniCPM-o 4.5 checkpoint and an 80 GB GPU" for f in e2e
     ]
+
+
+def vllm_changes_needed(inp: PrInputs) -> str:
+    """What the PR's tree needs on top of the vLLM release, for its Test Plan's vLLM line: the vLLM
+    PRs it depends on itself or through an earlier PR of the stack, named by their stack keys
+    (`` with the vLLM change (capture error mode)``); ``""`` when it needs none."""
+    names = list(
+        dict.fromkeys(f.removeprefix("vllm-").replace("-", " ") for _, f in inp.vllm_deps + inp.vllm_via)
+    )
+    if not names:
+        return ""
+    return f" with the vLLM change{'s' if len(names) > 1 else ''} ({', '.join(names)})"
 
 
 def _test_plan(inp: PrInputs) -> list[str]:
     omni = f"v{inp.omni_version} release"
     omni += f" (commit {inp.omni_commit})" if inp.omni_commit else " (its wheel records no commit id)"
     omni += " + the earlier PRs of the stack" if inp.earlier else ""
-    vllm = inp.vllm_version + (" with the vLLM change this PR depends on" if inp.vllm_deps else "")
+    vllm = inp.vllm_version + vllm_changes_needed(inp)
     out = [
         conv.PR_TEMPLATE_HEADINGS[1],
         "",
@@ -397,7 +414,7 @@ def _test_plan(inp: PrInputs) -> list[str]:
         f"{conv.PR_FIELD_OMNI} {omni} + this PR",
         "",
     ]
-    commands = pytest_commands(inp.test_files)
+    commands = pytest_commands(inp.test_files, inp.unit_marks)
     if commands:
         out += ["```bash", *commands, "```", ""]
     return out
@@ -540,7 +557,7 @@ def _not_run(inp: PrInputs) -> list[str]:
         )
     ran = {run.marks for run in inp.runs}
     units = [f for f in inp.test_files if not f.startswith("tests/e2e/")]
-    for marks in UNIT_MARKS if units and inp.number else ():
+    for marks in inp.unit_marks if units and inp.number else ():
         if marks not in ran:
             items.append(f'This PR\'s unit tests with `-m "{marks}"` from its own tree.')
     items.append(

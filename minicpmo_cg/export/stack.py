@@ -24,7 +24,9 @@ is derived and checked by :func:`resolve` against the checkout:
   (rows and paragraphs tagged for another PR left out, see :mod:`.docsplit`);
 - ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without;
 - ``remarks``: paragraphs of the PR text's Purpose, after its new modules, for what the stack itself
-  explains (a module carried before the PR that puts it to use).
+  explains (a module carried before the PR that puts it to use, an option's default): fixed text,
+  or a function of the checkout's ``--hf-overrides`` registry (key -> :class:`HfKey`), so that a
+  default the text states is the one the code has.
 
 A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
 keys when the series is renumbered. Editing the stack is editing these two tables; the export
@@ -34,8 +36,11 @@ PR, each PR applying on the previous, a PR's tests importing only what it or an 
 
 from __future__ import annotations
 
+import ast
 import fnmatch
+import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -44,17 +49,108 @@ from minicpmo_cg.export.transform import ExportError
 from minicpmo_cg.patchtool.series import Patch, load_series
 
 __all__ = [
+    "OPTIONS_MODULE",
     "STACK",
     "VLLM_PRS",
     "OmniPr",
     "ResolvedPr",
     "ResolvedVllmPr",
     "Stack",
+    "HfKey",
+    "Remark",
     "StackError",
     "VllmPr",
+    "hf_override_keys",
     "patch_topic",
     "resolve",
 ]
+
+
+@dataclass(frozen=True)
+class HfKey:
+    """One ``--hf-overrides`` key of the checkout's registry: its default (as Python: ``False``,
+    ``"all"``) and its doc line."""
+
+    default: object
+    doc: str
+
+
+#: A paragraph of a PR's Purpose: fixed text, or made from the registry (key -> :class:`HfKey`).
+Remark = str | Callable[[Mapping[str, HfKey]], str]
+
+#: The owned module holding the ``--hf-overrides`` registry (``HfOverrideKey(name=..., ...)`` entries).
+OPTIONS_MODULE = "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/options.py"
+
+
+def hf_override_keys(source: str) -> dict[str, HfKey]:
+    """The ``HfOverrideKey(...)`` entries of ``source`` whose name, default and doc are literals
+    (an entry taking them from another module is left out), read from its syntax tree."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "HfOverrideKey":
+            kw = {k.arg: k.value for k in node.keywords}
+            try:
+                name, default, doc = (ast.literal_eval(kw[k]) for k in ("name", "default", "doc"))
+            except (KeyError, ValueError):
+                continue
+            out[name] = HfKey(default, doc)
+    return out
+
+
+def _js(value: object) -> str:
+    return f"`{json.dumps(value)}`"
+
+
+def _fused_layers_carried(keys: Mapping[str, HfKey]) -> str:
+    default = keys["encoder_fused_layers"].default
+    return (
+        "`fused_layers.py` and `ops/` come with this PR because `encoder_graphs.py` imports them; nothing "
+        "runs them yet. An encoder takes the fused path only when its `_fused_layers` flag is set, which "
+        "`fused_layers.configure_fused_layers` does, and the model's constructor calls it only from the "
+        "fused-layers PR of the stack on. Until then every call takes the unfused layers, whatever "
+        f"`--hf-overrides encoder_fused_layers` says: the key is registered and validated here, and its "
+        f"default, {_js(default)}, takes effect with that PR."
+    )
+
+
+def _fused_layers_default(keys: Mapping[str, HfKey]) -> str:
+    default = keys["encoder_fused_layers"].default
+    if default == "none":
+        state = (
+            'off by default: `--hf-overrides encoder_fused_layers` defaults to `"none"`, the upstream layers'
+        )
+    else:
+        which = "both encoders" if default == "all" else f"the {default} encoder"
+        state = (
+            f"on by default: `--hf-overrides encoder_fused_layers` defaults to {_js(default)} ({which}); "
+            '`"none"` keeps the upstream layers'
+        )
+    return (
+        f"The fused layers are {state}. They are not bitwise equal to the upstream layers: the CUDA tests "
+        "hold the fused model's output (the image call, an audio call, a duplex session's chunks) within "
+        "1e-2 of the upstream layers' largest magnitude (`max |fused - upstream| <= 1e-2 * max |upstream|`); "
+        "a graph replay stays bitwise equal to the fused eager call."
+    )
+
+
+def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
+    key = keys["encoder_cuda_graph_duplex_batch"]
+    per_session = "each session's chunk is encoded on its own, bitwise equal to eager"
+    batched = (
+        "the chunks of every duplex session scheduled in one engine step are encoded in one batched call, "
+        "within a tolerance of each session's own encode, not bitwise"
+    )
+    if key.default:
+        state = (
+            f"on by default (`--hf-overrides encoder_cuda_graph_duplex_batch`, default `true`): {batched}; "
+            f"with `false`, {per_session}"
+        )
+    else:
+        state = (
+            f"opt-in (`--hf-overrides encoder_cuda_graph_duplex_batch`, default `false`: {per_session}); "
+            f"with `true`, {batched}"
+        )
+    return f'Batched duplex steps are {state}. The option\'s own description: "{key.doc}".'
 
 
 @dataclass(frozen=True)
@@ -70,7 +166,7 @@ class OmniPr:
     docs: tuple[str, ...] = ()
     results: tuple[str, ...] = ()
     vllm: tuple[str, ...] = ()
-    remarks: tuple[str, ...] = ()
+    remarks: tuple[Remark, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,11 +219,7 @@ STACK: tuple[OmniPr, ...] = (
             _MODEL + "fused_layers.py",
             _MODEL + "ops/*",
         ),
-        remarks=(
-            "`fused_layers.py` and `ops/` come with this PR because `encoder_graphs.py` imports them; they stay "
-            "off (every call takes the unfused layers) until the fused-layers PR of the stack turns them on "
-            "with `--hf-overrides encoder_fused_layers`.",
-        ),
+        remarks=(_fused_layers_carried,),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -194,6 +286,7 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_startup_capture.py",
             _MC45 + "test_duplex_batch.py",
         ),
+        remarks=(_duplex_batch_default,),
     ),
     OmniPr(
         key="fused-layers",
@@ -206,6 +299,7 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_encoder_cuda_graph_options_page.py",
         ),
         docs=(_DESIGN + "/fused_layers.md",),
+        remarks=(_fused_layers_default,),
     ),
 )
 
@@ -244,6 +338,8 @@ class ResolvedPr:
     sections: list[tuple[str, str]]
     results: tuple[str, ...]
     vllm: list[str]
+    #: the spec's remarks as text (those made from the registry, made from the checkout's)
+    remarks: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -355,6 +451,8 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
     owner_owned: dict[str, list[str]] = {rel: [] for rel in cs.owned}
     owner_test: dict[str, list[str]] = {rel: [] for rel in tests_all}
     resolved = []
+    options = cs.owned.get(OPTIONS_MODULE)
+    keys = hf_override_keys(options.read_text(encoding="utf-8")) if options else {}
     order = [p.name for p in series]
     last = -1
     for spec in table:
@@ -397,6 +495,7 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
                 sections=sections,
                 results=spec.results,
                 vllm=list(spec.vllm),
+                remarks=_remarks(spec, keys, where, problems),
             )
         )
         if not (patches or owned):
@@ -407,6 +506,21 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
     intro = {page: [pr.key for pr in resolved if page in pr.pages] for page in cs.design_pages}
     _once(intro, "design page", problems)
     return resolved
+
+
+def _remarks(spec: OmniPr, keys: Mapping[str, HfKey], where: str, problems: list[str]) -> list[str]:
+    out = []
+    for remark in spec.remarks:
+        if isinstance(remark, str):
+            out.append(remark)
+            continue
+        try:
+            out.append(remark(keys))
+        except KeyError as e:
+            problems.append(
+                f"{where}: a remark needs the --hf-overrides key {e} the registry ({OPTIONS_MODULE}) lacks"
+            )
+    return out
 
 
 def _resolve_vllm(cs: ChangeSet, table: tuple[VllmPr, ...], problems: list[str]) -> list[ResolvedVllmPr]:

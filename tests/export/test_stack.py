@@ -10,6 +10,7 @@ owned module or test file, or a moved PR keeps these tests meaningful without ed
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path, PurePosixPath
 
@@ -394,3 +395,95 @@ def test_the_folder_of_a_pr_is_its_number_and_key(st):
     assert all(pr.title.startswith("[") and pr.spec.title in pr.title for pr in st.omni + st.vllm)
     assert all(re.fullmatch(r"(?:\[[A-Z][\w/]*\])+", "".join(pr.spec.prefixes)) for pr in st.omni + st.vllm)
     assert Path(REPO / stack.VLLM_TESTS_ROOT).is_dir()
+
+
+@pytest.mark.cpu
+def test_the_remarks_read_the_registry_the_adapter_validates_with():
+    """The stack's remarks state defaults from the registry read off the checkout's source; that
+    reading gives what the adapter's own registry holds, for every key it can read."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
+
+    read = stack.hf_override_keys((REPO / stack.OPTIONS_MODULE).read_text())
+    assert {"encoder_fused_layers", "encoder_cuda_graph_duplex_batch"} <= set(read)
+    for name, key in read.items():
+        assert key.default == HF_OVERRIDE_KEYS[name].default, name
+        assert key.doc == HF_OVERRIDE_KEYS[name].doc, name
+
+
+def _calls_added(pr, name: str) -> bool:
+    return any(re.search(rf"^\+(?!\+).*\b{name}\(", patch.diff, re.MULTILINE) for patch in pr.patches)
+
+
+@pytest.mark.cpu
+def test_the_fused_layers_remarks_say_when_they_run_and_how_close_they_are(st):
+    """The PR carrying fused_layers.py before its hook says it does not run yet; the PR adding the
+    constructor's configure_fused_layers call (the only setter of ``_fused_layers``) states the
+    registry's default and that the fused layers are within the CUDA tests' bound, not bitwise."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
+
+    default = HF_OVERRIDE_KEYS["encoder_fused_layers"].default
+    carrier = next(pr for pr in st.omni if any(rel.endswith("/fused_layers.py") for rel in pr.owned))
+    hook = [pr for pr in st.omni if _calls_added(pr, "configure_fused_layers")]
+    assert len(hook) == 1 and st.keys.index(hook[0].key) > st.keys.index(carrier.key)
+    carried = " ".join(carrier.remarks)
+    assert "configure_fused_layers" in carried and "unfused layers" in carried
+    assert f"default, `{json.dumps(default)}`, takes effect with that PR" in carried
+    stated = " ".join(hook[0].remarks)
+    assert f"defaults to `{json.dumps(default)}`" in stated
+    assert ("on by default" in stated) == (default != "none")
+    bound = re.search(
+        r"^BOUND = (\S+)",
+        (REPO / "tests/model_executor/models/minicpmo_4_5/test_fused_layers_cuda.py").read_text(),
+        re.MULTILINE,
+    )
+    assert bound and f"within {bound.group(1)} of the upstream layers" in stated
+    assert "not bitwise" in stated
+
+
+@pytest.mark.cpu
+def test_the_duplex_batch_remark_states_the_registrys_default(st):
+    """The PR adding batched duplex steps states whether they are on by default as the registry does,
+    and that the batched call is within a tolerance, not bitwise."""
+    from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
+
+    key = HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"]
+    # the PR whose patches add the model's batched append (its own encode of a step's chunks)
+    owners = [
+        pr for pr in st.omni if any("def preprocess_append_batch" in patch.diff for patch in pr.patches)
+    ]
+    assert len(owners) == 1
+    owner = owners[0]
+    text = " ".join(owner.remarks)
+    assert f"default `{json.dumps(key.default)}`" in text, owner.key
+    assert text.startswith("Batched duplex steps are " + ("on by default" if key.default else "opt-in"))
+    assert "within a tolerance" in text and "not bitwise" in text and key.doc in text
+
+
+@pytest.mark.cpu
+def test_a_part_tagged_for_several_prs_goes_with_each_of_them_only():
+    text = "Setup.\nGraphs bitwise. <!-- pr: two, three -->\nDuplex example. <!-- pr: three -->\n"
+    known = {"one", "two", "three"}
+    assert docsplit.own_parts(text, "r.md", "one", known) == "Setup.\n"
+    assert docsplit.own_parts(text, "r.md", "two", known) == "Setup.\nGraphs bitwise.\n"
+    assert docsplit.own_parts(text, "r.md", "three", known) == "Setup.\nGraphs bitwise.\nDuplex example.\n"
+    # a design page shows it from the first of its PRs on
+    assert "Graphs bitwise." not in docsplit.page_version(text, "p.md", ["one"], known)
+    assert "Graphs bitwise." in docsplit.page_version(text, "p.md", ["one", "two"], known)
+    with pytest.raises(transform.ExportError, match="four"):
+        docsplit.own_parts("x <!-- pr: two, four -->\n", "r.md", "two", known)
+
+
+@pytest.mark.cpu
+def test_each_tagged_line_of_the_results_page_goes_with_the_prs_it_names_only(st):
+    """Sentences and rows of the results page tagged for one PR or several (the Setup's graph and
+    duplex sentences among them) show in those PRs' results and in no other's."""
+    text = transform.drop_project_only((REPO / RESULTS).read_text(), RESULTS)
+    tagged = [
+        (m.group(1), {k.strip() for k in m.group(2).split(",")})
+        for m in re.finditer(r"^(\S.*?)[ \t]+<!--[ \t]*pr:[ \t]*([\w, -]+?)[ \t]*-->[ \t]*$", text, re.M)
+    ]
+    assert any(len(keys) > 1 for _, keys in tagged), "no line of the results page is tagged for several PRs"
+    for key in st.keys:
+        own = docsplit.own_parts(text, RESULTS, key, set(st.keys)).splitlines()
+        for line, keys in tagged:
+            assert (line in own) == (key in keys), (key, line)
