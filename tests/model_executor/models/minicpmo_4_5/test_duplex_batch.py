@@ -3,18 +3,18 @@
 *installed* files.
 
 Batched steps are opt-in (``encoder_cuda_graph_duplex_batch``, default false: the exact per-session
-path); the tests of the batched path set the option. CPU tests use a tiny Whisper (2 layers, 128 positions, 0.2 s chunks of 10 positions, so a cache
-cycle is 12 chunks) in float32 with the adapters' CPU backend: steps of several sessions through
-:func:`duplex_batch.run_batched`, the code path the model runner's batched preprocess takes. Each
-session's every chunk and final cache must match its own eager run within
-``minicpmo_cg.measure.GRAPH_REL_TOL`` (rows of one call differ from a session's own call only by
-the GEMMs' row count); the bookkeeping must be exact: cache lengths, pages taken and returned,
-resets, sessions that join (a first chunk inside a batched step) or leave, chunks the batch does
-not cover, a full page pool, errors, and rows that never see each other (bitwise), not even
-through a NaN left in pages a row does not own. The attention choice (vLLM's FlashAttention only
-where its compiled op is registered, else the SDPA reference) is checked against faked vLLM
-installs. CUDA tests do the same at Whisper-medium's widths in bf16 with real speech and whichever
-attention the device offers.
+path); the tests of the batched path set the option. CPU tests use a tiny Whisper (2 layers, 128
+positions, 0.2 s chunks of 10 positions, so a cache cycle is 12 chunks) in float32 with the
+adapters' CPU backend: steps of several sessions through :func:`duplex_batch.run_batched`, the code
+path the model runner's batched preprocess takes. Each session's every chunk and final cache must
+match its own eager run within ``minicpmo_cg.measure.GRAPH_REL_TOL`` (rows of one call differ from a
+session's own call only by the GEMMs' row count); the bookkeeping must be exact: cache lengths,
+pages taken and returned, resets, sessions that join (a first chunk inside a batched step) or leave,
+chunks the batch does not cover, a full page pool, errors, and rows that never see each other
+(bitwise), not even through a NaN left in pages a row does not own. The attention choice (vLLM's
+FlashAttention only where its compiled op is registered, else the SDPA reference) is checked against
+faked vLLM installs. CUDA tests do the same at Whisper-medium's widths in bf16 with real speech and
+whichever attention the device offers.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ call path (``get_audio_embedding_streaming``, then ``get_vision_hidden_states`` 
 with the adapters' calls turned into :func:`~.encoder_cuda_graph.capture_now`, so every graph has
 exactly the key a real session's call will have (shapes, dtypes, static arguments, replay
 stream), and the session's first chunks are replays. With batched duplex steps
-(``duplex_batch.py``, opt-in: ``encoder_cuda_graph_duplex_batch``) the batched forward's graphs are captured too, one per batch bucket, on
-padding rows that touch only scratch K/V pages.
+(``duplex_batch.py``, opt-in: ``encoder_cuda_graph_duplex_batch``) the batched forward's graphs
+are captured too, one per batch bucket, on padding rows that touch only scratch K/V pages.
 
 vllm-omni's AR model runner calls it from ``capture_model`` (the worker's warm-up, after vLLM's
 memory profiling sized the KV cache), through the stage model's ``capture_graphs_at_startup``. Its
