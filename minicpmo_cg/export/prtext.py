@@ -334,6 +334,21 @@ def plain_links_keep_anchors(text: str) -> str:
     )
 
 
+def _vllm_changes(changes: list[tuple[str, str]], vllm_version: str, needs: str, merge: str) -> list[str]:
+    """The paragraph of :func:`_depends_on` on vLLM changes (the PR's own, or its earlier PRs')."""
+    count = "a change" if len(changes) == 1 else f"{len(changes)} changes"
+    return [
+        f"{needs} {count} to vLLM that vLLM {vllm_version} does not have, proposed to vllm-project/vllm as its "
+        "own pull request:",
+        "",
+        *(f"- {title}" for title, _ in changes),
+        "",
+        f"{merge} vllm-omni's vLLM pin includes that change (encoder-graph PRs merge after the next vLLM pin "
+        "bump, issue #7452).",
+        "",
+    ]
+
+
 def _depends_on(inp: PrInputs) -> list[str]:
     out = ["### Depends on", ""]
     if inp.earlier:
@@ -342,33 +357,14 @@ def _depends_on(inp: PrInputs) -> list[str]:
         out += [f"{i}. {title}" for i, (title, _) in enumerate(inp.earlier, 1)]
         out.append("")
     if inp.vllm_deps:
-        count = "a change" if len(inp.vllm_deps) == 1 else f"{len(inp.vllm_deps)} changes"
-        out.append(
-            f"It needs {count} to vLLM that vLLM {inp.vllm_version} does not have, proposed to vllm-project/vllm "
-            "as its own pull request:"
-        )
-        out.append("")
-        out += [f"- {title}" for title, _ in inp.vllm_deps]
-        out.append("")
-        out.append(
-            "So it can merge only once vllm-omni's vLLM pin includes that change (encoder-graph PRs merge "
-            "after the next vLLM pin bump, issue #7452)."
-        )
-        out.append("")
+        out += _vllm_changes(inp.vllm_deps, inp.vllm_version, "It needs", "So it can merge only once")
     if inp.vllm_via:
-        count = "a change" if len(inp.vllm_via) == 1 else f"{len(inp.vllm_via)} changes"
-        out.append(
-            f"Through the earlier pull requests it also needs {count} to vLLM that vLLM {inp.vllm_version} does "
-            "not have, proposed to vllm-project/vllm as its own pull request:"
+        out += _vllm_changes(
+            inp.vllm_via,
+            inp.vllm_version,
+            "Through the earlier pull requests it also needs",
+            "So it can merge only after them, once",
         )
-        out.append("")
-        out += [f"- {title}" for title, _ in inp.vllm_via]
-        out.append("")
-        out.append(
-            "So it can merge only after them, once vllm-omni's vLLM pin includes that change (encoder-graph PRs "
-            "merge after the next vLLM pin bump, issue #7452)."
-        )
-        out.append("")
     if not inp.earlier and not inp.vllm_deps:
         out += [
             f"Nothing beyond vLLM {inp.vllm_version} and vllm-omni {inp.omni_version}: it can merge on the "
