@@ -10,11 +10,10 @@ modules at checkpoint dimensions are in ``test_encoder_cuda_graph_models.py``.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.scenarios import output_tail, run_python_scenario
+from helpers.scenarios import output_tail, run_adapter_scenario
 import torch
 
 pytestmark = [
@@ -407,22 +406,6 @@ def after_a_failed_capture(ecg, vllm_config) -> dict[str, Any]:
     return result
 
 
-_AFTER_FAILURE = """
-import importlib, importlib.util, json, os, sys
-sys.path.insert(0, {test_dir!r})
-importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
-package_dir = os.path.dirname({path!r})
-spec = importlib.util.spec_from_file_location({name!r}, {path!r}, submodule_search_locations=[package_dir])
-ecg = importlib.util.module_from_spec(spec)
-sys.modules[{name!r}] = ecg
-spec.loader.exec_module(ecg)
-import test_encoder_cuda_graph_cuda as scenario
-from minicpmo_cg.vllm_config import standalone_vllm_config
-result = scenario.after_a_failed_capture(ecg, standalone_vllm_config())
-print(scenario.RESULT_TAG + json.dumps(result), flush=True)
-"""
-
-
 def test_a_failed_capture_leaves_the_rest_of_the_process_working(ecg):
     """After a capture that ``capture_end`` could not finish, the process keeps working: CUDA RNG
     (``randn``, dropout, ``multinomial``, so vLLM's sampler), a graph captured earlier, the eager
@@ -432,12 +415,7 @@ def test_a_failed_capture_leaves_the_rest_of_the_process_working(ecg):
     In a fresh process: the failure changes process-wide state that earlier tests must not have
     set up and later tests must not inherit.
     """
-    test_dir = Path(__file__).resolve().parent
-    repo = test_dir.parents[3]
-    code = _AFTER_FAILURE.format(
-        test_dir=str(test_dir), name=ecg.__name__, path=str(Path(ecg.__file__).resolve())
-    )
-    proc, results = run_python_scenario(code, RESULT_TAG, repo=repo)
+    proc, results = run_adapter_scenario(ecg, __file__, "after_a_failed_capture", RESULT_TAG)
     assert len(results) == 1, output_tail(proc)
     result = results[0]
     assert result["earlier_graphs"] == 1, result

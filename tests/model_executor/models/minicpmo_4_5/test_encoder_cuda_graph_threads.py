@@ -20,11 +20,10 @@ failed capture and the other thread's failed CUDA calls must not reach later tes
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.scenarios import output_tail, run_python_scenario
+from helpers.scenarios import output_tail, run_adapter_scenario
 import torch
 
 pytestmark = [pytest.mark.core_model]
@@ -228,32 +227,20 @@ def test_capture_next_to_a_busy_cuda_thread(ecg, vllm_config):
     assert result["first_equal"] and result["replay_equal"], result
 
 
-_CONTROL = """
-import importlib, importlib.util, json, os, sys
-sys.path.insert(0, {test_dir!r})
-importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
-package_dir = os.path.dirname({path!r})
-spec = importlib.util.spec_from_file_location({name!r}, {path!r}, submodule_search_locations=[package_dir])
-ecg = importlib.util.module_from_spec(spec)
-sys.modules[{name!r}] = ecg
-spec.loader.exec_module(ecg)
-ecg.backend.CAPTURE_ERROR_MODE = "global"  # vLLM's default: what the adapter did before the fix
-import test_encoder_cuda_graph_threads as scenario
-from minicpmo_cg.vllm_config import standalone_vllm_config
-result = scenario.run_scenario(ecg, standalone_vllm_config())
-print(scenario.RESULT_TAG + json.dumps(result), flush=True)
-os._exit(0)  # skip teardown: nothing after a deliberately broken capture is under test here
-"""
-
-
 @requires_cuda
 @pytest.mark.cuda
 def test_control_global_mode_breaks_in_a_subprocess(ecg):
     """The same scenario in vLLM's default global mode fails: the test above proves the fix."""
-    test_dir = Path(__file__).resolve().parent
-    repo = test_dir.parents[3]
-    code = _CONTROL.format(test_dir=str(test_dir), name=ecg.__name__, path=str(Path(ecg.__file__).resolve()))
-    proc, results = run_python_scenario(code, RESULT_TAG, repo=repo)
+    proc, results = run_adapter_scenario(
+        ecg,
+        __file__,
+        "run_scenario",
+        RESULT_TAG,
+        # vLLM's default: what the adapter did before the fix
+        setup='ecg.backend.CAPTURE_ERROR_MODE = "global"',
+        # skip teardown: nothing after a deliberately broken capture is under test here
+        hard_exit=True,
+    )
     assert proc.returncode == 0 and len(results) == 1, output_tail(proc)
     result = results[0]
     assert result["mode"] == "global" and result["chatter_started"], result
