@@ -163,6 +163,9 @@ class _StackBuilder:
             tree, opts.author, lambda root, files: lint.format_tree(ruff, self.config, root, files)
         )
         self.pages: dict[str, str] = {}  # page -> the text its last version has in the tree
+        self.owned_exported: dict[
+            str, str
+        ] = {}  # owned file -> its last version in the tree (before formatting)
         self.tests_exported: dict[str, str] = {}  # test file -> its text as exported (before formatting)
         self.known = set(cs.design_pages) | {
             p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts
@@ -231,34 +234,63 @@ class _StackBuilder:
         )
         return result
 
+    def _version(self, text: str, rel: str, upto: list[str]) -> str:
+        """``text`` of ``rel`` as of the PR whose keys up to itself are ``upto`` (:mod:`.docsplit`)."""
+        return docsplit.source_version(text, rel, upto, set(self.stack.keys))
+
     def _commit_owned(self, pr: stack.ResolvedPr) -> list[tuple[str, str]]:
-        """Commit the PR's owned files; return ``(module name, docstring)`` of each new module (a
-        package of owned files is one module, ``name/``, introduced by its ``__init__``)."""
-        if not pr.owned:
-            return []
-        files = {
-            rel: transform.add_spdx(transform.drop_project_only(path.read_text(encoding="utf-8"), rel))
-            for rel, path in pr.owned.items()
+        """Commit the PR's owned files, and the parts of earlier PRs' owned files tagged for it (an
+        ``--hf-overrides`` key with the PR whose code reads it); return ``(module name, docstring)``
+        of each new module (a package of owned files is one module, ``name/``, introduced by its
+        ``__init__``)."""
+        upto = self.stack.upto(pr.key)
+        earlier = {
+            rel: path
+            for p in self.stack.omni
+            if p.key in upto and p.key != pr.key
+            for rel, path in p.owned.items()
         }
+        files = {
+            rel: transform.add_spdx(
+                self._version(transform.drop_project_only(path.read_text(encoding="utf-8"), rel), rel, upto)
+            )
+            for rel, path in {**earlier, **pr.owned}.items()
+        }
+        grown = sorted(rel for rel in earlier if files[rel] != self.owned_exported.get(rel))
+        new = {rel: files[rel] for rel in pr.owned}
+        changed = {**new, **{rel: files[rel] for rel in grown}}
+        if not changed:
+            return []
+        self.owned_exported.update(changed)
         modules: dict[str, str] = {}
-        for rel, text in files.items():
+        for rel, text in new.items():
             module = owned_module(rel, self.cs.owned)
             name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
             if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
                 modules[name] = _docstring(text)
             modules.setdefault(name, "")
-        names = ", ".join(modules)
-        body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]
-        body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
-        self.repo.commit(
-            f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}", wrap_body("\n\n".join(body)), files
-        )
+        grown_names = ", ".join(PurePosixPath(rel).name for rel in grown)
+        if modules:
+            names = ", ".join(modules)
+            body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]
+            body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
+            if grown:
+                body.append(
+                    f"The parts of this change in {grown_names}, which an earlier PR of the stack added."
+                )
+            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}"
+        else:
+            body = [f"The parts of this change in {grown_names}, which an earlier PR of the stack added."]
+            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {grown_names} for {_title_topic(pr.spec.title)}"
+        self.repo.commit(title, wrap_body("\n\n".join(body)), changed)
         return list(modules.items())
 
     def _commit_tests(self, pr: stack.ResolvedPr) -> tuple[list[str], dict[str, str]]:
         upto = self.stack.upto(pr.key)
         tests = {rel: path for p in self.stack.omni if p.key in upto for rel, path in p.tests.items()}
-        vendored = transform.vendor_tests(self.cs.repo, tests)
+        vendored = transform.vendor_tests(
+            self.cs.repo, tests, version=lambda text, rel: self._version(text, rel, upto)
+        )
         # compared as exported, before ruff formats them: what an earlier PR committed is not repeated
         changed = {rel: text for rel, text in vendored.files.items() if self.tests_exported.get(rel) != text}
         if not changed:
@@ -443,6 +475,7 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
         inp.vllm_via = [(by_folder[f].title, f) for f in dict.fromkeys(via)]
         inp.total = len(result.prs)
         inp.results_headings = resolved.results
+        inp.measured_upto = resolved.measured_upto
         if results is not None:
             own = transform.drop_project_only(results, "docs/results/README.md")
             inp.results_text = docsplit.own_parts(own, "docs/results/README.md", pr.key, set(st.keys))
@@ -495,10 +528,8 @@ def _refuse_foreign_text(exported: dict[str, str], out: Path, result: ExportResu
         texts = {f"{pr.folder}/{name}": (out / pr.folder / name).read_text(encoding="utf-8")
                  for name in ("PR.md", "PR-title.txt")}  # fmt: skip
         for where, text in texts.items():
-            found += transform.project_mentions({where: text}, conv.PR_SOURCE_NOTE_PREFIX)
-            found += transform.project_mentions(
-                {where: text}, conv.PR_SOURCE_NOTE_PREFIX, transform.NOT_UPSTREAM
-            )
+            found += transform.project_mentions({where: text})
+            found += transform.project_mentions({where: text}, words=transform.NOT_UPSTREAM)
             found += transform.project_mentions({where: text}, words=transform.POSITIONAL)
     if found:
         raise transform.ExportError(

@@ -168,13 +168,8 @@ POSITIONAL_WORDS = (r"\b(?:above|below)\b(?!\s*[-−+~≈]?\d)",)
 #: The "Not run" item of a PR whose own paths have no results section (the stack table's ``results``).
 PR_NO_MEASUREMENTS = "Measurements of the paths this PR adds"
 
-#: The one line of each ``PR.md`` that may name this project: where the measurements come from.
-PR_SOURCE_NOTE_PREFIX = "> **Where the measurements come from:**"
-PR_SOURCE_NOTE = (
-    "the harness of `minicpmo_cg`, the out-of-tree patch set this stack was developed in (its harness is not "
-    "part of any PR), with the whole stack applied to the pinned vLLM and vllm-omni releases; each PR shows "
-    "the figures of the paths it adds."
-)
+#: The results page's section on how its figures were measured: each PR text with GPU figures shows it.
+RESULTS_METHOD_HEADING = "Method"
 
 #: Names with this project's prefix that the exported files carry under a vllm-omni name:
 #: old -> new, replaced as whole words (the test environment variables, the served model name).

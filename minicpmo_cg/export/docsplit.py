@@ -14,6 +14,12 @@ which part belongs where with HTML comments, invisible where the page is rendere
   renders it (every PR applied) hides it;
 - the stack table's ``page#Heading`` entries: the section and its subsections belong to that PR.
 
+Python files (the owned modules beside the model file and the tests) use comments alike: a line
+``# pr: KEY`` alone opens a block that ``# /pr`` closes, and a line ending in ``# pr: KEY``
+belongs to ``KEY``; a part of a later PR is left out of the file as the earlier PRs carry it
+(:func:`source_version`), so a module arrives with the PR that adds it and grows with the PRs
+whose code uses its later parts (an ``--hf-overrides`` key with the PR that reads it).
+
 :func:`page_version` gives a design page as of a PR (parts of later PRs left out, hidden parts of
 PRs not reached yet shown); :func:`own_parts` gives a results page with the parts tagged for other
 PRs left out. Both drop the markers, and fail on a key the stack does not have, an unbalanced
@@ -27,7 +33,7 @@ from collections.abc import Callable
 
 from minicpmo_cg.export.transform import ExportError
 
-__all__ = ["anchors", "dangling_anchors", "own_parts", "page_version", "slug"]
+__all__ = ["anchors", "dangling_anchors", "own_parts", "page_version", "slug", "source_version"]
 
 _KEYS = r"([\w-]+(?:\s*,\s*[\w-]+)*)"
 _OPEN = re.compile(rf"^\s*<!--\s*pr:\s*{_KEYS}\s*-->\s*$")
@@ -36,6 +42,15 @@ _TRAILING = re.compile(rf"\s*<!--\s*pr:\s*{_KEYS}\s*-->\s*$")
 _BEFORE_OPEN = re.compile(r"^\s*<!--\s*pr-before:\s*([\w-]+)\s*$")
 _BEFORE_CLOSE = re.compile(r"^\s*-->\s*$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
+_PY_OPEN = re.compile(rf"^\s*#\s*pr:\s*{_KEYS}\s*$")
+_PY_CLOSE = re.compile(r"^\s*#\s*/pr\s*$")
+_PY_TRAILING = re.compile(rf"\s*#\s*pr:\s*{_KEYS}\s*$")
+_NEVER = re.compile(r"(?!x)x")
+#: (open, close, trailing, before-open, before-close) markers by syntax.
+_MARKERS = {
+    "md": (_OPEN, _CLOSE, _TRAILING, _BEFORE_OPEN, _BEFORE_CLOSE),
+    "py": (_PY_OPEN, _PY_CLOSE, _PY_TRAILING, _NEVER, _NEVER),
+}
 
 
 def slug(heading: str) -> str:
@@ -48,34 +63,39 @@ def _keys(group: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in group.split(","))
 
 
-def _tag_lines(text: str, where: str) -> list[tuple[str, tuple[str, ...] | None, str | None]]:
+def _tag_lines(
+    text: str, where: str, syntax: str = "md"
+) -> list[tuple[str, tuple[str, ...] | None, str | None]]:
     """``(line, in_keys, before_key)`` per kept line; marker lines dropped, trailing markers cut."""
+    open_re, close_re, trailing_re, before_open_re, before_close_re = _MARKERS[syntax]
+    close_marker = "<!-- /pr -->" if syntax == "md" else "# /pr"
+    open_marker = "<!-- pr: KEY -->" if syntax == "md" else "# pr: KEY"
     out: list[tuple[str, tuple[str, ...] | None, str | None]] = []
     block: tuple[str, tuple[str, ...], int] | None = None  # (kind, keys, line number)
     for n, line in enumerate(text.split("\n"), 1):
-        if m := _OPEN.match(line):
+        if m := open_re.match(line):
             if block:
                 raise ExportError(f"{where}:{n}: a pr block inside the block opened at line {block[2]}")
             block = ("in", _keys(m.group(1)), n)
             continue
-        if m := _BEFORE_OPEN.match(line):
+        if m := before_open_re.match(line):
             if block:
                 raise ExportError(
                     f"{where}:{n}: a pr-before block inside the block opened at line {block[2]}"
                 )
             block = ("before", (m.group(1),), n)
             continue
-        if _CLOSE.match(line):
+        if close_re.match(line):
             if not block or block[0] != "in":
-                raise ExportError(f"{where}:{n}: <!-- /pr --> without <!-- pr: KEY --> before it")
+                raise ExportError(f"{where}:{n}: {close_marker} without {open_marker} before it")
             block = None
             continue
-        if block and block[0] == "before" and _BEFORE_CLOSE.match(line):
+        if block and block[0] == "before" and before_close_re.match(line):
             block = None
             continue
         in_key = block[1] if block and block[0] == "in" else None
         before_key = block[1][0] if block and block[0] == "before" else None
-        if m := _TRAILING.search(line):
+        if m := trailing_re.search(line):
             if in_key and set(in_key) != set(_keys(m.group(1))):
                 raise ExportError(f"{where}:{n}: a line tagged {m.group(1)!r} inside a block of {in_key!r}")
             line, in_key = line[: m.start()], _keys(m.group(1))
@@ -170,6 +190,24 @@ def page_version(
             "does not have; tag the link with the PR that adds the section"
         )
     return out
+
+
+def source_version(text: str, where: str, included: list[str], known: set[str]) -> str:
+    """A Python file as of the PR whose keys up to itself are ``included`` (stack order): the parts
+    tagged for a key outside ``included`` left out, the markers dropped; the lines are otherwise
+    kept as they are (blank lines too: the export's formatter tidies them). Other files are returned
+    unchanged.
+
+    Raises:
+        ExportError: an unknown key or an unbalanced marker (the message names the line).
+    """
+    if not where.endswith(".py"):
+        return text
+    inc = set(included)
+    tagged = _tag_lines(text, where, "py")
+    _check_keys(tagged, known, where)
+    kept = [line for line, keys, _ in tagged if keys is None or inc & set(keys)]
+    return "\n".join(kept)
 
 
 def own_parts(text: str, where: str, key: str, known: set[str]) -> str:

@@ -217,6 +217,8 @@ class PrInputs:
     needed_by: list[tuple[str, str]] = field(default_factory=list)
     total: int = 1
     results_headings: tuple[str, ...] = ()
+    #: how many PRs of the stack, from the first, the tree of the GPU figures had applied (0: unknown)
+    measured_upto: int = 0
     #: the results page without project-only parts and without the parts of other PRs
     results_text: str | None = None
     #: distribution -> its requirements (``torch==2.13.0``, ``python>=3.10``)
@@ -495,6 +497,26 @@ def _results_sections(inp: PrInputs) -> list[str]:
     return out
 
 
+def measured_tree(inp: PrInputs) -> str:
+    """Which tree the PR's GPU figures were measured on (``inp.measured_upto``), as a sentence."""
+    release = f"the v{inp.omni_version} release"
+    upto, total, number = inp.measured_upto, inp.total, inp.number
+    if upto == number:
+        earlier = "the earlier PRs of the stack and " if number > 1 else ""
+        tree = f"this PR's own tree: {release} with {earlier}this PR applied"
+    elif upto == total:
+        tree = f"the whole stack of {total} PRs applied to {release}"
+    elif upto > number:
+        later = "the one" if upto - number == 1 else f"the {upto - number}"
+        tree = f"PRs 1 to {upto} of the stack applied to {release} (this one and {later} after it)"
+    else:
+        raise ValueError(f"PR {number}: its figures' tree ({upto} PRs) lacks the PR itself")
+    return (
+        f"The figures were measured on {tree}, against the pinned vLLM {inp.vllm_version}; this PR shows the "
+        "figures of the paths it adds."
+    )
+
+
 def _until_level(rest: list[tuple[int, str, str]], level: int) -> list[tuple[int, str, str]]:
     out = []
     for item in rest:
@@ -524,7 +546,13 @@ def _test_result(inp: PrInputs) -> list[str]:
             )
             if diffs:
                 out += ["Versions that differ from the pins: " + "; ".join(diffs) + ".", ""]
-            out += [f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}", ""]
+            out += ["### How the figures were measured", ""]
+            method = section(inp.results_text, conv.RESULTS_METHOD_HEADING)
+            if method:
+                out += [plain_links(method), ""]
+            else:
+                inp.notes.append(f"the results page has no {conv.RESULTS_METHOD_HEADING} section")
+            out += [measured_tree(inp), ""]
         else:
             inp.notes.append("the results page has no Setup section: the PR names no GPU environment")
         out += _results_sections(inp)

@@ -22,6 +22,9 @@ is derived and checked by :func:`resolve` against the checkout:
   later PR adds;
 - ``results``: headings of ``docs/results/README.md`` whose sections go into the PR's Test Result
   (rows and paragraphs tagged for another PR left out, see :mod:`.docsplit`);
+- ``measured_on``: the tree those figures were measured on, which the PR text states: ``"stack"``
+  (the whole stack applied, the default), ``"own"`` (this PR's own tree: the release with this PR
+  and the earlier ones applied) or the key of the last PR of the stack the measured tree had;
 - ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without;
 - ``remarks``: paragraphs of the PR text's Purpose, after its new modules, for what the stack itself
   explains (a module carried before the PR that puts it to use, an option's default): fixed text,
@@ -107,9 +110,9 @@ def _fused_layers_carried(keys: Mapping[str, HfKey]) -> str:
         "`fused_layers.py` and `ops/` come with this PR because `encoder_graphs.py` imports them; nothing "
         "runs them yet. An encoder takes the fused path only when its `_fused_layers` flag is set, which "
         "`fused_layers.configure_fused_layers` does, and the model's constructor calls it only from the "
-        "fused-layers PR of the stack on. Until then every call takes the unfused layers, whatever "
-        f"`--hf-overrides encoder_fused_layers` says: the key is registered and validated here, and its "
-        f"default, {_js(default)}, takes effect with that PR."
+        "fused-layers PR of the stack on. Until then every call takes the unfused layers: the "
+        "`--hf-overrides encoder_fused_layers` key arrives with that PR (registered, validated and read "
+        f"there, default {_js(default)})."
     )
 
 
@@ -165,6 +168,7 @@ class OmniPr:
     tests: tuple[str, ...] = ()
     docs: tuple[str, ...] = ()
     results: tuple[str, ...] = ()
+    measured_on: str = "stack"
     vllm: tuple[str, ...] = ()
     remarks: tuple[Remark, ...] = ()
 
@@ -190,6 +194,9 @@ VLLM_TESTS_ROOT = "tests/vllm_patches/upstream/"
 _MC45 = "tests/model_executor/models/minicpmo_4_5/"
 _MODEL = "vllm_omni/model_executor/models/minicpmo_4_5/"
 _DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
+#: The tree the first and second GPU runs of the results page measured: the release with the first four
+#: PRs applied (the vllm-omni series 0001-0005, the results page's Setup); the third run had the whole stack.
+_FIRST_RUNS_TREE = "streaming-audio"
 
 # The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
 # tree its tests pass in: the adapter registers every --hf-overrides key, while the design overview's
@@ -205,6 +212,7 @@ STACK: tuple[OmniPr, ...] = (
         owned=(_MODEL + "siglip_attention.py",),
         tests=(_MC45 + "test_vision_attention.py", _MC45 + "test_audio_layout.py"),
         results=("SigLIP attention",),
+        measured_on=_FIRST_RUNS_TREE,
     ),
     OmniPr(
         key="encoder-graphs",
@@ -240,6 +248,7 @@ STACK: tuple[OmniPr, ...] = (
         ),
         docs=(_DESIGN + ".md", _DESIGN + "/cost_admission.md", _DESIGN + "/live_worker.md"),
         results=("Real inputs", "Admission: cost vs count", "Adapter bookkeeping"),
+        measured_on=_FIRST_RUNS_TREE,
         vllm=("capture-error-mode",),
     ),
     OmniPr(
@@ -257,17 +266,20 @@ STACK: tuple[OmniPr, ...] = (
         ),
         docs=(_DESIGN + "/image_path.md",),
         results=("Real inputs", "The image call"),
+        measured_on=_FIRST_RUNS_TREE,
     ),
     OmniPr(
         key="streaming-audio",
         title="MiniCPM-o 4.5: CUDA graphs for the full-duplex streaming audio chunks",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-graph-streaming-audio",),
-        # streaming_audio.py imports duplex_batch.py (and it duplex_rows.py): they travel with it
-        owned=(_MODEL + "streaming_audio.py", _MODEL + "duplex_batch.py", _MODEL + "duplex_rows.py"),
+        # the batched duplex steps (duplex_batch.py, duplex_rows.py) are the duplex-scale PR's: the lines of
+        # streaming_audio.py that call them are tagged for it
+        owned=(_MODEL + "streaming_audio.py",),
         tests=(_MC45 + "test_streaming_audio_graph.py",),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=("Real inputs", "Duplex session", "Admission: cost vs count"),
+        measured_on=_FIRST_RUNS_TREE,
     ),
     OmniPr(
         key="duplex-scale",
@@ -280,12 +292,22 @@ STACK: tuple[OmniPr, ...] = (
             "worker-batch-append-preprocess",
             "minicpmo45-duplex-append-batch",
         ),
-        owned=(_MODEL + "audio_lengths.py", _MODEL + "startup_capture.py"),
+        owned=(
+            _MODEL + "audio_lengths.py",
+            _MODEL + "startup_capture.py",
+            _MODEL + "duplex_batch.py",
+            _MODEL + "duplex_rows.py",
+        ),
         tests=(
             _MC45 + "test_audio_host_reads.py",
             _MC45 + "test_startup_capture.py",
             _MC45 + "test_duplex_batch.py",
         ),
+        docs=tuple(
+            f"{_DESIGN}/streaming_audio.md#{heading}"
+            for heading in ("Start-up capture", "Batched steps", "No host reads")
+        ),
+        results=("Duplex at serving scale",),
         remarks=(_duplex_batch_default,),
     ),
     OmniPr(
@@ -299,6 +321,7 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_encoder_cuda_graph_options_page.py",
         ),
         docs=(_DESIGN + "/fused_layers.md",),
+        results=("Fused encoder layers",),
         remarks=(_fused_layers_default,),
     ),
 )
@@ -338,6 +361,9 @@ class ResolvedPr:
     sections: list[tuple[str, str]]
     results: tuple[str, ...]
     vllm: list[str]
+    #: how many PRs of the stack, from the first, the tree its figures were measured on had applied
+    #: (``spec.measured_on`` resolved; the whole stack's length for ``"stack"``)
+    measured_upto: int = 0
     #: the spec's remarks as text (those made from the registry, made from the checkout's)
     remarks: list[str] = field(default_factory=list)
 
@@ -500,6 +526,24 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
         )
         if not (patches or owned):
             problems.append(f"{where}: no active vllm-omni patch and no owned file on lane {cs.lane.name}")
+    stack_keys = [pr.key for pr in resolved]
+    for pr in resolved:
+        on = pr.spec.measured_on
+        if on == "stack":
+            pr.measured_upto = len(resolved)
+        elif on == "own":
+            pr.measured_upto = pr.number
+        elif on in stack_keys:
+            pr.measured_upto = stack_keys.index(on) + 1
+            if pr.measured_upto < pr.number:
+                problems.append(
+                    f"PR {pr.key}: measured_on {on!r} is a tree without this PR, which has no figures of it"
+                )
+        else:
+            problems.append(
+                f"PR {pr.key}: measured_on {on!r} is none of 'stack', 'own' and the stack's keys "
+                f"({', '.join(stack_keys)})"
+            )
     _once(owner_patch, "vllm-omni patch", problems)
     _once(owner_owned, "owned file", problems)
     _once(owner_test, "test file", problems)

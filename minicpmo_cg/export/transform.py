@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -233,12 +234,16 @@ def _check_vendorable(package: str, dotted: str, importer: str) -> None:
             )
 
 
-def vendor_tests(repo: Path, tests: dict[str, Path]) -> Vendored:
+def vendor_tests(
+    repo: Path, tests: dict[str, Path], version: Callable[[str, str], str] | None = None
+) -> Vendored:
     """Export ``tests`` (relpath -> file) and copy every project module they need beside them.
 
     A test folder that imports ``minicpmo_cg.x`` (or ``helpers.x``) gets ``minicpmo45_cg_x.py``
     (``minicpmo45_cg_helpers_x.py``), itself exported the same way, transitively; pytest puts a
     test's folder on ``sys.path``, so the vendored modules import as top-level modules there.
+    ``version(text, relpath)`` gives each file as of the PR being exported (its parts of later PRs
+    left out, :func:`.docsplit.source_version`) before it is exported.
     """
     out = Vendored()
     queue = [(rel, path, posixpath.dirname(rel)) for rel, path in sorted(tests.items())]
@@ -246,7 +251,8 @@ def vendor_tests(repo: Path, tests: dict[str, Path]) -> Vendored:
         rel, path, folder = queue.pop(0)
         if rel in out.files:
             continue
-        text, used = export_test_source(path.read_text(encoding="utf-8"), rel)
+        source = path.read_text(encoding="utf-8")
+        text, used = export_test_source(version(source, rel) if version else source, rel)
         out.files[rel] = text
         for package, dotted in sorted(used):
             _check_vendorable(package, dotted, rel)

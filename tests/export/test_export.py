@@ -223,8 +223,8 @@ def test_each_pr_shows_only_its_own_results(exported):
 
 @pytest.mark.cpu
 def test_nothing_exported_names_this_project_or_what_only_it_has(exported):
-    """Every patch (diffs and commit messages) and PR text, read back from the files written; each PR
-    text may name the project once, in its note on where the measurements come from."""
+    """Every patch (diffs and commit messages) and PR text, read back from the files written: none
+    names the project, not even where it says how its figures were measured."""
     out, manifest, _ = exported
     texts = {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.glob("*/*.patch"))}
     texts |= {p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.glob("*/PR-title.txt"))}
@@ -233,12 +233,46 @@ def test_nothing_exported_names_this_project_or_what_only_it_has(exported):
     assert transform.project_mentions(texts, words=transform.NOT_UPSTREAM) == []
     for pr in manifest["prs"]:
         text = (out / pr["folder"] / "PR.md").read_text()
-        assert transform.project_mentions({"PR.md": text}, conv.PR_SOURCE_NOTE_PREFIX) == []
-        assert (
-            transform.project_mentions({"PR.md": text}, conv.PR_SOURCE_NOTE_PREFIX, transform.NOT_UPSTREAM)
-            == []
-        )
-        assert [line for line in text.splitlines() if line.startswith(conv.PR_SOURCE_NOTE_PREFIX)]
+        assert transform.project_mentions({"PR.md": text}) == []
+        assert transform.project_mentions({"PR.md": text}, words=transform.NOT_UPSTREAM) == []
+
+
+def _test_result(text: str) -> str:
+    return text.split("## Test Result", 1)[1].split("### Not run", 1)[0]
+
+
+@pytest.mark.cpu
+def test_each_pr_says_how_and_on_which_tree_its_figures_were_measured(exported):
+    """The method comes from the results page's section (nothing outside the PR is needed to read it);
+    the tree is the one the stack table records for the PR's figures."""
+    out, manifest, _ = exported
+    method = prtext.section((REPO / RESULTS).read_text(), conv.RESULTS_METHOD_HEADING)
+    assert method and "CUDA events" in method and "median" in method and "random" in method
+    by_key = {pr.key: pr for pr in stack.STACK}
+    keys = [pr["key"] for pr in manifest["prs"]]
+    for number, pr in enumerate(manifest["prs"], 1):
+        result = _test_result((out / pr["folder"] / "PR.md").read_text())
+        spec = by_key[pr["key"]]
+        if not spec.results:
+            assert "### How the figures were measured" not in result
+            continue
+        assert "### How the figures were measured" in result and prtext.plain_links(method) in result
+        upto = {"stack": len(keys), "own": number}.get(spec.measured_on) or keys.index(spec.measured_on) + 1
+        inp = prtext.PrInputs(pr["key"], number, "", [], [], manifest["vllm"], manifest["vllm_omni"],
+                              total=len(keys), measured_upto=upto)  # fmt: skip
+        assert prtext.measured_tree(inp) in result
+        assert ("whole stack" in result) == (upto == len(keys)), pr["folder"]
+
+
+@pytest.mark.cpu
+def test_every_pr_shows_measurements_of_its_own_with_captions_and_targets(exported):
+    out, manifest, _ = exported
+    for pr in manifest["prs"]:
+        result = _test_result((out / pr["folder"] / "PR.md").read_text())
+        tables = prtext.tables(result)
+        assert tables, f"{pr['folder']} shows no measurement"
+        assert "target" in result.lower(), pr["folder"]
+        _tables_have_captions(result, pr["folder"])
 
 
 @pytest.mark.cpu

@@ -151,6 +151,21 @@ def test_a_patch_in_two_prs_or_in_none_is_refused(cs):
 
 
 @pytest.mark.cpu
+def test_the_tree_of_each_prs_figures_resolves_and_a_tree_without_the_pr_is_refused(cs):
+    st = stack.resolve(cs)
+    for pr in st.omni:
+        on = pr.spec.measured_on
+        expected = {"stack": len(st.omni), "own": pr.number}.get(on) or st.keys.index(on) + 1
+        assert pr.measured_upto == expected >= pr.number, pr.key
+    last = len(stack.STACK) - 1
+    with pytest.raises(stack.StackError, match="a tree without this PR"):
+        stack.resolve(cs, _replace(stack.STACK, last, measured_on=stack.STACK[0].key))
+    with pytest.raises(stack.StackError, match="measured_on 'nowhere' is none of"):
+        stack.resolve(cs, _replace(stack.STACK, 0, measured_on="nowhere"))
+    assert stack.resolve(cs, _replace(stack.STACK, 0, measured_on="own")).omni[0].measured_upto == 1
+
+
+@pytest.mark.cpu
 def test_prs_out_of_series_order_are_refused(cs):
     table = stack.STACK
     swapped = (table[1], table[0], *table[2:])
@@ -487,3 +502,97 @@ def test_each_tagged_line_of_the_results_page_goes_with_the_prs_it_names_only(st
         own = docsplit.own_parts(text, RESULTS, key, set(st.keys)).splitlines()
         for line, keys in tagged:
             assert (line in own) == (key in keys), (key, line)
+
+
+# -- the parts of a file that later PRs add ---------------------------------------------------------
+
+
+def _tree_files(st, key: str) -> dict[str, str]:
+    """The owned files of the tree of PR ``key`` (the PRs up to it), each as that PR carries it."""
+    upto = st.upto(key)
+    return {
+        rel: docsplit.source_version(path.read_text(), rel, upto, set(st.keys))
+        for pr in st.omni
+        if pr.key in upto
+        for rel, path in pr.owned.items()
+    }
+
+
+#: Registry keys that no options field carries, and the call that puts each one to use: the key
+#: arrives with the PR whose vllm-omni patch makes that call.
+MODEL_FILE_READERS = {"encoder_fused_layers": "configure_fused_layers("}
+
+
+@pytest.mark.cpu
+def test_each_hf_overrides_key_arrives_with_the_pr_whose_code_reads_it(cs, st):
+    """A key is in a PR's registry (``options.py`` as that PR carries it) from the first PR whose code
+    reads it on, never earlier: its options field read as ``options.<field>`` by an owned module, or
+    (a key without a field) the call of :data:`MODEL_FILE_READERS` added by one of the PR's patches."""
+    source = cs.owned[stack.OPTIONS_MODULE].read_text()
+    fields = dict(re.findall(r"^\s+(\w+): \w+ = _hf_field\(\"(\w+)\"\)", source, re.M))
+    field_of = {key: name for name, key in fields.items()}
+    keys = stack.hf_override_keys(source)
+    assert set(field_of) | set(MODEL_FILE_READERS) >= set(keys) - {"vision_attn_implementation"}
+    arrived, read = {}, {}
+    for pr in st.omni:
+        files = _tree_files(st, pr.key)
+        registry = stack.hf_override_keys(files.get(stack.OPTIONS_MODULE, ""))
+        others = "\n".join(text for rel, text in files.items() if rel != stack.OPTIONS_MODULE)
+        added = "\n".join(
+            line for patch in pr.patches for line in patch.diff.splitlines() if line.startswith("+")
+        )
+        for key in keys:
+            arrived.setdefault(key, pr.key) if key in registry else None
+            used = (key in field_of and f"options.{field_of[key]}" in others) or (
+                key in MODEL_FILE_READERS and MODEL_FILE_READERS[key] in added
+            )
+            if used:
+                read.setdefault(key, pr.key)
+    later = {k: v for k, v in read.items() if v != st.keys[1]}
+    assert len(later) >= 4, later  # streaming audio, start-up capture, batched steps, fused layers
+    for key in keys:
+        if key in read:
+            assert arrived[key] == read[key], f"{key} arrives with {arrived[key]}, read from {read[key]} on"
+
+
+@pytest.mark.cpu
+def test_a_prs_tree_imports_no_module_a_later_pr_adds(cs, st):
+    """Each owned module of a PR's tree, as the PR carries it, imports only modules of that tree or
+    of the release (``streaming_audio.py`` calls the batched duplex steps only from the PR that adds
+    them)."""
+    import importlib.util
+
+    package = Path(importlib.util.find_spec("vllm_omni.model_executor.models.minicpmo_4_5").origin).parent
+    owned = {PurePosixPath(rel).stem for rel in cs.owned}
+    release = {p.stem for p in package.glob("*.py")} - owned
+    for pr in st.omni:
+        files = _tree_files(st, pr.key)
+        names = (
+            release
+            | {PurePosixPath(rel).stem for rel in files}
+            | {PurePosixPath(rel).parent.name for rel in files}
+        )
+        for rel, text in files.items():
+            if not rel.endswith(".py"):
+                continue
+            relative = re.findall(r"^\s*from \.(\w*) import ([\w, ]+)", text, re.M)
+            for module, imported in relative:
+                wanted = [module] if module else [n.strip().split(" as ")[0] for n in imported.split(",")]
+                missing = [m for m in wanted if m not in names]
+                assert not missing, f"{pr.key}: {rel} imports {missing}, which its tree does not have"
+
+
+@pytest.mark.cpu
+def test_source_versions_keep_each_tagged_part_from_its_pr_on():
+    text = "a = 1\n# pr: b\nb = 2\n# /pr\nc = 3  # pr: c\n    # pr: b, c\n    d = 4\n    # /pr\n"
+    known = {"a", "b", "c"}
+    assert docsplit.source_version(text, "m.py", ["a"], known) == "a = 1\n"
+    assert docsplit.source_version(text, "m.py", ["a", "b"], known) == "a = 1\nb = 2\n    d = 4\n"
+    assert docsplit.source_version(text, "m.py", ["a", "b", "c"], known) == "a = 1\nb = 2\nc = 3\n    d = 4\n"
+    assert docsplit.source_version(text, "page.txt", ["a"], known) == text  # not Python: unchanged
+    with pytest.raises(transform.ExportError, match="m.py: tagged for x, no PR of the stack"):
+        docsplit.source_version("# pr: x\ny = 1\n# /pr\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match=r"m.py:1: # /pr without # pr: KEY before it"):
+        docsplit.source_version("# /pr\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match="never closed"):
+        docsplit.source_version("# pr: b\nx = 1\n", "m.py", ["a"], known)

@@ -261,12 +261,38 @@ def test_the_word_list_leaves_upstream_words_alone():
 
 
 @pytest.mark.cpu
-def test_the_pr_source_note_may_name_the_project_once():
-    note = f"{conv.PR_SOURCE_NOTE_PREFIX} {conv.PR_SOURCE_NOTE}"
-    assert transform.project_mentions({"PR.md": f"a\n{note}\n"}, conv.PR_SOURCE_NOTE_PREFIX) == []
-    twice = transform.project_mentions({"PR.md": f"{note}\n{note}\n"}, conv.PR_SOURCE_NOTE_PREFIX)
+def test_an_allowed_prefix_lets_one_line_name_the_project_once():
+    note = "> **Note:** measured with minicpmo_cg"
+    assert transform.project_mentions({"PR.md": f"a\n{note}\n"}, "> **Note:**") == []
+    twice = transform.project_mentions({"PR.md": f"{note}\n{note}\n"}, "> **Note:**")
     assert [m.split(":")[1] for m in twice] == ["2"]
     assert transform.project_mentions({"PR.md": note}) != []  # only with the prefix allowed
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    ("number", "upto", "says"),
+    [
+        (1, 1, "this PR's own tree: the v0.30.0 release with this PR applied"),
+        (
+            3,
+            3,
+            "this PR's own tree: the v0.30.0 release with the earlier PRs of the stack and this PR applied",
+        ),
+        (2, 6, "the whole stack of 6 PRs applied to the v0.30.0 release"),
+        (2, 4, "PRs 1 to 4 of the stack applied to the v0.30.0 release (this one and the 2 after it)"),
+        (3, 4, "PRs 1 to 4 of the stack applied to the v0.30.0 release (this one and the one after it)"),
+    ],
+)
+def test_the_tree_of_a_prs_figures_is_said_as_recorded(number, upto, says):
+    inp = prtext.PrInputs("k", number, "", [], [], "0.30.0", "0.30.0", total=6, measured_upto=upto)
+    text = prtext.measured_tree(inp)
+    assert f"measured on {says}, against the pinned vLLM 0.30.0" in text
+    assert transform.project_mentions({"PR.md": text}) == []
+    with pytest.raises(ValueError, match="lacks the PR itself"):
+        prtext.measured_tree(
+            prtext.PrInputs("k", 5, "", [], [], "0.30.0", "0.30.0", total=6, measured_upto=4)
+        )
 
 
 @pytest.mark.cpu

@@ -167,19 +167,22 @@ def test_direct_construction_reports_every_bad_field(ecg):
 
 def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
-    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0, True)
+    assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0)
+    assert defaults.streaming_audio is True  # pr: streaming-audio
+    # pr: duplex-scale
     # start-up capture on; batched duplex steps opt-in (the exact per-session path by default)
     assert (defaults.startup_capture, defaults.duplex_batch) == (True, False)
     assert ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"].default is False
     opted_in = types.SimpleNamespace(encoder_cuda_graph_duplex_batch=True)
     assert ecg.EncoderCudaGraphOptions.from_hf_config(opted_in).duplex_batch is True
+    # /pr
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
         encoder_cuda_graph_min_capture_calls=5,
         encoder_cuda_graph_min_free_bytes=0,
         encoder_cuda_graph_share_pools=False,
-        encoder_cuda_graph_streaming_audio=False,
+        encoder_cuda_graph_streaming_audio=False,  # pr: streaming-audio
     )
     assert ecg.EncoderCudaGraphOptions.from_hf_config(hf_config) == ecg.EncoderCudaGraphOptions(
         enabled=False,
@@ -187,7 +190,7 @@ def test_options_defaults_and_overrides(ecg):
         min_capture_calls=5,
         min_free_bytes=0,
         share_pools=False,
-        streaming_audio=False,
+        streaming_audio=False,  # pr: streaming-audio
     )
 
 
@@ -209,13 +212,17 @@ def test_adapter_constructor_validates_like_the_options(ecg, vllm_config):
 
 def test_describe_writes_the_options_as_json(ecg):
     text = ecg.EncoderCudaGraphOptions(share_pools=False, max_graphs=0).describe()
-    assert text == (
+    expected = (
         "encoder_cuda_graph=true encoder_cuda_graph_max_graphs=0 encoder_cuda_graph_min_capture_calls=2 "
         "encoder_cuda_graph_min_free_bytes=1073741824 encoder_cuda_graph_share_pools=false "
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
-        "encoder_cuda_graph_log_interval_s=60.0 encoder_cuda_graph_streaming_audio=true "
-        "encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=false"
+        "encoder_cuda_graph_log_interval_s=60.0"
     )
+    expected += " encoder_cuda_graph_streaming_audio=true"  # pr: streaming-audio
+    # pr: duplex-scale
+    expected += " encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=false"
+    # /pr
+    assert text == expected
 
 
 def test_admission_budget_and_log_interval_options(ecg, vllm_config):
@@ -312,7 +319,8 @@ def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
 
 
 #: Registered keys that the model file reads itself (``read_hf_overrides``), not the adapter.
-MODEL_FILE_KEYS = {"vision_attn_implementation", "encoder_fused_layers"}
+MODEL_FILE_KEYS = {"vision_attn_implementation"}
+MODEL_FILE_KEYS.add("encoder_fused_layers")  # pr: fused-layers
 
 
 def test_options_fields_are_registry_entries(ecg):

@@ -25,8 +25,6 @@ the eager chunk's code (:func:`encode_audio_streaming`) with a cache view
 Training, autograd, autocast, FP16 Whisper, chunks past the position table and sessions whose cache
 the eager path made keep the eager path (:func:`streaming_audio_graph_applies`).
 
-Cross-session batching of the chunks of one engine step is :mod:`.duplex_batch`'s.
-
 The model-file hooks: ``get_audio_embedding_streaming`` calls :func:`encode_streaming_chunk`;
 ``_init_encoder_cuda_graphs`` calls :func:`init_streaming_audio_graph`; the thinker's
 ``_encode_audio_streaming_graphed`` (the adapter's bound forward) calls
@@ -47,9 +45,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from vllm.logger import init_logger
 
-from . import duplex_batch, fused_layers
+from . import fused_layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
+
+# pr: duplex-scale
+# isort: split
+from . import duplex_batch  # the batched duplex steps; it imports this module back
+
+# /pr
 
 logger = init_logger(__name__)
 
@@ -352,12 +356,13 @@ def encode_streaming_chunk(
         ``(1, positions // audio_pool_step, embed_dim)`` embeddings. Through the streaming audio
         adapter where :func:`streaming_audio_graph_applies`, else eagerly with the zero mask (a
         graphed session's cache converted to the eager path's ``EncoderDecoderCache`` first).
-        Inside a batched duplex step the chunk is encoded with the step's others
-        (:func:`.duplex_batch.route`).
     """
+    # pr: duplex-scale
+    # inside a batched duplex step the chunk is encoded with the step's others (duplex_batch.route)
     batched = duplex_batch.route(model, wavforms, positions, total_seq_len, context)
     if batched is not None:
         return batched
+    # /pr
     if streaming_audio_graph_applies(model, wavforms, total_seq_len):
         return encode_audio_streaming_with_graph(model, wavforms, positions, context)
     audio_attention_mask = torch.zeros(
@@ -422,7 +427,7 @@ def init_streaming_audio_graph(model: nn.Module, vllm_config: Any, options: Enco
                 'admission "count" (each past length recurs once per cache cycle)'
             )
     logger.info("MiniCPM-o 4.5 streaming audio encoder CUDA graphs: %s", state)
-    duplex_batch.init_duplex_batch(model, vllm_config, options)
+    duplex_batch.init_duplex_batch(model, vllm_config, options)  # pr: duplex-scale
 
 
 def streaming_audio_graph_applies(model: nn.Module, wavforms: torch.Tensor, total_seq_len: int) -> bool:

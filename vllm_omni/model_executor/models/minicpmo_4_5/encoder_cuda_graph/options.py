@@ -229,6 +229,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=60.0,
         doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
     ),
+    # pr: streaming-audio
     HfOverrideKey(
         name="encoder_cuda_graph_streaming_audio",
         kind="bool",
@@ -236,6 +237,8 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
+    # /pr
+    # pr: duplex-scale
     HfOverrideKey(
         name="encoder_cuda_graph_startup_capture",
         kind="bool",
@@ -244,6 +247,8 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
         "before serving; false = capture them lazily, as sessions reach them",
     ),
+    # /pr
+    # pr: duplex-scale
     HfOverrideKey(
         name="encoder_cuda_graph_duplex_batch",
         kind="bool",
@@ -253,6 +258,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "error up to ~1.1e-2 against each session's own encode, slower below 4 sessions); false = each "
         "session's chunk on its own, bitwise equal to eager",
     ),
+    # /pr
     HfOverrideKey(
         name=siglip_attention.VISION_ATTN_KEY,
         kind="choice",
@@ -260,6 +266,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=siglip_attention.VISION_ATTN_DEFAULT,
         doc=siglip_attention.VISION_ATTN_DOC,
     ),
+    # pr: fused-layers
     HfOverrideKey(
         name="encoder_fused_layers",
         kind="choice",
@@ -269,6 +276,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'in one kernel), eager and graphed alike; read by the model file (fused_layers.py): "all", '
         '"vision", "audio" or "none" (the unfused layers); SigLIP only with its "sdpa" attention',
     ),
+    # /pr
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.
@@ -359,6 +367,8 @@ class EncoderCudaGraphOptions:
     One instance configures both encoders; each encoder gets its own adapter,
     so caps and counters are per encoder. Each field names its key in
     :data:`HF_OVERRIDE_KEYS`, which holds the default, the rule and the doc.
+    The fields read by the model wiring of later features (streaming audio,
+    duplex) are documented where they are defined.
 
     Attributes:
         enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
@@ -388,33 +398,6 @@ class EncoderCudaGraphOptions:
         log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number 0 to 86400,
             seconds, default 60). Period of the INFO line with the hit rate,
             graphs and bytes, logged from the call path; 0 = off.
-        streaming_audio: ``encoder_cuda_graph_streaming_audio`` (bool, default
-            True). Read by the model wiring, not by the adapter: also route the
-            stateful Whisper chunk calls of streaming (duplex) sessions,
-            ``get_audio_embedding_streaming``, through an adapter of their own;
-            its replays are bitwise equal to the eager path. Needs ``enabled``.
-            That adapter captures by ``"count"`` whatever ``admission`` says:
-            its keys are a fixed schedule (one per KV past length) that every
-            session walks once per cache cycle, a recurrence the cost rule,
-            which estimates it from calls seen so far, would see only after
-            minutes; the other options apply to it as to each encoder.
-        startup_capture: ``encoder_cuda_graph_startup_capture`` (bool, default
-            True). Read by the model wiring: on a duplex deployment, capture the
-            graphs every duplex session needs (its first chunk and the steady
-            chunk at each KV past length of a cache cycle, and a camera frame's
-            single slice) while the worker warms up, after vLLM sized the KV
-            cache; False leaves them to the lazy path.
-        duplex_batch: ``encoder_cuda_graph_duplex_batch`` (bool, default False).
-            Read by the model wiring: on a duplex deployment of at least two
-            sessions, encode the audio chunks of all duplex appends of one engine
-            step in one batched call (one graph replay per step); False (the
-            default) encodes each session's chunk on its own, bitwise equal to its
-            eager encode. Opt-in because, measured on an H200 with the SDPA
-            reference paged attention, the batched rows differ from each
-            session's own encode by a relative 7e-3 to 1.1e-2 (above
-            one bf16 rounding step, 2**-8 of the largest magnitude) and a batched
-            step is slower than the per-session replays below 4 sessions; it pays
-            off for deployments with many concurrent duplex sessions.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every value of the wrong type or
@@ -436,9 +419,31 @@ class EncoderCudaGraphOptions:
     admission: str = _hf_field("encoder_cuda_graph_admission")
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
+    # pr: streaming-audio
+    #: ``encoder_cuda_graph_streaming_audio`` (bool, default True). Read by the model wiring, not by the
+    #: adapter: also route the stateful Whisper chunk calls of streaming (duplex) sessions,
+    #: ``get_audio_embedding_streaming``, through an adapter of their own; its replays are bitwise equal to
+    #: the eager path. Needs ``enabled``. That adapter captures by ``"count"`` whatever ``admission`` says:
+    #: its keys are a fixed schedule (one per KV past length) that every session walks once per cache cycle, a
+    #: recurrence the cost rule, which estimates it from calls seen so far, would see only after minutes; the
+    #: other options apply to it as to each encoder.
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
+    # /pr
+    # pr: duplex-scale
+    #: ``encoder_cuda_graph_startup_capture`` (bool, default True). Read by the model wiring: on a duplex
+    #: deployment, capture the graphs every duplex session needs (its first chunk and the steady chunk at each
+    #: KV past length of a cache cycle, and a camera frame's single slice) while the worker warms up, after
+    #: vLLM sized the KV cache; False leaves them to the lazy path.
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+    #: ``encoder_cuda_graph_duplex_batch`` (bool, default False). Read by the model wiring: on a duplex
+    #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
+    #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
+    #: its own, bitwise equal to its eager encode. Opt-in because, measured on an H200 with the SDPA reference
+    #: paged attention, the batched rows differ from each session's own encode by a relative 7e-3 to 1.1e-2
+    #: (above one bf16 rounding step, 2**-8 of the largest magnitude) and a batched step is slower than the
+    #: per-session replays below 4 sessions; it pays off for deployments with many concurrent duplex sessions.
     duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
+    # /pr
 
     def __post_init__(self) -> None:
         # the type and the minimum: values read from --hf-overrides were range-checked by
