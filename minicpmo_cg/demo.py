@@ -350,7 +350,7 @@ class AdapterCalls:
                 f"{self.warmup} untimed sessions (the last captures each chunk's graph), then one timed session."
             )
         return (
-            f"Each input: eagerly, {untimed} call, then {self.timed} timed calls; graphed, {self.warmup} untimed "
+            f"Each {self.modality} input: eagerly, {untimed} call, then {self.timed} timed calls; graphed, {self.warmup} untimed "
             f"calls (the last captures its graph), then {self.timed} timed replays."
         )
 

@@ -199,10 +199,10 @@ _DESIGN = "docs/design/minicpmo_encoder_cuda_graph"
 _FIRST_RUNS_TREE = "streaming-audio"
 
 # The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
-# tree its tests pass in: the adapter registers every --hf-overrides key, while the design overview's
-# options table gains a key's row with the PR that gives the key its effect, so the test of that
-# table against the registry (test_encoder_cuda_graph_options_page.py) waits for the last of them,
-# the fused-layers PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# tree its tests pass in: each --hf-overrides key arrives with the PR whose code reads it (its lines
+# of options.py and of the tests are tagged `# pr: KEY`), and the test of the design overview's
+# options table against the registry (test_encoder_cuda_graph_options_page.py) sits with the last
+# of them, the fused-layers PR; test_model_wiring.py checks the vision wiring of the image-call patch.
 STACK: tuple[OmniPr, ...] = (
     OmniPr(
         key="siglip-attention",

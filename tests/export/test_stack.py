@@ -431,9 +431,10 @@ def _calls_added(pr, name: str) -> bool:
 
 @pytest.mark.cpu
 def test_the_fused_layers_remarks_say_when_they_run_and_how_close_they_are(st):
-    """The PR carrying fused_layers.py before its hook says it does not run yet; the PR adding the
-    constructor's configure_fused_layers call (the only setter of ``_fused_layers``) states the
-    registry's default and that the fused layers are within the CUDA tests' bound, not bitwise."""
+    """The PR carrying fused_layers.py before its hook says it does not run yet and that its key
+    comes with the hook's PR; the PR adding the constructor's configure_fused_layers call (the only
+    setter of ``_fused_layers``) states the registry's default and that the fused layers are within
+    the CUDA tests' bound, not bitwise."""
     from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
 
     default = HF_OVERRIDE_KEYS["encoder_fused_layers"].default
@@ -442,7 +443,10 @@ def test_the_fused_layers_remarks_say_when_they_run_and_how_close_they_are(st):
     assert len(hook) == 1 and st.keys.index(hook[0].key) > st.keys.index(carrier.key)
     carried = " ".join(carrier.remarks)
     assert "configure_fused_layers" in carried and "unfused layers" in carried
-    assert f"default, `{json.dumps(default)}`, takes effect with that PR" in carried
+    assert (
+        f"key arrives with that PR (registered, validated and read there, default `{json.dumps(default)}`)"
+        in carried
+    )
     stated = " ".join(hook[0].remarks)
     assert f"defaults to `{json.dumps(default)}`" in stated
     assert ("on by default" in stated) == (default != "none")
