@@ -71,9 +71,11 @@ from .duplex_rows import (
     PAGE_SIZE,
     KVPagePool,
     PagedStreamingCache,
+    RowPlan,
     encode_rows,
     on_device,
     paged_attention_choice,
+    probe_row_plan,
 )
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
@@ -161,7 +163,7 @@ class DuplexBatchEncoder:
             and not torch.is_autocast_enabled(wav.device.type)
             and model.apm.conv1.weight.dtype != torch.float16
             and use_context is True
-            and prefix in (0, CONTEXT_FRAMES)
+            and (prefix == CONTEXT_FRAMES or (prefix == 0 and self._first_chunks(wav.device)))
             and suffix == CONTEXT_FRAMES
             and cnn_min is None
             and request.positions == self.chunk
@@ -175,6 +177,11 @@ class DuplexBatchEncoder:
                 or isinstance(request.cache, (sa.StreamingAudioKVCache, PagedStreamingCache))
             )
         )
+
+    def _first_chunks(self, device: torch.device) -> bool:
+        """Whether a session's first chunk is batched (its row gets its own call's bits)."""
+        plan = self.pool(device).row_plan
+        return plan is None or plan.first_chunks
 
     def pool(self, device: torch.device) -> KVPagePool:
         """The page pool of ``device`` and its current stream (allocated on first use)."""
@@ -194,8 +201,18 @@ class DuplexBatchEncoder:
                 dtype=apm.conv1.weight.dtype,
                 device=device,
             )
+            pool.row_plan = self._row_plan(device)
             self._pools[(device, stream)] = pool
         return pool
+
+    def _row_plan(self, device: torch.device) -> RowPlan | None:
+        """The device's :class:`~.duplex_rows.RowPlan`, probed once (and logged at INFO) where the
+        batched rows run the fused layers over gathered pages; None elsewhere (every op batched)."""
+        if self.attention(device) != "reference" or not getattr(self.model.apm, "_fused_layers", False):
+            return None
+        plan = probe_row_plan(self.model, self.buckets(), self.chunk, self._frames(CONTEXT_FRAMES), device)
+        logger.info("MiniCPM-o 4.5 duplex audio batching on %s, exact rows: %s", device, plan.describe())
+        return plan
 
     def pool_bytes(self) -> int:
         """Bytes of one page pool of this encoder (what :meth:`pool` allocates per device and stream)."""
