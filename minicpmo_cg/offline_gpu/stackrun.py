@@ -241,7 +241,9 @@ def host_facts(python: str, site: Path, work: Path) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": smi if not smi.startswith("unknown") else "no GPU (nvidia-smi: " + smi + ")",
+        #: None when nvidia-smi gave nothing (no GPU, no driver)
+        "device": None if smi.startswith("unknown") else smi.replace("\n", "; "),
+        "nvidia_smi": smi,
         "environment": _capture([python, "-c", _ENV_SNIPPET], env, work),
     }
 
