@@ -66,9 +66,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument(
         "--gpu-results",
         type=Path,
+        action="append",
         metavar="FILE",
         help="the summary of each PR's own tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
-        "stack-LANE.json): each PR's Test Result gets its run (only for the series that ran)",
+        "stack-LANE.json; repeatable, the last file naming a PR counts): each PR's Test Result gets its run (only "
+        "for the series that ran)",
     )
     parser.add_argument(
         "--checkout",

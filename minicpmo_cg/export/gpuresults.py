@@ -32,29 +32,32 @@ def _where(doc: dict, entry: dict) -> str:
     )
 
 
-def gpu_runs(path: Path, prs: list) -> tuple[dict[str, list[PytestRun]], list[str]]:
-    """The GPU runs of ``path`` (a ``stack-LANE.json``) for the exported ``prs`` (folder, series).
+def gpu_runs(paths: list[Path], prs: list) -> tuple[dict[str, list[PytestRun]], list[str]]:
+    """The GPU runs of ``paths`` (``stack-LANE.json`` files; for a PR in several, the last one's
+    entry counts) for the exported ``prs`` (folder, series).
 
     Returns:
         ``(runs, notes)``: folder -> its one run (only PRs with a usable entry), and one line per
-        PR left without one and why.
+        PR and what became of its entry.
 
     Raises:
-        ValueError: ``path`` is not such a summary.
+        ValueError: a path is not such a summary.
     """
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(doc.get("prs"), list) or "lane" not in doc:
-        raise ValueError(f"{path}: not a summary of `stack-run` (no lane / prs)")
-    by_folder = {entry["folder"]: entry for entry in doc["prs"]}
+    by_folder: dict[str, tuple[dict, dict, str]] = {}
+    for path in paths:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(doc.get("prs"), list) or "lane" not in doc:
+            raise ValueError(f"{path}: not a summary of `stack-run` (no lane / prs)")
+        by_folder.update({entry["folder"]: (doc, entry, path.name) for entry in doc["prs"]})
     runs: dict[str, list[PytestRun]] = {}
     notes = []
     for pr in prs:
-        entry = by_folder.get(pr.folder)
-        if entry is None:
-            notes.append(f"{pr.folder}: not in {path.name}; its Test Result says its GPU tests were not run")
+        if pr.folder not in by_folder:
+            notes.append(f"{pr.folder}: in no summary given; its Test Result says its GPU tests were not run")
             continue
+        doc, entry, name = by_folder[pr.folder]
         if entry.get("series_fingerprint") != series_fingerprint(list(pr.series)):
-            notes.append(f"{pr.folder}: {path.name} ran another version of this series; not used")
+            notes.append(f"{pr.folder}: {name} ran another version of this series; not used")
             continue
         status = entry.get("status")
         counts = entry.get("counts") or {}
@@ -66,9 +69,7 @@ def gpu_runs(path: Path, prs: list) -> tuple[dict[str, list[PytestRun]], list[st
         elif status == "timeout":
             summary = f"stopped at its {entry.get('time_limit_s')} s time limit; {entry.get('summary') or 'no summary'}"
         else:
-            notes.append(
-                f"{pr.folder}: {status} in {path.name} ({entry.get('reason') or entry.get('problems')})"
-            )
+            notes.append(f"{pr.folder}: {status} in {name} ({entry.get('reason') or entry.get('problems')})")
             continue
         runs[pr.folder] = [
             PytestRun(
@@ -79,5 +80,5 @@ def gpu_runs(path: Path, prs: list) -> tuple[dict[str, list[PytestRun]], list[st
                 status == "ok",
             )
         ]
-        notes.append(f"{pr.folder}: GPU run of {doc.get('date')}: {summary}")
+        notes.append(f"{pr.folder}: run of {doc.get('date')} ({doc.get('device') or 'no GPU'}): {summary}")
     return runs, notes
