@@ -7,8 +7,9 @@ path); the tests of the batched path set the option. CPU tests use a tiny Whispe
 positions, 0.2 s chunks of 10 positions, so a cache cycle is 12 chunks) in float32 with the
 adapters' CPU backend: steps of several sessions through :func:`duplex_batch.run_batched`, the code
 path the model runner's batched preprocess takes. Each session's every chunk and final cache must
-match its own eager run within ``minicpmo_cg.measure.GRAPH_REL_TOL`` (rows of one call differ from a
-session's own call only by the GEMMs' row count); the bookkeeping must be exact: cache lengths,
+match its own eager run within ``minicpmo_cg.measure.GRAPH_REL_TOL`` (the CPU's GEMMs and masked
+SDPA round a batch differently; the CUDA test asserts bitwise rows, see ``duplex_rows.RowPlan``);
+the bookkeeping must be exact: cache lengths,
 pages taken and returned, resets, sessions that join (a first chunk inside a batched step) or leave,
 chunks the batch does not cover, a full page pool, errors, and rows that never see each other
 (bitwise), not even through a NaN left in pages a row does not own. The attention choice (vLLM's
