@@ -386,7 +386,8 @@ def has_graph_wiring(model: Any) -> bool:
 def wire_encoder_graphs(
     model: Any, vllm_config: Any, *, enabled: Any, backend: Any = None, **options: Any
 ) -> None:
-    """Set the encoder CUDA graph ``--hf-overrides`` keys on ``model.config`` and wire the graphs.
+    """Set every encoder CUDA graph ``--hf-overrides`` key on ``model.config`` (those not given to
+    their defaults, so no wiring inherits an earlier one's options) and wire the graphs.
 
     The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
     model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
@@ -415,10 +416,12 @@ def wire_encoder_graphs(
         raise PatchMissingError(WIRING_MISSING)
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
-    options_cls(**values)  # validates; raises before model.config changes
-    hf_keys = {f.name: f.metadata["hf_key"] for f in dataclasses.fields(options_cls)}
-    for attr, value in values.items():
-        setattr(model.config, hf_keys[attr], value)
+    defaults = options_cls(**values)  # validates; raises before model.config changes
+    # every key is set, those not given to their defaults: a wiring never inherits an option an
+    # earlier wiring of the same model set
+    fields = dataclasses.fields(options_cls)
+    for f in fields:
+        setattr(model.config, f.metadata["hf_key"], values.get(f.name, getattr(defaults, f.name)))
     model._init_encoder_cuda_graphs(vllm_config)
     adapters = (
         vision_graph(model),

@@ -220,15 +220,52 @@ def _host_ms(ctx: Ctx, call: Any) -> float:
     return summary(times)["median"]
 
 
-def _host_times(ctx: Ctx) -> dict[str, float]:
+MISS_COUNTERS = ("ineligible_misses", "capacity_misses", "warmup_misses", "memory_misses")
+
+
+def _graph_counts(adapter: Any) -> dict[str, int]:
+    """An adapter's hit and miss counters (all 0 when it is off)."""
+    keys = ("graph_hits", "graph_misses", *MISS_COUNTERS)
+    stats = adapter.get_cumulative_stats() if adapter is not None else {}
+    return {key: stats.get(key, 0) for key in keys}
+
+
+def _host_row(ctx: Ctx, name: str, call: Any, adapter: Any, per_call: int = 1) -> dict[str, Any]:
+    """Host ms of ``call`` and whether every timed call replayed: ``replays`` and ``eager`` count
+    the adapter's hits and misses over the timed calls, ``bypassed`` the calls that never reached
+    the adapter (the model's own eager path). Host time of a call that did not replay measures
+    the eager path, so any eager or bypassed call is a problem of the run."""
+    before = _graph_counts(adapter())
+    ms = _host_ms(ctx, call)
+    delta = {key: value - before[key] for key, value in _graph_counts(adapter()).items()}
+    calls = HOST_CALLS[ctx.mode] * per_call
+    replays, eager = delta["graph_hits"], delta["graph_misses"]
+    row = {"ms": ms, "calls": calls, "replays": replays, "eager": eager, "bypassed": calls - replays - eager}
+    row["misses"] = {key: delta[key] for key in MISS_COUNTERS if delta[key]}
+    if replays != calls:
+        ctx.problems.append(
+            f"duplex_concurrency: host time of {name}: {replays} of {calls} calls replayed "
+            f"({eager} eager through the adapter {row['misses']}, {row['bypassed']} bypassed it)"
+        )
+    return row
+
+
+def _host_times(ctx: Ctx) -> dict[str, Any]:
     """Host ms of the replaying stateless 1 s audio call (lengths on the host, as vLLM passes them),
     of a replaying duplex chunk (data built beforehand, as the stage moves its batch to the device
-    before the call) and of a batched step of 4 sessions."""
+    before the call) and of a batched step of 4 sessions, each with the replays it made
+    (:func:`_host_row`)."""
     batch, startup_capture = _modules()
     config = duplex_vllm_config(ctx.vllm_config, 4)
     release_memory()
     standalone.wire_encoder_graphs(
-        ctx.model, config, enabled=True, backend=ctx.backend, admission="count", duplex_batch=True
+        ctx.model,
+        config,
+        enabled=True,
+        backend=ctx.backend,
+        admission="count",
+        duplex_batch=True,
+        startup_capture=True,  # explicit, as in _wire: the timed chunks must find their graphs
     )
     startup_capture.capture_at_startup(ctx.model, config)
     model = ctx.model
@@ -240,6 +277,8 @@ def _host_times(ctx: Ctx) -> dict[str, float]:
     sessions = [duplex.DuplexSession() for _ in range(4)]
 
     def chunk(session: duplex.DuplexSession, item: tuple[dict, int]) -> None:
+        """``item`` at the session's past length, which grows by a chunk call after call (the
+        cache is updated in place); start-up capture took a graph for every past length."""
         previous, model.audio_past_key_values = model.audio_past_key_values, session.cache
         try:
             model.get_audio_embedding_streaming(
@@ -248,15 +287,28 @@ def _host_times(ctx: Ctx) -> dict[str, float]:
         finally:
             model.audio_past_key_values = previous
 
-    sessions[0].encode(model, chunks[0][0])  # the session's first chunk; then its second, repeatedly
+    for s, c in zip(sessions, chunks, strict=True):  # each session's first chunk; then its second, repeatedly
+        s.encode(model, c[0])
     out = {
-        "audio_1s_call": _host_ms(ctx, lambda: model.get_audio_hidden_states(clip)),
-        "duplex_chunk": _host_ms(ctx, lambda: chunk(sessions[0], data[0][1])),
-        "batched_step_4": _host_ms(
+        "audio_1s_call": _host_row(
             ctx,
+            "the 1 s audio call",
+            lambda: model.get_audio_hidden_states(clip),
+            lambda: model._audio_encoder_graph,
+        ),
+        "duplex_chunk": _host_row(
+            ctx,
+            "a duplex chunk",
+            lambda: chunk(sessions[0], data[0][1]),
+            lambda: model._streaming_audio_encoder_graph,
+        ),
+        "batched_step_4": _host_row(
+            ctx,
+            "a batched step of 4 sessions",
             lambda: batch.run_batched(
-                model, [lambda s=s, d=d[0]: chunk(s, d) for s, d in zip(sessions, data)]
+                model, [lambda s=s, d=d[1]: chunk(s, d) for s, d in zip(sessions, data)]
             ),
+            lambda: model._duplex_batch.graph,
         ),
     }
     standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)
@@ -287,7 +339,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "attention": next(iter(rows.values()))["attention"],
             "rows": rows,
             "first_session": first,
-            "host_ms": host,
+            "host_ms": {name: row["ms"] for name, row in host.items()},
+            "host_calls": {name: {k: v for k, v in row.items() if k != "ms"} for name, row in host.items()},
             "steps": STEPS[ctx.mode],
             "frame_every": FRAME_EVERY,
         },
@@ -349,11 +402,16 @@ def format_section(s: dict[str, Any]) -> list[str]:
             f"first session after start-up ({way}): worst chunk {f['max_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, "
             f"median {f['median_ms']:.2f} ms over {f['chunks']} chunks{startup}"
         )
-    host = detail.get("host_ms")
+    host, calls = detail.get("host_ms"), detail.get("host_calls", {})
+
+    def replayed(name: str) -> str:
+        c = calls.get(name)  # (a result written before the replays were counted has none)
+        return f" ({c['replays']}/{c['calls']} replayed)" if c else ""
+
     if host:
         lines.append(
             "host ms of a replaying call (device idle before it): "
-            + ", ".join(f"{name} {ms:.3f}" for name, ms in host.items())
+            + ", ".join(f"{name} {ms:.3f}{replayed(name)}" for name, ms in host.items())
         )
     missed = missed_targets(s)
     lines.append("targets: " + ("all MET" if not missed else "MISSED: " + "; ".join(missed)))

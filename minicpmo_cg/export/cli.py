@@ -64,6 +64,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         f"'{DEFAULT_MARKS}'; on a GPU host add --marks 'core_model and cuda')",
     )
     parser.add_argument(
+        "--gpu-results",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="the summary of each PR's own tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
+        "stack-LANE.json; repeatable, the last file naming a PR counts): each PR's Test Result gets its run (only "
+        "for the series that ran)",
+    )
+    parser.add_argument(
         "--checkout",
         type=Path,
         metavar="DIR",
@@ -203,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     extra: list[str] = []
     ok = result.ok
     report = None
+    runs: dict = {}
     if args.verify or args.run_tests:
         marks = tuple(args.marks or [DEFAULT_MARKS])
         report = verify.verify(args.out, repo, run_tests=args.run_tests, marks=marks)
@@ -211,8 +221,17 @@ def run(args: argparse.Namespace) -> int:
             f"verify: {'ok' if report.ok else 'FAILED'}" + ("" if args.run_tests else " (tests not run)")
         )
         if report.ok and args.run_tests:
-            build.rewrite_prs(result, report.runs())
+            runs = report.runs()
         ok = ok and report.ok
+    if args.gpu_results:
+        from minicpmo_cg.export import gpuresults
+
+        gpu, notes = gpuresults.gpu_runs(args.gpu_results, result.prs + result.vllm_prs)
+        for folder, found in gpu.items():
+            runs[folder] = runs.get(folder, []) + found
+        extra += [f"gpu results: {note}" for note in notes]
+    if runs:
+        build.rewrite_prs(result, runs)
     if args.checkout:
         extra += _to_checkout(args, result, identity)
     _print_summary(result, report, extra)

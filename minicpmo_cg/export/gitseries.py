@@ -9,6 +9,7 @@ author). :meth:`SeriesRepo.format_patch` writes the mbox files ``git am`` reads.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Identity", "SeriesRepo", "git", "wrap_body"]
+__all__ = ["Identity", "SeriesRepo", "git", "series_fingerprint", "wrap_body"]
 
 
 class Identity:
@@ -60,6 +61,21 @@ def git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = 
             f"git {' '.join(args)} failed in {cwd}: {proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout
+
+
+def series_fingerprint(patches: list[Path]) -> str:
+    """sha256 (hex) of a ``git format-patch`` series without what changes from one export to the
+    next: each mbox's ``From <commit id>`` line and its ``Date:`` header. Two exports of the same
+    change set by the same author give the same fingerprint; a changed subject, message or diff
+    gives another."""
+    digest = hashlib.sha256()
+    for patch in patches:
+        header, sep, rest = patch.read_bytes().partition(b"\n\n")
+        lines = header.split(b"\n")
+        kept = [line for i, line in enumerate(lines) if not (i == 0 and line.startswith(b"From "))]
+        kept = [line for line in kept if not line.startswith(b"Date: ")]
+        digest.update(b"\n".join(kept) + sep + rest + b"\0")
+    return digest.hexdigest()
 
 
 def wrap_body(text: str, width: int = 72) -> str:

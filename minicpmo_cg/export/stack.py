@@ -307,7 +307,7 @@ STACK: tuple[OmniPr, ...] = (
             f"{_DESIGN}/streaming_audio.md#{heading}"
             for heading in ("Start-up capture", "Batched steps", "No host reads")
         ),
-        results=("Duplex at serving scale",),
+        results=("Duplex at serving scale", "Batched duplex steps with exact rows"),
         remarks=(_duplex_batch_default,),
     ),
     OmniPr(

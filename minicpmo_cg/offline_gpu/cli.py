@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from minicpmo_cg.lanes import get_lane
-from minicpmo_cg.offline_gpu import build, hostenv, payload, runner
+from minicpmo_cg.offline_gpu import build, hostenv, payload, runner, stackrun
 
 
 def checkout_root() -> Path:
@@ -145,6 +145,62 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing, write nothing")
 
 
+def _stack_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    p.add_argument(
+        "--export",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the export (`minicpmo-cg-patch export --out DIR`) whose PRs get overlays",
+    )
+    p.add_argument(
+        "--site-packages", type=Path, metavar="DIR", help="the lane's site-packages (vLLM's pristine files)"
+    )
+    _add_bundle_dir(p)
+
+
+def _stack_run_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    p.add_argument(
+        "prs",
+        nargs="*",
+        metavar="PR",
+        help="PR folders, numbers (01) or keys (siglip-attention); default: all",
+    )
+    p.add_argument("--out", type=Path, help="output folder (default: out/gpu-stack-LANE in the checkout)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=stackrun.DEFAULT_BUDGET_S,
+        metavar="S",
+        help="seconds for the whole run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=stackrun.DEFAULT_PR_TIMEOUT_S,
+        metavar="S",
+        help="time limit of one PR's tests (default: %(default)s)",
+    )
+    p.add_argument(
+        "--markers", help="pytest -m expression for every PR (default: each PR's own, see STACK.json)"
+    )
+    p.add_argument(
+        "--pytest-args", default="", metavar="ARGS", help="extra pytest arguments (one shell-quoted string)"
+    )
+    p.add_argument("--python", default=sys.executable, help="interpreter of the tests (default: this one)")
+    p.add_argument(
+        "--installed-site",
+        type=Path,
+        metavar="DIR",
+        help="a ready, patched site-packages to use instead of unpacking the bundle (checks on a CPU machine)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing, write nothing")
+    _add_bundle_dir(p)
+    _add_site(p)
+
+
 #: command -> (one-line help, argument setup)
 COMMANDS = {
     "bundle": ("build lane bundles (on a machine that reaches PyPI)", _bundle_parser),
@@ -154,12 +210,20 @@ COMMANDS = {
         _env_parser,
     ),
     "run": ("run tests / demo / bench against the bundle (on the GPU host)", _run_parser),
+    "stack": (
+        "write per-PR overlays of an export next to the lane's bundle (networked machine)",
+        _stack_parser,
+    ),
+    "stack-run": (
+        "run each exported PR's own tests from its own tree against the bundle (GPU host)",
+        _stack_run_parser,
+    ),  # fmt: skip
 }
 
 
 def usage() -> str:
     lines = [f"usage: {PROG} {{{','.join(COMMANDS)}}} ...", "", DESCRIPTION, ""]
-    lines += [f"  {name:7s} {text}" for name, (text, _) in COMMANDS.items()]
+    lines += [f"  {name:9s} {text}" for name, (text, _) in COMMANDS.items()]
     return "\n".join([*lines, "", f"{PROG} COMMAND --help: the command's options"])
 
 
@@ -230,6 +294,52 @@ def cmd_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return runner.execute(plan, lane_dir, _site(args), REPO)
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from minicpmo_cg.offline_gpu import stackbuild
+
+    try:
+        built = stackbuild.build_stack(args.export.resolve(), REPO, args.bundle_dir, args.site_packages)
+    except (RuntimeError, OSError) as exc:
+        print(f"stack: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(f"stack: {built.out} ({built.bytes_total / payload.MIB:.2f} MiB, {built.blobs} distinct files)")
+    print("\n".join(built.lines))
+    return 0
+
+
+def cmd_stack_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    folder = stackrun.stack_dir(args.bundle_dir, args.lane.name)
+    if not (folder / stackrun.STACK_FILE).is_file():
+        print(
+            f"no overlays in {folder} (build them: {PROG} stack {args.lane.name} --export DIR)",
+            file=sys.stderr,
+        )
+        return payload.MISSING
+    stack = stackrun.read_stack(folder)
+    try:
+        prs = stackrun.select(stack, args.prs)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.budget <= 0 or args.timeout <= 0:
+        ap.error("--budget and --timeout must be positive numbers of seconds")
+    plan = stackrun.StackPlan(
+        lane=args.lane.name,
+        prs=prs,
+        python=args.python,
+        out=(args.out or REPO / "out" / f"gpu-stack-{args.lane.name}").resolve(),
+        budget_s=args.budget,
+        pr_timeout_s=args.timeout,
+        markers=args.markers,
+        extra=shlex.split(args.pytest_args),
+    )
+    site = args.installed_site.resolve() if args.installed_site else _site(args)
+    if args.dry_run:
+        print(stackrun.describe(plan, stack, site))
+        return 0
+    lane_dir = args.bundle_dir / plan.lane
+    return stackrun.execute(plan, folder, lane_dir, site, REPO, installed_site=bool(args.installed_site))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -254,4 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_check(ap, args)
     if argv[0] == "env":
         return cmd_env(args)
+    if argv[0] == "stack":
+        return cmd_stack(args)
+    if argv[0] == "stack-run":
+        return cmd_stack_run(ap, args)
     return cmd_run(ap, args)

@@ -8,6 +8,8 @@ against the vllm-omni installed for the running interpreter; it needs the patch 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import math
 import subprocess
@@ -185,13 +187,27 @@ def test_wiring_rejects_what_the_model_rejects(enabled, options, key):
 @pytest.mark.cpu
 def test_wiring_sets_the_hf_override_keys():
     model = _PatchedModel()
+    options = importlib.import_module(standalone.ADAPTER_MODULE).EncoderCudaGraphOptions
+    default = options(enabled=True)
+    defaults = {
+        f.metadata["hf_key"]: getattr(default, f.name)
+        for f in dataclasses.fields(options)
+        if f.name != "enabled"
+    }
     standalone.wire_encoder_graphs(model, None, enabled=True, max_graphs=8, share_pools=False)
-    assert vars(model.config) == {
+    given = {
         "encoder_cuda_graph": True,
         "encoder_cuda_graph_max_graphs": 8,
         "encoder_cuda_graph_share_pools": False,
     }
+    assert vars(model.config) == {**defaults, **given}
+    assert (
+        defaults["encoder_cuda_graph_max_graphs"] != 8 and defaults["encoder_cuda_graph_share_pools"] is True
+    )
     assert model.wired == 1
+    # a later wiring inherits none of an earlier one's options
+    standalone.wire_encoder_graphs(model, None, enabled=False)
+    assert vars(model.config) == {**defaults, "encoder_cuda_graph": False}
     with pytest.raises(TypeError, match="max_graph"):
         standalone.wire_encoder_graphs(model, None, enabled=True, max_graph=8)
 

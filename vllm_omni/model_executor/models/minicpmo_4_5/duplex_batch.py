@@ -37,14 +37,18 @@ bucket:
   dtype (:func:`~.duplex_rows.paged_attention_choice`), logged at INFO with its reason (in the
   start-up line for the model's device) and kept in :meth:`DuplexBatchEncoder.stats`.
 
-Per-row parity: a row differs from the session's own eager encode only by kernel choice (GEMMs of
-``rows x 50`` instead of 50 tokens; FlashAttention, or SDPA over the row's padded pages with a
-mask, instead of SDPA over exactly its positions), not bitwise. Measured on an H200 in bf16 with
-the SDPA reference attention, the worst per-row relative difference is 7e-3 to 1.1e-2 (1 to 32
-sessions), above one bf16 rounding step (2**-8 of the largest magnitude), and a batched step is
-slower than the per-session replays below 4 sessions (faster from 8 on: 9.1 against 14.1 ms at 8,
-21.1 against 52.9 ms at 32). Hence opt-in, for deployments with many concurrent duplex sessions;
-the exact per-session path (``encoder_cuda_graph_duplex_batch: false``) is the default. A chunk
+Per-row parity: bitwise with the SDPA reference attention and the fused layers. The rows run the
+per-session path's fused Whisper layers; cuDNN attention over a row's gathered pages, the
+positions past it masked with ``-inf``, gives the row its unmasked call's bits; and the GEMMs and
+convolutions that round a batch differently on the device (found by
+:func:`~.duplex_rows.probe_row_plan` when a page pool is made; on an H200 the ``fc2`` GEMM) run
+row by row. Measured on an H200 in bf16: every row of 1 to 32 sessions bitwise equal to its
+session's own eager encode; a batched step costs 2.79 / 3.07 / 7.09 / 28.46 ms at 1 / 2 / 8 / 32
+sessions against 1.75 / 3.64 / 12.52 / 56.36 ms of per-session replays. With vLLM's FlashAttention
+(another attention kernel than the session's own) or unfused layers the rows are not bitwise.
+Opt-in all the same: a single session's chunk and the first session after start-up are faster
+on the per-session path (the default, ``encoder_cuda_graph_duplex_batch: false``), and the page
+pool and batch graphs take memory at start-up. A chunk
 the batched forward does not cover (other
 framing or length, autograd, FP16 Whisper, a cache the eager path made, a full pool) is encoded on
 its own, as without batching.
@@ -71,9 +75,11 @@ from .duplex_rows import (
     PAGE_SIZE,
     KVPagePool,
     PagedStreamingCache,
+    RowPlan,
     encode_rows,
     on_device,
     paged_attention_choice,
+    probe_row_plan,
 )
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
@@ -161,7 +167,7 @@ class DuplexBatchEncoder:
             and not torch.is_autocast_enabled(wav.device.type)
             and model.apm.conv1.weight.dtype != torch.float16
             and use_context is True
-            and prefix in (0, CONTEXT_FRAMES)
+            and (prefix == CONTEXT_FRAMES or (prefix == 0 and self._first_chunks(wav.device)))
             and suffix == CONTEXT_FRAMES
             and cnn_min is None
             and request.positions == self.chunk
@@ -175,6 +181,11 @@ class DuplexBatchEncoder:
                 or isinstance(request.cache, (sa.StreamingAudioKVCache, PagedStreamingCache))
             )
         )
+
+    def _first_chunks(self, device: torch.device) -> bool:
+        """Whether a session's first chunk is batched (its row gets its own call's bits)."""
+        plan = self.pool(device).row_plan
+        return plan is None or plan.first_chunks
 
     def pool(self, device: torch.device) -> KVPagePool:
         """The page pool of ``device`` and its current stream (allocated on first use)."""
@@ -194,8 +205,18 @@ class DuplexBatchEncoder:
                 dtype=apm.conv1.weight.dtype,
                 device=device,
             )
+            pool.row_plan = self._row_plan(device)
             self._pools[(device, stream)] = pool
         return pool
+
+    def _row_plan(self, device: torch.device) -> RowPlan | None:
+        """The device's :class:`~.duplex_rows.RowPlan`, probed once (and logged at INFO) where the
+        batched rows run the fused layers over gathered pages; None elsewhere (every op batched)."""
+        if self.attention(device) != "reference" or not getattr(self.model.apm, "_fused_layers", False):
+            return None
+        plan = probe_row_plan(self.model, self.buckets(), self.chunk, self._frames(CONTEXT_FRAMES), device)
+        logger.info("MiniCPM-o 4.5 duplex audio batching on %s, exact rows: %s", device, plan.describe())
+        return plan
 
     def pool_bytes(self) -> int:
         """Bytes of one page pool of this encoder (what :meth:`pool` allocates per device and stream)."""

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import fused_layers
 from . import streaming_audio as sa
 
 __all__ = [
@@ -39,9 +41,12 @@ __all__ = [
     "KVPagePool",
     "PagedStreamingCache",
     "RowLayout",
+    "RowLinear",
+    "RowPlan",
     "encode_rows",
     "on_device",
     "paged_attention_choice",
+    "probe_row_plan",
     "reference_paged_attention",
 ]
 
@@ -83,6 +88,8 @@ class KVPagePool:
     ) -> None:
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.max_positions = max_positions
+        #: the ops batched calls run row by row (:func:`probe_row_plan`; None: every op batched)
+        self.row_plan: RowPlan | None = None
         self.pages_per_session = math.ceil(max_positions / PAGE_SIZE)
         self.scratch_pages = math.ceil(rows * chunk / PAGE_SIZE)
         self.num_pages = self.page_count(
@@ -336,6 +343,219 @@ class RowLayout:
         return start, used, positions.view(r, n), table.view(r, p), slots
 
 
+def _project(projector: nn.Module, hidden: torch.Tensor, linear: RowLinear) -> torch.Tensor:
+    """The audio projector (``linear1``, ReLU, ``linear2``) through ``linear``; any other projector
+    through its own call."""
+    parts = [getattr(projector, name, None) for name in ("linear1", "relu", "linear2")]
+    if any(p is None for p in parts):
+        return projector(hidden)
+    linear1, relu, linear2 = parts
+    return linear(relu(linear(hidden, linear1.weight, linear1.bias)), linear2.weight, linear2.bias)
+
+
+def _unfused_layers(
+    apm: nn.Module,
+    hidden: torch.Tensor,
+    pool: KVPagePool,
+    slots: torch.Tensor,
+    table: torch.Tensor,
+    used: torch.Tensor,
+    rows: int,
+    chunk: int,
+    attention: str,
+) -> torch.Tensor:
+    """Whisper's layers over ``(rows * chunk, d_model)`` rows, module by module (the unfused
+    encoders', and every encoder's with vLLM's paged FlashAttention), final LayerNorm excluded."""
+    attend = ATTENTION[attention]
+    heads, head_dim = pool.heads, pool.head_dim
+    d_model = hidden.shape[-1]
+    for index, layer in enumerate(apm.layers):
+        attn = layer.self_attn
+        residual = hidden
+        normed = layer.self_attn_layer_norm(hidden)
+        query = attn.q_proj(normed) * attn.scaling
+        keys, values = pool.layer(index)
+        keys.view(-1, heads, head_dim).index_copy_(0, slots, attn.k_proj(normed).view(-1, heads, head_dim))
+        values.view(-1, heads, head_dim).index_copy_(0, slots, attn.v_proj(normed).view(-1, heads, head_dim))
+        out = attend(query.view(rows, chunk, heads, head_dim), keys, values, table, used)
+        hidden = residual + attn.out_proj(out.reshape(rows * chunk, d_model))
+        residual = hidden
+        hidden = layer.activation_fn(layer.fc1(layer.final_layer_norm(hidden)))
+        hidden = residual + layer.fc2(hidden)
+    return hidden
+
+
+# ---------------------------------------------------------------------------
+# Exact rows: the ops a batch would round differently run row by row
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which ops of :func:`encode_rows` run row by row so that each row gets the bits of its
+    session's own encode, found by :func:`probe_row_plan` on the device.
+
+    The batched rows' attention (cuDNN over the gathered pages, the positions past a row masked
+    with ``-inf``) gives each row the bits of its own unmasked call, and most of Whisper's GEMMs
+    give a row the same bits whatever the number of rows; a few do not (cuBLAS picks another
+    kernel for more rows, e.g. for the ``fc2`` GEMM of a single 50-position chunk on an H200),
+    and cuDNN's convolution algorithm may change with the batch.
+
+    Attributes:
+        gemms: ``(in_features, out_features, bias, rows)`` of the GEMMs that run row by row.
+        convs: buckets (rows) whose convolutions run row by row.
+        first_chunks: whether a session's first chunk (two context frames fewer, zeros in the
+            batch) convolves as its own shorter call does; if not, first chunks are encoded alone.
+    """
+
+    gemms: frozenset[tuple[int, int, bool, int]] = frozenset()
+    convs: frozenset[int] = frozenset()
+    first_chunks: bool = True
+
+    def describe(self) -> str:
+        gemms = sorted({(k, n) for k, n, _, _ in self.gemms})
+        return "; ".join(
+            (
+                "GEMMs " + ", ".join(f"{k}x{n}" for k, n in gemms) + " row by row"
+                if gemms
+                else "every GEMM batched",
+                f"convolutions row by row at buckets {sorted(self.convs)}"
+                if self.convs
+                else "convolutions batched",
+                "first chunks batched" if self.first_chunks else "first chunks encoded alone",
+            )
+        )
+
+
+class RowLinear:
+    """``linear(x, weight, bias)`` over ``rows`` rows of ``chunk`` positions, ``x`` ``(rows *
+    chunk, in_features)`` contiguous: one GEMM, or one per row where ``plan`` says a batch rounds
+    differently (each row's GEMM, the one ``F.linear`` runs for the row alone, written into its
+    slice of the output)."""
+
+    def __init__(self, plan: RowPlan | None, rows: int, chunk: int) -> None:
+        self.plan, self.rows, self.chunk = plan, rows, chunk
+
+    def per_row(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        key = (weight.shape[1], weight.shape[0], bias is not None, self.rows)
+        return self.plan is not None and self.rows > 1 and key in self.plan.gemms
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.per_row(weight, bias):
+            return nn.functional.linear(x, weight, bias)
+        out = x.new_empty((x.shape[0], weight.shape[0]))
+        for first in range(0, x.shape[0], self.chunk):
+            rows = slice(first, first + self.chunk)
+            if bias is None:
+                torch.mm(x[rows], weight.t(), out=out[rows])
+            else:
+                torch.addmm(bias, x[rows], weight.t(), out=out[rows])
+        return out
+
+
+def _convolve(apm: nn.Module, mel: torch.Tensor) -> torch.Tensor:
+    """Whisper's convolutions and GELUs: ``(rows, n_mels, frames)`` -> ``(rows, d_model, frames // 2)``."""
+    hidden = nn.functional.gelu(apm.conv1(mel.to(dtype=apm.conv1.weight.dtype)))
+    return nn.functional.gelu(apm.conv2(hidden))
+
+
+def _gemm_shapes(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight, bias)`` of every GEMM :func:`encode_rows` runs with the fused layers: the packed
+    q/k/v, the output projection and ``fc2`` without their biases (the fused add takes them),
+    ``fc1`` and the projector's two."""
+    found: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for layer in model.apm.layers:
+        qkv = fused_layers.pack_qkv(layer.self_attn)
+        found += [
+            (qkv.weight, qkv.bias),
+            (layer.self_attn.out_proj.weight, None),
+            (layer.fc1.weight, layer.fc1.bias),
+            (layer.fc2.weight, None),
+        ]
+    projector = model.audio_projection_layer
+    for name in ("linear1", "linear2"):
+        linear = getattr(projector, name, None)
+        if linear is not None:
+            found.append((linear.weight, linear.bias))
+    return found
+
+
+@torch.inference_mode()
+def probe_row_plan(
+    model: nn.Module, buckets: Sequence[int], chunk: int, frames: int, device: torch.device
+) -> RowPlan:
+    """Find, on ``device``, the ops :func:`encode_rows` runs row by row (:class:`RowPlan`).
+
+    Each GEMM shape of the batched forward (:func:`_gemm_shapes`) and the convolutions of
+    ``frames`` mel frames run once on random inputs of every bucket of rows and once per row; a
+    bucket whose rows differ in any bit from their own calls runs that op row by row. A first
+    chunk (``frames - 2`` frames) is compared with its zero-padded row. cuBLAS and cuDNN pick
+    their kernels by shape, dtype and device, not by value, so one probe per device serves every
+    call. Its host reads are the only ones of the batched path: the encoder probes when it first
+    makes a device's page pool, outside any capture.
+    """
+    apm = model.apm
+    dtype = apm.conv1.weight.dtype
+    gen = torch.Generator(device=device).manual_seed(0)
+    seen, gemms = set(), set()
+    for weight, bias in _gemm_shapes(model):
+        key = (weight.shape[1], weight.shape[0], bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in (b for b in buckets if b > 1):
+            x = torch.randn((rows * chunk, key[0]), generator=gen, device=device, dtype=dtype)
+            alone = [nn.functional.linear(x[r * chunk : (r + 1) * chunk], weight, bias) for r in range(rows)]
+            if not torch.equal(nn.functional.linear(x, weight, bias), torch.cat(alone)):
+                gemms.add((*key, rows))
+    convs = set()
+    n_mels = apm.config.num_mel_bins
+    for rows in (b for b in buckets if b > 1):
+        mel = torch.randn((rows, n_mels, frames), generator=gen, device=device)
+        alone = torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])
+        if not torch.equal(_convolve(apm, mel), alone):
+            convs.add(rows)
+    first = torch.randn((1, n_mels, frames - 2), generator=gen, device=device)
+    padded = nn.functional.pad(first, (0, 2))
+    first_chunks = torch.equal(_convolve(apm, first)[..., :chunk], _convolve(apm, padded)[..., :chunk])
+    return RowPlan(frozenset(gemms), frozenset(convs), first_chunks)
+
+
+class PagedRowsAttentionCache:
+    """The cache :func:`.fused_layers.whisper_encode_layers` runs the batched rows with: each
+    layer's new keys and values go into the rows' page slots, and attention reads every row's
+    pages gathered, ``(rows, heads, pages per row * PAGE_SIZE, head_dim)``, positions past the
+    row's ``used`` masked by :meth:`mask` (finite there: zeros or the row's own, see the module
+    docstring)."""
+
+    def __init__(self, pool: KVPagePool, slots: torch.Tensor, table: torch.Tensor) -> None:
+        self.pool, self.slots, self.table = pool, slots, table.long()
+
+    def mask(self, used: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive ``(rows, 1, chunk, keys)`` mask: 0 for a row's first ``used`` positions,
+        ``-inf`` past them (built on the device, no host reads)."""
+        rows, per_row = self.table.shape
+        positions = torch.arange(per_row * PAGE_SIZE, device=used.device)
+        masked = (positions[None, :] >= used[:, None])[:, None, None, :].expand(rows, 1, chunk, -1)
+        zeros = torch.zeros(masked.shape, dtype=dtype, device=used.device)
+        return zeros.masked_fill(masked, float("-inf"))
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``(rows, heads, chunk, head_dim)`` keys and values into their slots; return the rows'
+        gathered pages (as ``DynamicCache.update`` returns past and new together)."""
+        keys, values = self.pool.layer(layer_idx)
+        heads, head_dim = self.pool.heads, self.pool.head_dim
+        for pages, new in ((keys, key), (values, value)):
+            pages.view(-1, heads, head_dim).index_copy_(
+                0, self.slots, new.transpose(1, 2).reshape(-1, heads, head_dim)
+            )
+        return tuple(p[self.table].flatten(1, 2).transpose(1, 2) for p in (keys, values))
+
+
 def encode_rows(
     model: nn.Module,
     mel: torch.Tensor,
@@ -371,30 +591,36 @@ def encode_rows(
     codes = codes.long()
     scratch = pool.scratch_start * PAGE_SIZE + torch.arange(codes.numel(), device=codes.device)
     slots = torch.where(codes > 0, codes - 1, scratch)
-    attend = ATTENTION[attention]
-    hidden = nn.functional.gelu(apm.conv1(mel.to(dtype=apm.conv1.weight.dtype)))
-    hidden = nn.functional.gelu(apm.conv2(hidden)).permute(0, 2, 1)  # (rows, chunk + 2, d_model)
+    plan = getattr(pool, "row_plan", None)
+    if plan is not None and rows in plan.convs:
+        hidden = torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])
+    else:
+        hidden = _convolve(apm, mel)
+    hidden = hidden.permute(0, 2, 1)  # (rows, chunk + 2, d_model)
     picks = (start[:, None] + torch.arange(chunk, device=mel.device)).long()
     d_model = hidden.shape[-1]
     hidden = hidden.gather(1, picks[:, :, None].expand(rows, chunk, d_model))
     # the position table first, as the streaming path adds it (the sum is contiguous)
     hidden = (apm.embed_positions.weight[positions.long()] + hidden).reshape(rows * chunk, d_model)
-    heads, head_dim = pool.heads, pool.head_dim
-    for index, layer in enumerate(apm.layers):
-        attn = layer.self_attn
-        residual = hidden
-        normed = layer.self_attn_layer_norm(hidden)
-        query = attn.q_proj(normed) * attn.scaling
-        keys, values = pool.layer(index)
-        keys.view(-1, heads, head_dim).index_copy_(0, slots, attn.k_proj(normed).view(-1, heads, head_dim))
-        values.view(-1, heads, head_dim).index_copy_(0, slots, attn.v_proj(normed).view(-1, heads, head_dim))
-        out = attend(query.view(rows, chunk, heads, head_dim), keys, values, table, used)
-        hidden = residual + attn.out_proj(out.reshape(rows * chunk, d_model))
-        residual = hidden
-        hidden = layer.activation_fn(layer.fc1(layer.final_layer_norm(hidden)))
-        hidden = residual + layer.fc2(hidden)
-    hidden = apm.layer_norm(hidden)
-    embeds = model.audio_projection_layer(hidden).view(rows, chunk, -1).transpose(1, 2)
+    if attention == "reference" and fused_layers.whisper_fused_applies(apm, hidden, None, False):
+        # the per-session path's own layers: the packed q/k/v GEMM, the scale inside SDPA, the fused
+        # residual add + LayerNorm, so a row rounds where its session's own encode rounds
+        pages = PagedRowsAttentionCache(pool, slots, table)
+        linear = RowLinear(plan, rows, chunk)
+        hidden, _ = fused_layers.whisper_encode_layers(
+            apm,
+            hidden.view(rows, chunk, d_model),
+            pages.mask(used, chunk, hidden.dtype),
+            pages,
+            linear=linear,
+        )
+        hidden = _project(model.audio_projection_layer, hidden.reshape(rows * chunk, d_model), linear)
+    else:
+        hidden = apm.layer_norm(
+            _unfused_layers(apm, hidden, pool, slots, table, used, rows, chunk, attention)
+        )
+        hidden = model.audio_projection_layer(hidden)
+    embeds = hidden.view(rows, chunk, -1).transpose(1, 2)
     return model.audio_avg_pooler(embeds).transpose(1, 2)
 
 

@@ -60,7 +60,7 @@ Whisper, whose overflow clamp reads values on the host): anything else runs the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,6 +403,7 @@ def _attention_update(
     cache: Any = None,
     packed: bool = True,
     out_bias: bool = False,
+    linear: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """The attention sub-layer's output projection for ``(B * N, E)`` rows, ``(B * N, E)``.
 
@@ -414,7 +415,7 @@ def _attention_update(
     if packed:
         qkv = pack_qkv(attention)
         query, key, value = _split_qkv(
-            F.linear(normed, qkv.weight, qkv.bias), batch, positions, attention.num_heads
+            linear(normed, qkv.weight, qkv.bias), batch, positions, attention.num_heads
         )
     else:
         query, key, value = (
@@ -426,9 +427,7 @@ def _attention_update(
     attended = _attention(query, key, value, mask, scale, backends)
     del query, key, value  # the q/k/v GEMM's output goes with its last views
     out_proj = attention.out_proj
-    return F.linear(
-        attended.view(batch * positions, -1), out_proj.weight, out_proj.bias if out_bias else None
-    )
+    return linear(attended.view(batch * positions, -1), out_proj.weight, out_proj.bias if out_bias else None)
 
 
 def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor, epilogue: bool) -> torch.Tensor:
@@ -655,12 +654,19 @@ def whisper_fused_applies(
     )
 
 
+def _fc1(fc1: nn.Module, normed: torch.Tensor, linear: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Whisper's ``fc1``: the module's own call, or ``linear`` on its weight and bias when the
+    caller passed one."""
+    return fc1(normed) if linear is F.linear else linear(normed, fc1.weight, fc1.bias)
+
+
 def whisper_encode_layers(
     apm: nn.Module,
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None,
     past_key_values: Any = None,
     output_hidden_states: bool = False,
+    linear: Callable[..., torch.Tensor] = F.linear,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Whisper's encoder layers and final LayerNorm, fused.
 
@@ -675,6 +681,8 @@ def whisper_encode_layers(
         output_hidden_states: also return the hidden states as the unfused encoder's
             ``encoder_states``: the input, each layer's output but the last, then the final
             LayerNorm's output.
+        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear`` (the
+            batched duplex rows pass one that keeps each row's bits, ``duplex_rows.RowLinear``).
 
     Returns:
         ``(last_hidden_state (B, T, d_model), encoder_states or None)``, what the unfused loop
@@ -694,7 +702,15 @@ def whisper_encode_layers(
         normed, residual = _norm(
             residual,
             _attention_update(
-                attention, normed, batch, positions, attention_mask, attention.scaling, backends, cache
+                attention,
+                normed,
+                batch,
+                positions,
+                attention_mask,
+                attention.scaling,
+                backends,
+                cache,
+                linear=linear,
             ),
             attention.out_proj.bias,
             layer.final_layer_norm,
@@ -703,7 +719,7 @@ def whisper_encode_layers(
         next_norm = apm.layer_norm if last else layers[index + 1].self_attn_layer_norm
         normed, residual = _norm(
             residual,
-            F.linear(layer.activation_fn(layer.fc1(normed)), layer.fc2.weight),
+            linear(layer.activation_fn(_fc1(layer.fc1, normed, linear)), layer.fc2.weight, None),
             layer.fc2.bias,
             next_norm,
             store_sum=not last,

@@ -1,0 +1,388 @@
+"""``stack-run LANE [PR...]``: each exported PR's own tests from its own tree, on the GPU host.
+
+For each PR of ``<bundle dir>/stack-LANE/STACK.json`` (:mod:`.stackbuild`): a copy of the unpacked
+bundle's ``vllm_omni`` package (and, for a PR that needs no vLLM PR, of ``vllm``) made of hard
+links, with the PR's overlay written over it; a check that every file of the copied package is the
+PR tree's (the overlay's bytes, else the release wheel's); the PR tree's ``tests/``; then pytest on
+the PR's own test files from that tree, ``-m`` the PR's marks, ``PYTHONPATH`` = a folder that makes
+``minicpmo_cg`` unimportable, the copies, the bundle's site (never the checkout), under a time
+limit. Output folder, flat: ``stack-LANE.json`` (the summary), ``stack-LANE.log`` (everything
+printed), and per PR ``tests-PR.log`` and ``junit-PR.xml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minicpmo_cg.offline_gpu import hostenv, payload, runner
+
+STACK_FILE = "STACK.json"
+BLOBS = "blobs.tar.xz"
+DEFAULT_PR_TIMEOUT_S = 150
+DEFAULT_BUDGET_S = 540
+_BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
+_ENV_SNIPPET = (
+    "import platform, importlib.metadata as m\n"
+    "parts = [f'Python {platform.python_version()}']\n"
+    "for d in ('torch', 'transformers'):\n"
+    "    try:\n"
+    "        parts.append(f'{d} {m.version(d)}')\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "import torch\n"
+    "parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')\n"
+    "print(', '.join(parts))\n"
+)
+
+
+def stack_dir(bundle_dir: Path, lane: str) -> Path:
+    return bundle_dir / f"stack-{lane}"
+
+
+def read_stack(folder: Path) -> dict:
+    return json.loads((folder / STACK_FILE).read_text(encoding="utf-8"))
+
+
+@dataclass
+class StackPlan:
+    """What ``stack-run`` does (also what ``stack-run --dry-run`` prints)."""
+
+    lane: str
+    prs: list[str]
+    python: str
+    out: Path
+    budget_s: int = DEFAULT_BUDGET_S
+    pr_timeout_s: int = DEFAULT_PR_TIMEOUT_S
+    #: replaces each PR's own marks when set
+    markers: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+def select(stack: dict, wanted: list[str]) -> list[str]:
+    """The folders of ``wanted`` (folder names or their leading number / key), all when empty.
+
+    Raises:
+        ValueError: a name matches no PR of the stack, or several.
+    """
+    folders = [pr["folder"] for pr in stack["prs"]]
+    if not wanted:
+        return folders
+    out = []
+    for name in wanted:
+        hits = [f for f in folders if f == name or f.split("-", 1)[0] == name or f.endswith(f"-{name}")]
+        if len(hits) != 1:
+            raise ValueError(f"PR {name!r} {'matches ' + ', '.join(hits) if hits else 'is not in the stack'} "
+                             f"(PRs: {', '.join(folders)})")  # fmt: skip
+        out.append(hits[0])
+    return list(dict.fromkeys(out))
+
+
+def pytest_command(plan: StackPlan, pr: dict, ini: Path, tree: Path) -> list[str]:
+    marks = pr["marks"] if plan.markers is None else plan.markers
+    argv = [plan.python, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-rs"]
+    argv += ["-m", marks] if marks else []
+    argv += [f"--junitxml={plan.out / ('junit-' + pr['folder'] + '.xml')}", *plan.extra, *pr["run"]]
+    return argv
+
+
+def _pytest_ini(path: Path, markers: list[str]) -> Path:
+    """A pytest.ini as the export's checks write: vllm-omni's registered markers, strict."""
+    lines = ["[pytest]", "addopts = --strict-markers -p no:cacheprovider", "markers ="]
+    lines += [f"    {name}: registered by vllm-omni" for name in markers]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _sha_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _package_files(root: Path, package: str) -> set[str]:
+    base = root / package
+    return {
+        p.relative_to(root).as_posix()
+        for p in base.rglob("*")
+        if (p.is_file() or p.is_symlink()) and "__pycache__" not in p.parts
+    }
+
+
+def overlay_packages(site: Path, pr: dict, blobs: Path, dest: Path) -> list[str]:
+    """Copy (hard links) each top-level package the PR's overlay names from ``site`` to ``dest``
+    and write the overlay over the copy: a path with a digest gets ``blobs/<digest>``, a path with
+    null is removed. Returns the packages copied."""
+    packages = sorted({rel.split("/", 1)[0] for rel in pr["overlay"]})
+    for package in packages:
+        target = dest / package
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            shutil.copytree(site / package, target, copy_function=os.link,
+                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        except OSError:  # another file system: plain copies
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(site / package, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, digest in pr["overlay"].items():
+        path = dest / rel
+        if path.exists() or path.is_symlink():
+            path.unlink()  # never write through a hard link into the site
+        if digest is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(blobs / digest, path)
+    return packages
+
+
+def check_package(stack: dict, pr: dict, site: Path, dest: Path) -> tuple[list[str], int]:
+    """Compare the overlaid ``vllm_omni`` copy in ``dest`` with the PR's tree.
+
+    Each file must have the overlay's bytes where the overlay names it, else the release wheel's;
+    a wheel file that the bundle's site lacks too (dropped by the strip rules) may be absent.
+
+    Returns:
+        ``(problems, stripped)``: one line per differing, missing or extra file (the first 20);
+        how many wheel files the strip rules left out.
+    """
+    if not (dest / "vllm_omni").is_dir():
+        return [], 0
+    overlay = {rel: d for rel, d in pr["overlay"].items() if rel.startswith("vllm_omni/")}
+    expected = {**stack["base_files"], **overlay}
+    expected = {rel: d for rel, d in expected.items() if d is not None}
+    have = _package_files(dest, "vllm_omni")
+    problems, stripped = [], 0
+    for rel in sorted(set(expected) | have):
+        if rel not in have:
+            if rel not in overlay and not (site / rel).exists():
+                stripped += 1
+            else:
+                problems.append(f"{rel}: missing")
+        elif rel not in expected:
+            problems.append(f"{rel}: not in the PR's tree")
+        elif _sha_file(dest / rel) != expected[rel]:
+            problems.append(f"{rel}: differs from the PR's tree")
+    return problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else []), stripped
+
+
+def write_tree(pr: dict, blobs: Path, tree: Path) -> None:
+    """The PR tree's ``tests/`` (every test file present at that PR) below ``tree``."""
+    shutil.rmtree(tree, ignore_errors=True)
+    for rel, digest in pr["tests"].items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(blobs / digest, tree / rel)
+
+
+def junit_counts(path: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """``({passed, failed, errors, skipped, xfailed}, {skip reason: count})`` of a pytest junit xml.
+
+    pytest writes a ``<failure>`` per failed test, an ``<error>`` per error (a test whose setup or
+    teardown failed gets one as well), ``<skipped type="pytest.xfail">`` per expected failure and
+    ``<skipped>`` with the reason as ``message`` per skip; a test case with none of them passed.
+    """
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped", "xfailed"), 0)
+    reasons: dict[str, int] = {}
+    if not path.is_file():
+        return counts, reasons
+    for case in ET.parse(path).getroot().iter("testcase"):
+        tags = {child.tag: child for child in case}
+        if "failure" in tags:
+            counts["failed"] += 1
+        elif "error" in tags:
+            counts["errors"] += 1
+        elif "skipped" in tags:
+            skipped = tags["skipped"]
+            if skipped.get("type") == "pytest.xfail":
+                counts["xfailed"] += 1
+            else:
+                counts["skipped"] += 1
+                reason = (skipped.get("message") or "").strip()
+                reason = re.sub(r"^Skipped: ", "", reason) or "no reason given"
+                reasons[reason] = reasons.get(reason, 0) + 1
+        else:
+            counts["passed"] += 1
+    return counts, reasons
+
+
+def pytest_summary(log: Path) -> str | None:
+    """pytest's last summary line without its duration (``12 passed, 3 skipped, 40 deselected``)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    pattern = r"\d+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)|no tests ran"
+    lines = [line.strip("= ").strip() for line in text.splitlines() if re.search(pattern, line)]
+    return re.sub(r"\s+in [\d.]+s.*$", "", lines[-1]) if lines else None
+
+
+def _capture(argv: list[str], env: dict[str, str], cwd: Path) -> str:
+    try:
+        proc = subprocess.run(
+            argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=180, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return (
+        lines[-1]
+        if proc.returncode == 0 and lines
+        else f"unknown ({(proc.stderr or proc.stdout).strip()[-300:]})"
+    )
+
+
+def host_facts(python: str, site: Path, work: Path) -> dict:
+    """Date (UTC), device (``nvidia-smi`` name, memory, driver per GPU) and the software line."""
+    env = {**os.environ, **hostenv.FIXED_ENV, "PYTHONPATH": str(site)}
+    smi = _capture(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                   env, work)  # fmt: skip
+    return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        #: None when nvidia-smi gave nothing (no GPU, no driver)
+        "device": None if smi.startswith("unknown") else smi.replace("\n", "; "),
+        "nvidia_smi": smi,
+        "environment": _capture([python, "-c", _ENV_SNIPPET], env, work),
+    }
+
+
+def describe(plan: StackPlan, stack: dict, site: Path) -> str:
+    """The plan as text: unpack step, then per PR its overlay and its pytest command."""
+    lines = [
+        f"# per-PR runs: lane {plan.lane}, PRs {' '.join(plan.prs)}, budget {plan.budget_s} s, "
+        f"{plan.pr_timeout_s} s per PR",
+        f"install: unpack the lane's site.tar.xz into {site}; blobs.tar.xz into a temporary folder",
+    ]
+    by_folder = {pr["folder"]: pr for pr in stack["prs"]}
+    for folder in plan.prs:
+        pr = by_folder[folder]
+        vllm = (
+            "pristine vLLM files" if any(r.startswith("vllm/") for r in pr["overlay"]) else "vLLM as bundled"
+        )
+        argv = pytest_command(plan, pr, Path("TREE/pytest.ini"), Path("TREE"))
+        lines.append(
+            f"[{folder}] overlay {len(pr['overlay'])} files ({vllm}), {len(pr['tests'])} test files: "
+            f"{' '.join(argv)} > {plan.out}/tests-{folder}.log"
+        )
+    lines.append(
+        f"# files in {plan.out}: stack-{plan.lane}.json stack-{plan.lane}.log "
+        + " ".join(f"tests-{f}.log junit-{f}.xml" for f in plan.prs)
+    )
+    return "\n".join(lines)
+
+
+def _result(folder: str, title: str, status: str, **extra) -> dict:
+    return {"folder": folder, "title": title, "status": status, **extra}
+
+
+def run_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, work: Path, limit: int) -> dict:
+    """Overlay, check, write the tree and run one PR's tests; its entry of the summary."""
+    dest, tree = work / pr["folder"] / "pkgs", work / pr["folder"] / "tree"
+    packages = overlay_packages(site, pr, blobs, dest)
+    problems, stripped = check_package(stack, pr, site, dest)
+    base = {"kind": pr["kind"], "vllm_prs": pr["vllm_prs"], "series_fingerprint": pr["series_fingerprint"],
+            "packages_overlaid": packages, "stripped_files": stripped}  # fmt: skip
+    if problems:
+        return _result(pr["folder"], pr["title"], "error", problems=problems, **base)
+    write_tree(pr, blobs, tree)
+    blocker = work / pr["folder"] / "blocker"
+    (blocker / "minicpmo_cg").mkdir(parents=True, exist_ok=True)
+    (blocker / "minicpmo_cg" / "__init__.py").write_text(_BLOCKER, encoding="utf-8")
+    ini = _pytest_ini(work / pr["folder"] / "pytest.ini", stack["markers"])
+    env = {**os.environ, **hostenv.FIXED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(dest), str(site)])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    argv = pytest_command(plan, pr, ini, tree)
+    log = plan.out / f"tests-{pr['folder']}.log"
+    junit = plan.out / f"junit-{pr['folder']}.xml"
+    junit.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    rc, timed_out = runner.run_limited(argv, log, env, tree, limit)
+    seconds = round(time.monotonic() - t0, 1)
+    counts, reasons = junit_counts(junit)
+    status = "timeout" if timed_out else ("ok" if rc in (0, 5) else "failed")
+    return _result(
+        pr["folder"], pr["title"], status, returncode=rc, seconds=seconds, time_limit_s=limit,
+        marks=pr["marks"] if plan.markers is None else plan.markers, summary=pytest_summary(log),
+        counts=counts, skip_reasons=reasons, junit=junit.name, log=log.name, command=argv, **base,
+    )  # fmt: skip
+
+
+def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, repo: Path,
+            installed_site: bool = False) -> int:  # fmt: skip
+    """Unpack the bundle (unless ``installed_site``: ``site`` is a ready site-packages), run the PRs.
+
+    Returns:
+        0 when every PR's tests passed, 1 when one failed, timed out, was skipped or its package
+        check failed, 3 when the bundle is not the one the overlays were built against, 4 when the
+        bundle or the overlays are missing.
+    """
+    started = time.monotonic()
+    plan.out.mkdir(parents=True, exist_ok=True)
+    say = runner.Console(plan.out / f"stack-{plan.lane}.log")
+    stack = read_stack(stack_folder)
+    summary_path = plan.out / f"stack-{plan.lane}.json"
+    doc = {"lane": plan.lane, "budget_s": plan.budget_s, "pr_timeout_s": plan.pr_timeout_s,
+           "stack_built_at": stack.get("built_at"), "stack_commit": stack.get("commit"),
+           "vllm": stack.get("vllm"), "vllm_omni": stack.get("vllm_omni"), "site": str(site), "prs": []}  # fmt: skip
+    try:
+        say(
+            f"per-PR runs, lane {plan.lane}: {' '.join(plan.prs)} | budget {plan.budget_s} s | out {plan.out}"
+        )
+        if installed_site:
+            say(f"install: using the installed site-packages {site} (not the bundle)")
+            doc["bundle"] = "installed site-packages (not the bundle)"
+        else:
+            installed = hostenv.install(lane_dir, site, repo, plan.python)
+            say(installed.message)
+            doc["bundle"] = installed.status.message
+            if installed.code:
+                summary_path.write_text(json.dumps({**doc, "install_failed": True}, indent=2) + "\n")
+                return installed.code
+            want = stack["bundle"]["archive_sha256"]
+            if installed.status.manifest.get("archive_sha256") != want:
+                say(f"FATAL: the overlays in {stack_folder} were built against bundle archive {want}, "
+                    f"this bundle is {installed.status.manifest.get('archive_sha256')}: run `stack` again")  # fmt: skip
+                summary_path.write_text(json.dumps({**doc, "install_failed": True}, indent=2) + "\n")
+                return payload.STALE
+        work = Path(tempfile.mkdtemp(prefix=f"minicpmo-cg-stack-{plan.lane}-"))
+        with tarfile.open(stack_folder / BLOBS) as tf:
+            tf.extractall(work, filter="data") if hasattr(tarfile, "data_filter") else tf.extractall(work)
+        blobs = work / "blobs"
+        doc.update(host_facts(plan.python, site, work))
+        say(f"device: {doc['device']}\nsoftware: {doc['environment']}")
+        by_folder = {pr["folder"]: pr for pr in stack["prs"]}
+        for folder in plan.prs:
+            pr = by_folder[folder]
+            left = plan.budget_s - (time.monotonic() - started)
+            limit = int(min(plan.pr_timeout_s, left))
+            say("=" * 100)
+            if left < min(runner.MIN_PART_S, plan.pr_timeout_s):
+                say(f"[{folder}] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
+                doc["prs"].append(_result(folder, pr["title"], "skipped", reason="budget spent"))
+                continue
+            entry = run_pr(plan, stack, pr, site, blobs, work, limit)
+            doc["prs"].append(entry)
+            if entry["status"] == "error":
+                say(
+                    f"[{folder}] ERROR: the overlaid package is not the PR's tree:\n  "
+                    + "\n  ".join(entry["problems"])
+                )
+                continue
+            say(f"[{folder}] {' '.join(entry['command'])}   (time limit {limit} s)")
+            say(runner.log_excerpt(plan.out / entry["log"], 8))
+            say(f"[{folder}] {entry['status']} (exit {entry['returncode']}) in {entry['seconds']:.0f} s: "
+                f"{entry['summary']}")  # fmt: skip
+        shutil.rmtree(work, ignore_errors=True)
+        say("=" * 100)
+        say(f"SUMMARY per-PR runs {plan.lane} (total {time.monotonic() - started:.0f} s):")
+        for entry in doc["prs"]:
+            say(f"  {entry['folder']:26s} {entry['status']:8s} {entry.get('summary') or ''}")
+        doc["ok"] = bool(doc["prs"]) and all(e["status"] == "ok" for e in doc["prs"])
+        summary_path.write_text(json.dumps(doc, indent=2) + "\n")
+        say(f"  summary: {summary_path}")
+        return 0 if doc["ok"] else 1
+    finally:
+        say.close()
