@@ -42,6 +42,7 @@ MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_l
 #: The adapter, installed beside the model file.
 ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
 #: The fused encoder layers, installed beside the model file (--hf-overrides encoder_fused_layers).
+FUSED_LAYERS_KEY = "encoder_fused_layers"
 FUSED_LAYERS_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.fused_layers"
 
 WIRING_MISSING = (
@@ -285,8 +286,9 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
 
     Returns:
         ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``, or both
-        ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module
-        (then an ``encoder_fused_layers`` key on the config is refused instead).
+        ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module, or
+        ``"off (no encoder_fused_layers key)"`` where it has the module but does not register the
+        key (then an ``encoder_fused_layers`` key on the config is refused instead).
 
     Raises:
         ValueError: a bad ``encoder_fused_layers`` (or any other project key), naming the key; or
@@ -303,6 +305,15 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
                 f"layers ({FUSED_LAYERS_MODULE})"
             ) from exc
         return {"vision": "off (no fused_layers module)", "audio": "off (no fused_layers module)"}
+    registry = importlib.import_module(ADAPTER_MODULE).options.HF_OVERRIDE_KEYS
+    if FUSED_LAYERS_KEY not in registry:
+        # a tree that carries the module for the graphs' imports but not yet the key: its model
+        # constructor never configures the fused layers, so neither does this builder
+        if hasattr(model.config, FUSED_LAYERS_KEY):
+            raise ValueError(
+                f"{FUSED_LAYERS_KEY} is set, but the installed vllm-omni tree does not register it"
+            )
+        return {"vision": f"off (no {FUSED_LAYERS_KEY} key)", "audio": f"off (no {FUSED_LAYERS_KEY} key)"}
     return module.configure_fused_layers(model)
 
 

@@ -287,6 +287,9 @@ def run_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, work
     if problems:
         return _result(pr["folder"], pr["title"], "error", problems=problems, **base)
     write_tree(pr, blobs, tree)
+    # the tree is a source checkout of the PR: its package is the overlaid copy (tests that compare
+    # the installed modules with the checkout's, or read the checkout's files, find the PR's own)
+    (tree / "vllm_omni").symlink_to(dest / "vllm_omni", target_is_directory=True)
     blocker = work / pr["folder"] / "blocker"
     (blocker / "minicpmo_cg").mkdir(parents=True, exist_ok=True)
     (blocker / "minicpmo_cg" / "__init__.py").write_text(_BLOCKER, encoding="utf-8")

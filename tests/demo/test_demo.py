@@ -459,3 +459,19 @@ def test_demo_on_cpu_runs_the_reduced_size_and_keeps_logs_off_stdout(tmp_path):
     assert report["stats"]["streaming audio"]["ineligible_misses"] == demo.DUPLEX_CHUNKS["cpu"]
     assert sorted(report["cpu_routing_check"]) == ["audio", "duplex", "image"]
     assert all(c["max_abs_diff"] == 0.0 for c in report["cpu_routing_check"].values())
+
+
+@pytest.mark.cpu
+def test_a_tree_that_does_not_register_the_fused_layers_key_builds_unfused(monkeypatch):
+    """The graphs' PRs carry fused_layers.py before the PR that registers encoder_fused_layers: the
+    builder then configures nothing (as that tree's model constructor), and refuses the key set."""
+    from types import SimpleNamespace
+
+    registry = importlib.import_module(standalone.ADAPTER_MODULE).options.HF_OVERRIDE_KEYS
+    monkeypatch.delitem(registry, standalone.FUSED_LAYERS_KEY)
+    model = SimpleNamespace(config=SimpleNamespace())
+    off = "off (no encoder_fused_layers key)"
+    assert standalone.configure_fused_layers(model) == {"vision": off, "audio": off}
+    model.config.encoder_fused_layers = "all"
+    with pytest.raises(ValueError, match="encoder_fused_layers is set"):
+        standalone.configure_fused_layers(model)

@@ -37,9 +37,12 @@ def ecg():
     spec = importlib.util.find_spec(MODULE)
     if spec is not None and spec.origin:
         installed = Path(spec.origin).parent
-        if _sources(installed) != _sources(REPO_ADAPTER):
+        have, want = _sources(installed), _sources(REPO_ADAPTER)
+        if have != want:
+            names = sorted(n for n in have.keys() | want.keys() if have.get(n) != want.get(n))
             pytest.fail(
-                f"installed adapter {installed} differs from {REPO_ADAPTER}: reinstall it from the source tree"
+                f"installed adapter {installed} differs from {REPO_ADAPTER} in {', '.join(names)}: "
+                "reinstall it from the source tree"
             )
         return importlib.import_module(MODULE)
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
