@@ -819,12 +819,12 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     """Eight sessions over 36 steps: joins mid-stream (first chunks inside batched steps), a leave,
     a's cache reset at its chunk 29. The attention is whichever the device offers: vLLM's
     FlashAttention over the pages only where its compiled op is registered (else the run would
-    raise), else the SDPA reference over the gathered pages. With the SDPA reference every row must
-    equal its session's own eager encode bitwise: the rows run the per-session path's fused layers,
+    raise), else the SDPA reference over the gathered pages. With the SDPA reference and the fused
+    layers every row must equal its session's own eager encode bitwise: the rows run those layers,
     cuDNN attention over the gathered pages gives a row its unmasked call's bits, and the GEMMs and
     convolutions the device's probe found row-variant run row by row (``duplex_rows.RowPlan``, the
-    plan printed). With vLLM's FlashAttention the bound is four bf16 steps (2**-6): another attention
-    kernel than the session's own. The worst difference and the attention are printed."""
+    plan printed). With vLLM's FlashAttention or the unfused layers the bound is four bf16 steps
+    (2**-6): another attention kernel, or another rounding, than the session's own. The worst difference and the attention are printed."""
     from minicpmo_cg import duplex
 
     model, reference = medium
@@ -840,7 +840,9 @@ def test_batched_steps_with_joins_leaves_and_resets_match_each_session_on_cuda(m
     }
     live, started, worst, bitwise = {}, {}, 0.0, True
     plan = {0: "abcde", 4: "f", 11: "gh"}
-    exact = attention == "reference"
+    # the exact rows are the fused layers' path (duplex_rows.RowPlan); the unfused layers run the
+    # rows module by module, another rounding than the session's own
+    exact = attention == "reference" and bool(getattr(model.apm, "_fused_layers", False))
     tol = 0.0 if exact else 4 * graph_rel_tol(torch.bfloat16)
     for t in range(36):  # a's cache resets at its chunk 29; f, g and h join mid-stream
         for name in plan.get(t, ""):
