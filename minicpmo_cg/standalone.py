@@ -427,12 +427,11 @@ def wire_encoder_graphs(
         raise PatchMissingError(WIRING_MISSING)
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
-    defaults = options_cls(**values)  # validates; raises before model.config changes
+    validated = options_cls(**values)  # raises before model.config changes
     # every key is set, those not given to their defaults: a wiring never inherits an option an
     # earlier wiring of the same model set
-    fields = dataclasses.fields(options_cls)
-    for f in fields:
-        setattr(model.config, f.metadata["hf_key"], values.get(f.name, getattr(defaults, f.name)))
+    for f in dataclasses.fields(options_cls):
+        setattr(model.config, f.metadata["hf_key"], values.get(f.name, getattr(validated, f.name)))
     model._init_encoder_cuda_graphs(vllm_config)
     adapters = (
         vision_graph(model),

@@ -230,7 +230,7 @@ def _graph_counts(adapter: Any) -> dict[str, int]:
     return {key: stats.get(key, 0) for key in keys}
 
 
-def _host_row(ctx: Ctx, name: str, call: Any, adapter: Any, per_call: int = 1) -> dict[str, Any]:
+def _host_row(ctx: Ctx, name: str, call: Any, adapter: Any) -> dict[str, Any]:
     """Host ms of ``call`` and whether every timed call replayed: ``replays`` and ``eager`` count
     the adapter's hits and misses over the timed calls, ``bypassed`` the calls that never reached
     the adapter (the model's own eager path). Host time of a call that did not replay measures
@@ -238,7 +238,7 @@ def _host_row(ctx: Ctx, name: str, call: Any, adapter: Any, per_call: int = 1) -
     before = _graph_counts(adapter())
     ms = _host_ms(ctx, call)
     delta = {key: value - before[key] for key, value in _graph_counts(adapter()).items()}
-    calls = HOST_CALLS[ctx.mode] * per_call
+    calls = HOST_CALLS[ctx.mode]
     replays, eager = delta["graph_hits"], delta["graph_misses"]
     row = {"ms": ms, "calls": calls, "replays": replays, "eager": eager, "bypassed": calls - replays - eager}
     row["misses"] = {key: delta[key] for key in MISS_COUNTERS if delta[key]}
