@@ -58,6 +58,14 @@ def _add_bundle_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lane(p: argparse.ArgumentParser) -> None:
+    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+
+
+def _add_seconds(p: argparse.ArgumentParser, flag: str, default: int, what: str) -> None:
+    p.add_argument(flag, type=int, default=default, metavar="S", help=f"{what} (default: %(default)s)")
+
+
 def _add_site(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--site", type=Path, help="where the bundle is unpacked (default: <tmp>/minicpmo-cg-site-LANE)"
@@ -65,18 +73,12 @@ def _add_site(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    _add_lane(p)
     p.add_argument(
         "parts", nargs="*", metavar="PART", help=f"{', '.join(runner.PARTS)} (default: all, in this order)"
     )
     p.add_argument("--quick", action="store_true", help="pass --quick to the demo and the benchmark")
-    p.add_argument(
-        "--budget",
-        type=int,
-        default=runner.DEFAULT_BUDGET_S,
-        metavar="S",
-        help="seconds for the whole run (default: %(default)s)",
-    )
+    _add_seconds(p, "--budget", runner.DEFAULT_BUDGET_S, "seconds for the whole run")
     p.add_argument("--out", type=Path, help="output folder (default: out/gpu-LANE in the checkout)")
     p.add_argument(
         "--markers",
@@ -135,7 +137,7 @@ def _check_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _env_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    _add_lane(p)
     _add_bundle_dir(p)
     _add_site(p)
 
@@ -146,7 +148,7 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _stack_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    _add_lane(p)
     p.add_argument(
         "--export",
         type=Path,
@@ -161,7 +163,7 @@ def _stack_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _stack_run_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("lane", type=_lane, help="lane name (a lanes/<lane>.txt)")
+    _add_lane(p)
     p.add_argument(
         "prs",
         nargs="*",
@@ -169,20 +171,8 @@ def _stack_run_parser(p: argparse.ArgumentParser) -> None:
         help="PR folders, numbers (01) or keys (siglip-attention); default: all",
     )
     p.add_argument("--out", type=Path, help="output folder (default: out/gpu-stack-LANE in the checkout)")
-    p.add_argument(
-        "--budget",
-        type=int,
-        default=stackrun.DEFAULT_BUDGET_S,
-        metavar="S",
-        help="seconds for the whole run (default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=int,
-        default=stackrun.DEFAULT_PR_TIMEOUT_S,
-        metavar="S",
-        help="time limit of one PR's tests (default: %(default)s)",
-    )
+    _add_seconds(p, "--budget", stackrun.DEFAULT_BUDGET_S, "seconds for the whole run")
+    _add_seconds(p, "--timeout", stackrun.DEFAULT_PR_TIMEOUT_S, "time limit of one PR's tests")
     p.add_argument(
         "--markers", help="pytest -m expression for every PR (default: each PR's own, see STACK.json)"
     )
