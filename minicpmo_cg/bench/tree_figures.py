@@ -24,7 +24,7 @@ session's chunks are reported as well. Inputs and weights are seeded (:data:`SEE
 gets the same ones.
 
 Times are CUDA-event milliseconds of one call (:class:`minicpmo_cg.measure.Timer`), median and p90
-of :data:`TIMED_CALLS` calls. Outputs (eager and graphed) are saved beside the JSON
+of :data:`TIMED_CALLS` calls after :data:`EAGER_WARMUP` untimed eager ones. Outputs (eager and graphed) are saved beside the JSON
 (``<label>.pt``) for :func:`compare`, which relates each tree to the one before it.
 
 Without CUDA (``--allow-cpu``) both passes run on the reduced model (2 + 2 layers) and tiny inputs,
@@ -54,7 +54,9 @@ __all__ = ["CALLS", "compare", "main", "measure_tree", "tree_features"]
 SEED = 0
 WARMUP_CALLS = 4
 #: timed calls per call site, on CUDA and on a CPU logic check
-TIMED_CALLS = {"cuda": 15, "cpu": 2}
+TIMED_CALLS = {"cuda": 30, "cpu": 2}
+#: untimed eager calls per call site before its timed ones (the eager duplex session: sessions)
+EAGER_WARMUP = {"cuda": 3, "cpu": 0}
 DUPLEX_CHUNKS = {"cuda": 10, "cpu": 3}
 #: call name -> (kind, full-size spec, CPU spec): vision specs are patch grids, audio ones mel frames
 CALLS: dict[str, tuple[str, Any, Any]] = {
@@ -97,12 +99,14 @@ def _inputs(kind: str, spec: Any, device: torch.device, dtype: torch.dtype) -> d
     return {"audio_features": feats, "audio_feature_lens": [torch.tensor([spec], dtype=torch.int64)]}
 
 
-def _duplex_chunks(count: int, device: torch.device, dtype: torch.dtype) -> list[Any]:
+def _duplex_chunks(count: int, device: torch.device) -> list[Any]:
+    """A session's chunks as the duplex stage hands them over: float32 log-mel frames on the device
+    (the model casts them; the start-up capture captures exactly these forms)."""
     from minicpmo_cg import duplex
 
     g = torch.Generator().manual_seed(SEED + 2)
     mel = torch.randn((80, count * duplex.CHUNK_FRAMES + duplex.CONTEXT_FRAMES), generator=g) * 0.5
-    return duplex.frame_chunks(mel, count, device=device, dtype=dtype)
+    return duplex.frame_chunks(mel, count, device=device, dtype=torch.float32)
 
 
 def _output(out: Any) -> torch.Tensor:
@@ -204,11 +208,11 @@ def measure_tree(*, cpu: bool = False) -> tuple[dict[str, Any], dict[str, torch.
         backend = CpuGraphBackend(clock=clock)
     call_args = {name: _inputs(kind, spec[1] if cpu else spec[0], device, dtype)
                  for name, (kind, *spec) in CALLS.items()}  # fmt: skip
-    chunks = _duplex_chunks(DUPLEX_CHUNKS[mode], device, dtype)
+    chunks = _duplex_chunks(DUPLEX_CHUNKS[mode], device)
     config = duplex_vllm_config(standalone_vllm_config(), 2)
     figures: dict[str, Any] = {"features": features, "build": dataclass_dict(model.build_info)}
     outputs: dict[str, torch.Tensor] = {}
-    warmup = 0 if cpu else 1
+    warmup = EAGER_WARMUP[mode]
     with torch.inference_mode(), _clock_for_adapters(clock):
         if features["graphs"]:
             standalone.wire_encoder_graphs(model, config, enabled=False)

@@ -132,3 +132,12 @@ def test_measure_logic_check_on_the_installed_tree() -> None:
     assert set(outputs) == {f"{kind}/{c}" for kind in ("eager", "graphed") for c in calls}
     for call in calls:
         assert tree_figures.rel_diff(outputs[f"eager/{call}"], outputs[f"graphed/{call}"]) == 0.0, call
+
+
+def test_duplex_chunks_are_float32_as_the_duplex_stage_hands_them_over() -> None:
+    """The start-up capture captures the stage's float32 chunk forms: a bf16 model must still get
+    float32 chunks, or no chunk finds its graph."""
+    chunks = tree_figures._duplex_chunks(3, torch.device("cpu"))
+    assert [c.features.dtype for c in chunks] == [torch.float32] * 3
+    assert [c.features.shape[-1] for c in chunks] == [102, 104, 104]
+    assert [c.prefix_extra_frames for c in chunks] == [0, 2, 2]
