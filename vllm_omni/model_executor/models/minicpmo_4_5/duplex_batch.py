@@ -3,8 +3,8 @@
 
 vllm-omni's model runner calls the stage model's ``preprocess`` once per scheduled request; for a
 duplex append that runs the duplex stage, which encodes the session's 1 s audio chunk through
-``get_audio_embedding_streaming`` on its own (one graph replay per session, ~2.3 ms each on an
-H200), bitwise equal to its eager encode: the default. With ``encoder_cuda_graph_duplex_batch:
+``get_audio_embedding_streaming`` on its own (one graph replay per session), bitwise equal to its
+eager encode: the default. With ``encoder_cuda_graph_duplex_batch:
 true`` (opt-in) the runner hands every duplex append of a step to :func:`preprocess_append_batch`
 instead, and their chunks are encoded in one batched call, replayed from one CUDA graph per batch
 bucket:
@@ -41,17 +41,14 @@ Per-row parity: bitwise with the SDPA reference attention and the fused layers. 
 per-session path's fused Whisper layers; cuDNN attention over a row's gathered pages, the
 positions past it masked with ``-inf``, gives the row its unmasked call's bits; and the GEMMs and
 convolutions that round a batch differently on the device (found by
-:func:`~.duplex_rows.probe_row_plan` when a page pool is made; on an H200 the ``fc2`` GEMM) run
-row by row. Measured on an H200 in bf16: every row of 1 to 32 sessions bitwise equal to its
-session's own eager encode; a batched step costs 2.79 / 3.07 / 7.09 / 28.46 ms at 1 / 2 / 8 / 32
-sessions against 1.75 / 3.64 / 12.52 / 56.36 ms of per-session replays. With vLLM's FlashAttention
-(another attention kernel than the session's own) or unfused layers the rows are not bitwise.
-Opt-in all the same: a single session's chunk and the first session after start-up are faster
-on the per-session path (the default, ``encoder_cuda_graph_duplex_batch: false``), and the page
-pool and batch graphs take memory at start-up. A chunk
-the batched forward does not cover (other
-framing or length, autograd, FP16 Whisper, a cache the eager path made, a full pool) is encoded on
-its own, as without batching.
+:func:`~.duplex_rows.probe_row_plan` when a page pool is made, e.g. Whisper's ``fc2`` GEMM) run
+row by row. With vLLM's FlashAttention (another attention kernel than the session's own) or
+unfused layers the rows are not bitwise. Opt-in all the same: a single session's chunk and the
+first session after start-up are faster on the per-session path (the default,
+``encoder_cuda_graph_duplex_batch: false``), and the page pool and batch graphs take memory at
+start-up; the measured figures are in the design page's "Batched steps" section. A chunk the
+batched forward does not cover (other framing or length, autograd, FP16 Whisper, a cache the
+eager path made, a full pool) is encoded on its own, as without batching.
 """
 
 from __future__ import annotations

@@ -439,8 +439,8 @@ class EncoderCudaGraphOptions:
     #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
     #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
     #: its own, bitwise equal to its eager encode. With the SDPA reference paged attention each batched row is
-    #: bitwise equal to its session's own encode too (measured on an H200, 1 to 32 sessions; not with vLLM's
-    #: FlashAttention). Opt-in because a single session's chunk and the first session after start-up are
+    #: bitwise equal to its session's own encode too (not with vLLM's FlashAttention, another attention
+    #: kernel). Opt-in because a single session's chunk and the first session after start-up are
     #: faster per session and the page pool takes memory at start-up; it pays off for deployments with many
     #: concurrent duplex sessions.
     duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
