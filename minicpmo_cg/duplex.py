@@ -1,11 +1,11 @@
-"""A full-duplex session's audio path outside vllm-omni's duplex stage: chunk framing and session caches.
+"""A full-duplex session's audio path outside vllm-omni's duplex stage: chunk framing, real speech, caches.
 
 vllm-omni's duplex stage (``MiniCPMO45Stage0DuplexRuntime``, ``minicpmo_4_5/duplex/stage0.py`` in
 vllm-omni 0.30.0) encodes a live session's audio one 1 s chunk at a time through the thinker's
-``get_audio_embedding_streaming(data, use_extra_context=True, prefix_extra_frames=0 if first else 2,
-suffix_extra_frames=2)``. Before each call it puts the session's Whisper KV cache into
-``thinker.audio_past_key_values`` and afterwards takes the updated one back, so sessions interleave
-on one model. This module does the same for standalone runs and the tests:
+``get_audio_embedding_streaming``, with the session's Whisper KV cache swapped into the model around
+each call. The call and the swap (:class:`DuplexChunk`, :class:`DuplexSession`, :data:`CONTEXT_FRAMES`)
+are :mod:`minicpmo_cg.duplex_session`'s, re-exported here; this module adds, for standalone runs and
+the tests:
 
 - :func:`frame_chunks` cuts a log-mel stream into the stage's chunks: chunk ``i`` covers frames
   ``[100 i, 100 i + 100)`` plus :data:`CONTEXT_FRAMES` frames of context on each side (none before
@@ -13,7 +13,7 @@ on one model. This module does the same for standalone runs and the tests:
   context is cut, 10 embeddings after pooling. (The checkpoint's streaming mel processor computes
   the frames incrementally; the shapes, and so the encoder's work, are the same.)
 - :func:`speech_mel` is such a stream from the speech files vllm-omni ships.
-- :class:`DuplexSession` keeps one session's cache and swaps it in and out around each call.
+- :func:`cache_bytes` is what a session's cache holds.
 - :func:`stage_frame_data` and :func:`encode_frame` are the stage's vision call for a camera frame
   (``_encode_processed_vision``): the processed frame's slices in the model dtype, ``tgt_sizes`` as
   int64, through ``get_vision_hidden_states`` under ``torch.no_grad()``.
@@ -30,33 +30,28 @@ from typing import Any
 
 import torch
 
+from minicpmo_cg.duplex_session import CONTEXT_FRAMES, DuplexChunk, DuplexSession
+
+__all__ = [
+    "CHUNK_FRAMES",
+    "CHUNK_POSITIONS",
+    "CONTEXT_FRAMES",
+    "DuplexChunk",
+    "DuplexInput",
+    "DuplexSession",
+    "cache_bytes",
+    "duplex_input",
+    "encode_frame",
+    "frame_chunks",
+    "past_lengths",
+    "speech_mel",
+    "stage_frame_data",
+]
+
 #: Mel frames per 1 s chunk (10 ms hop).
 CHUNK_FRAMES = 100
-#: Context frames on each side of a chunk (the duplex stage's prefix after the first chunk, and suffix).
-CONTEXT_FRAMES = 2
 #: Whisper encoder positions per chunk once the context frames are cut (conv stride 2).
 CHUNK_POSITIONS = CHUNK_FRAMES // 2
-
-
-@dataclass(frozen=True)
-class DuplexChunk:
-    """One ``get_audio_embedding_streaming`` call of a duplex session.
-
-    Attributes:
-        features: log-mel frames ``(1, 80, T)`` with the context frames (T = 102 or 104 at 1 s).
-        prefix_extra_frames: 0 for a session's first chunk, else :data:`CONTEXT_FRAMES`.
-        suffix_extra_frames: :data:`CONTEXT_FRAMES`.
-    """
-
-    features: torch.Tensor
-    prefix_extra_frames: int
-    suffix_extra_frames: int = CONTEXT_FRAMES
-
-    @property
-    def data(self) -> dict[str, Any]:
-        """The ``data`` argument: ``audio_features`` and ``audio_feature_lens`` (one chunk of T frames)."""
-        frames = torch.tensor([self.features.shape[-1]], dtype=torch.int64, device=self.features.device)
-        return {"audio_features": self.features, "audio_feature_lens": [frames]}
 
 
 @dataclass
@@ -152,38 +147,6 @@ def past_lengths(count: int, positions: int = 1500, chunk: int = CHUNK_POSITIONS
         lengths.append(past)
         past += chunk
     return lengths
-
-
-class DuplexSession:
-    """One duplex session: its own Whisper KV cache, swapped into the model around each call.
-
-    Attributes:
-        cache: the session's ``audio_past_key_values`` between calls (None before the first).
-    """
-
-    def __init__(self) -> None:
-        self.cache: Any = None
-
-    def encode(self, model: Any, chunk: DuplexChunk) -> torch.Tensor:
-        """``model.get_audio_embedding_streaming`` on ``chunk`` with this session's cache.
-
-        Returns:
-            the chunk's embeddings, ``(positions // audio_pool_step, embed_dim)``.
-        """
-        previous = model.audio_past_key_values
-        model.audio_past_key_values = self.cache
-        try:
-            out = model.get_audio_embedding_streaming(
-                chunk.data,
-                use_extra_context=True,
-                prefix_extra_frames=chunk.prefix_extra_frames,
-                suffix_extra_frames=chunk.suffix_extra_frames,
-            )
-            self.cache = model.audio_past_key_values
-        finally:
-            model.audio_past_key_values = previous
-        ((embeds,),) = out
-        return embeds
 
 
 def cache_bytes(cache: Any) -> int:

@@ -187,7 +187,7 @@ def make_image_processor(scale_resolution: int = SCALE_RESOLUTION) -> Any:
         scale_resolution: slice side in pixels (the checkpoint's ``image_size``, 448, gives
             slices of about 32 x 32 = 1024 patches); a reduced size uses 224 (about 256 patches).
     """
-    from minicpmo_cg.standalone import model_module
+    from minicpmo_cg.thinker_config import model_module
 
     return model_module().MiniCPMVImageProcessor(
         max_slice_nums=MAX_SLICE_NUMS,

@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.core_model]
 
 @pytest.mark.cpu
 def test_config_values_match_installed_defaults():
-    """Values standalone.py attributes to MiniCPMOConfig defaults are the installed file's defaults."""
+    """Values thinker_config.py (re-exported by standalone.py) attributes to MiniCPMOConfig defaults are
+    the installed file's defaults."""
     mod = standalone.model_module()
     assert mod.MiniCPMOConfig.default_vision_config == standalone.VISION_CONFIG
     defaults = {

@@ -9,6 +9,7 @@ owned module or test file, or a moved PR keeps these tests meaningful without ed
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -308,6 +309,183 @@ def test_imports_of_modules_or_names_a_later_pr_adds_are_found(tmp_path):
     (model / "llm.py").write_text("from .adapter import Graph\n\nclass Model:\n    pass\n\nLater = 1\n")
     assert unresolved_imports(tmp_path, ["vllm_omni/models/m/llm.py", "tests/m/test_a.py"],
                               {"tests/m/helper_of_later_pr.py"}) == []  # fmt: skip
+
+
+#: A vendored helper module's name in an exported test folder (``transform.vendor_tests``).
+_VENDORED_PREFIX = "minicpmo45_cg_"
+#: An import of a vendored module on a line of a string (a script a test runs in a fresh interpreter).
+_SCRIPT_IMPORT = re.compile(
+    rf"^\s*(?:from ({_VENDORED_PREFIX}\w+) import ([\w ,]+?)|import ({_VENDORED_PREFIX}\w+) as (\w+))\s*$",
+    re.M,
+)
+
+
+@dataclasses.dataclass
+class _Scope:
+    """What some statements of a module do with the folder's vendored modules: the modules they
+    import, the local names they bind to a module (``None``) or to one of its names, the names they
+    read and the ``alias.attr`` they read."""
+
+    imports: set[str] = dataclasses.field(default_factory=set)
+    bindings: dict[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
+    reads: set[str] = dataclasses.field(default_factory=set)
+    attrs: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
+
+def _scope(nodes: list[ast.AST]) -> _Scope:
+    out = _Scope()
+
+    def bind(module: str, name: str | None, alias: str) -> None:
+        out.imports.add(module)
+        out.bindings[alias] = (module, name)
+
+    walked = [n for top in nodes for n in ast.walk(top)]
+    # a name read only as ``alias.attr`` reads that attribute, not all of the module
+    qualifiers = {
+        id(n.value) for n in walked if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+    }
+    for node in walked:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_VENDORED_PREFIX):
+            for a in node.names:
+                bind(node.module, a.name, a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith(_VENDORED_PREFIX):
+                    bind(a.name, None, a.asname or a.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for m in _SCRIPT_IMPORT.finditer(node.value):
+                if m.group(1):
+                    for item in m.group(2).split(","):
+                        bind(m.group(1), item.split()[0], item.split()[-1])
+                else:
+                    bind(m.group(3), None, m.group(4))
+        elif isinstance(node, ast.Name) and id(node) not in qualifiers:
+            out.reads.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            out.attrs.add((node.value.id, node.attr))
+    return out
+
+
+def _helper_modules_run(files: dict[str, str]) -> set[str]:
+    """The vendored helper modules (``minicpmo45_cg_*``) that the tests of one exported test folder
+    (``files``: file name -> text) import when they run, read from the syntax.
+
+    Every statement of a test module or ``conftest.py`` runs. Of a helper module, its top-level
+    statements run when it is imported (so a module-level import imports that module too); a top-level
+    function, class or assignment runs only when code that runs names it (``from m import f``, ``m.f``,
+    ``f`` inside ``m``), and then the imports inside it run too. An import on a line of a string (the
+    script of a fresh interpreter) counts as an import of the code holding the string.
+    """
+    units: dict[str, dict[str, list[ast.AST]]] = {}
+    init: dict[str, _Scope] = {}
+    for name, text in files.items():
+        module = PurePosixPath(name).stem
+        units[module], rest = {}, []
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                units[module].setdefault(node.name, []).append(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for n in (n for target in targets for n in ast.walk(target)):
+                    if isinstance(n, ast.Name):
+                        units[module].setdefault(n.id, []).append(node)
+            else:
+                rest.append(node)
+        init[module] = _scope(rest)
+    todo: list[tuple[str, str | None]] = []
+    for module in units:
+        if module.startswith("test_") or module == "conftest":
+            todo += [(module, None), *((module, unit) for unit in units[module])]
+
+    def follow(module: str, scope: _Scope, bindings: dict[str, tuple[str, str | None]]) -> None:
+        todo.extend((m, None) for m in scope.imports)
+        for name in scope.reads:
+            if name in units[module]:
+                todo.append((module, name))
+            elif name in bindings:  # a name imported from a module, or the module itself (all of it)
+                target, attr = bindings[name]
+                todo.extend([(target, attr)] if attr else [(target, unit) for unit in units.get(target, {})])
+        for alias, attr in scope.attrs:
+            if alias in bindings and bindings[alias][1] is None:
+                todo.append((bindings[alias][0], attr))
+
+    seen: set[tuple[str, str | None]] = set()
+    while todo:
+        module, unit = todo.pop()
+        if (module, unit) in seen or module not in units:
+            continue
+        seen.add((module, unit))
+        if unit is None:
+            follow(module, init[module], init[module].bindings)
+        elif unit in units[module]:
+            todo.append((module, None))
+            scope = _scope(units[module][unit])
+            follow(module, scope, {**init[module].bindings, **scope.bindings})
+        elif (target := init[module].bindings.get(unit)) and target[1]:  # a name the module re-exports
+            todo.append(target)
+    return {module for module, _ in seen if module.startswith(_VENDORED_PREFIX)}
+
+
+@pytest.mark.cpu
+def test_the_helper_modules_a_test_runs_are_found_and_only_those():
+    broad = (
+        "import torch\n"
+        "from minicpmo45_cg_narrow import Session\n"
+        "__all__ = ['Session', 'speech']\n"
+        "def speech():\n"
+        "    import minicpmo45_cg_inputs as inputs\n"
+        "    return inputs.load()\n"
+        "SCRIPT = 'import sys\\nfrom minicpmo45_cg_config import standalone_config\\n'\n"
+        "def run_script():\n"
+        "    return SCRIPT\n"
+    )
+    files = {
+        "minicpmo45_cg_narrow.py": "class Session:\n    pass\n",
+        "minicpmo45_cg_broad.py": broad,
+        "minicpmo45_cg_inputs.py": "import minicpmo45_cg_builder as builder\n\ndef load():\n    return 1\n",
+        "minicpmo45_cg_builder.py": "",
+        "minicpmo45_cg_config.py": "",
+        "minicpmo45_cg_unused.py": "",
+        "test_a.py": "from minicpmo45_cg_broad import Session\n\ndef test_x():\n    assert Session\n",
+    }
+    # the session, re-exported by a module whose other functions load real inputs: those never run
+    assert _helper_modules_run(files) == {"minicpmo45_cg_broad", "minicpmo45_cg_narrow"}
+    files["test_a.py"] += "\ndef test_y():\n    import minicpmo45_cg_broad as broad\n    broad.speech()\n"
+    run = {"minicpmo45_cg_broad", "minicpmo45_cg_narrow", "minicpmo45_cg_inputs", "minicpmo45_cg_builder"}
+    assert _helper_modules_run(files) == run
+    files["conftest.py"] = (
+        "from minicpmo45_cg_broad import run_script\n\ndef script():\n    return run_script()\n"
+    )
+    assert _helper_modules_run(files) == run | {"minicpmo45_cg_config"}
+
+
+@pytest.mark.cpu
+def test_each_pr_vendors_only_the_helper_modules_its_tests_run(st):
+    """No PR carries a helper module that its tree's tests never run. The export vendors a module,
+    with every module any of its lines imports, into the first PR whose tests import it; so a test
+    imports the narrowest module holding what it runs (a duplex session's calls, not the module that
+    also loads real speech for later PRs' tests)."""
+    keys = set(st.keys)
+    tests: dict[str, Path] = {}
+    for pr in st.omni:
+        upto = st.upto(pr.key)
+        tests |= pr.tests
+        out = transform.vendor_tests(
+            REPO, tests, version=lambda text, rel, upto=upto: docsplit.source_version(text, rel, upto, keys)
+        )
+        for folder in {PurePosixPath(rel).parent for rel in out.vendored}:
+            files = {
+                PurePosixPath(r).name: t for r, t in out.files.items() if PurePosixPath(r).parent == folder
+            }
+            vendored = {
+                PurePosixPath(r).stem: src
+                for r, src in out.vendored.items()
+                if PurePosixPath(r).parent == folder
+            }
+            unused = sorted(set(vendored) - _helper_modules_run(files))
+            assert not unused, (
+                f"{pr.key}: {folder}/ vendors {[vendored[m] for m in unused]}, which none of its tests runs"
+            )
 
 
 # -- PR text pieces ---------------------------------------------------------------------------------

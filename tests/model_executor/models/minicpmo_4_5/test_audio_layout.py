@@ -25,7 +25,7 @@ from helpers.tiny_encoders import copies_per_region, tiny_audio_model
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minicpmo_cg.duplex import DuplexChunk, DuplexSession
+from minicpmo_cg.duplex_session import DuplexChunk, DuplexSession
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 

@@ -7,7 +7,7 @@ path); the tests of the batched path set the option. CPU tests use a tiny Whispe
 positions, 0.2 s chunks of 10 positions, so a cache cycle is 12 chunks) in float32 with the
 adapters' CPU backend: steps of several sessions through :func:`duplex_batch.run_batched`, the code
 path the model runner's batched preprocess takes. Each session's every chunk and final cache must
-match its own eager run within ``minicpmo_cg.measure.GRAPH_REL_TOL`` (the CPU's GEMMs and masked
+match its own eager run within ``minicpmo_cg.tolerance.GRAPH_REL_TOL`` (the CPU's GEMMs and masked
 SDPA round a batch differently; the CUDA test asserts bitwise rows, see ``duplex_rows.RowPlan``);
 the bookkeeping must be exact: cache lengths,
 pages taken and returned, resets, sessions that join (a first chunk inside a batched step) or leave,
@@ -33,7 +33,7 @@ import torch
 from helpers.tiny_encoders import tiny_audio_model
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession
-from minicpmo_cg.measure import graph_rel_tol, rel_diff
+from minicpmo_cg.tolerance import graph_rel_tol, rel_diff
 
 pytestmark = [pytest.mark.core_model]
 

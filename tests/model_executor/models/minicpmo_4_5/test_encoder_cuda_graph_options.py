@@ -307,7 +307,7 @@ def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
     pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
     from transformers import PretrainedConfig
 
-    from minicpmo_cg.standalone import model_module, thinker_config
+    from minicpmo_cg.thinker_config import model_module, thinker_config
 
     for config in (PretrainedConfig(), model_module().MiniCPMOConfig(), thinker_config()):
         assert ecg.read_hf_overrides(config) == {k: spec.default for k, spec in ecg.HF_OVERRIDE_KEYS.items()}

@@ -1,0 +1,81 @@
+"""The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one.
+
+The tolerance (:data:`GRAPH_REL_TOL`) is stated here and nowhere else: every comparison of a
+graphed output with the eager one imports it. Outputs are a tensor or a list of tensors.
+
+``torch`` is imported inside the functions that need it, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: Largest accepted ``max|graphed - eager|``, relative to ``max|eager|``, by dtype name.
+#:
+#: A replay runs the very kernels the eager call runs, on the same shapes and weights, so the
+#: difference is expected to be exactly 0, and every GPU run so far measured 0. The margin
+#: leaves room for one thing only: a library choosing another kernel variant (or split-K
+#: order) while a stream is captured, which changes the float32 accumulation order and can
+#: move a bfloat16 output by one rounding step of its magnitude, 2**-8. float32 outputs get
+#: 1e-4, far above float32 rounding and far below what a real fault produces (stale inputs, a
+#: wrong mask or another graph's buffers move the output by O(1) of its magnitude).
+GRAPH_REL_TOL: dict[str, float] = {"bfloat16": 2.0**-8, "float32": 1e-4}
+
+
+def graph_rel_tol(dtype: Any) -> float:
+    """:data:`GRAPH_REL_TOL` of ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"bfloat16"``).
+
+    Raises:
+        KeyError: no tolerance is stated for that dtype.
+    """
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return GRAPH_REL_TOL[name]
+    except KeyError:
+        raise KeyError(f"no graph-vs-eager tolerance for dtype {name!r}; stated for {sorted(GRAPH_REL_TOL)}")
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def output_shape(out: Any) -> str:
+    """``(3, 64, 4096)`` for a tensor, ``(77, 4096)+(90, 4096)`` for a list of tensors."""
+    return "+".join(str(tuple(t.shape)) for t in _as_list(out))
+
+
+def max_abs(out: Any) -> float:
+    """``max |out|`` over a tensor or a list of tensors (0 for empty tensors)."""
+    return max(float(t.detach().float().abs().max()) if t.numel() else 0.0 for t in _as_list(out))
+
+
+def all_finite(out: Any) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(t).all()) for t in _as_list(out))
+
+
+def max_abs_diff(eager: Any, graphed: Any) -> float:
+    """``max |eager - graphed|`` over matching tensors or lists of tensors, computed in float32.
+
+    Raises:
+        RuntimeError: the shapes differ.
+    """
+    la, lb = _as_list(eager), _as_list(graphed)
+    if len(la) != len(lb) or any(x.shape != y.shape for x, y in zip(la, lb)):
+        raise RuntimeError(f"graphed output shape {output_shape(graphed)} != eager {output_shape(eager)}")
+    return max(float((x.float() - y.float()).abs().max()) if x.numel() else 0.0 for x, y in zip(la, lb))
+
+
+def rel_diff(eager: Any, graphed: Any) -> float:
+    """``max|eager - graphed| / max|eager|`` (the absolute difference when ``eager`` is all zeros)."""
+    scale = max_abs(eager)
+    diff = max_abs_diff(eager, graphed)
+    return diff / scale if scale else diff
+
+
+def within_graph_tolerance(eager: Any, graphed: Any, dtype: Any) -> tuple[bool, float]:
+    """``(ok, relative difference)`` of a graphed output against the eager one (:data:`GRAPH_REL_TOL`)."""
+    rel = rel_diff(eager, graphed)
+    return math.isfinite(rel) and rel <= graph_rel_tol(dtype), rel
