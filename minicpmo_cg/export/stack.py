@@ -282,6 +282,20 @@ STACK: tuple[OmniPr, ...] = (
         measured_on=_FIRST_RUNS_TREE,
     ),
     OmniPr(
+        key="fused-layers",
+        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-fused-encoder-layers",),
+        tests=(
+            _MC45 + "test_fused_layers.py",
+            _MC45 + "test_fused_layers_cuda.py",
+            _MC45 + "test_encoder_cuda_graph_options_page.py",
+        ),
+        docs=(_DESIGN + "/fused_layers.md",),
+        results=("Fused encoder layers",),
+        remarks=(_fused_layers_default,),
+    ),
+    OmniPr(
         key="duplex-scale",
         title="MiniCPM-o 4.5: duplex audio at serving scale: no host reads, start-up capture, one batched step",
         prefixes=("[Model]", "[Perf]"),
@@ -309,20 +323,6 @@ STACK: tuple[OmniPr, ...] = (
         ),
         results=("Duplex at serving scale", "Batched duplex steps with exact rows"),
         remarks=(_duplex_batch_default,),
-    ),
-    OmniPr(
-        key="fused-layers",
-        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
-        prefixes=("[Model]", "[Perf]"),
-        patches=("minicpmo45-fused-encoder-layers",),
-        tests=(
-            _MC45 + "test_fused_layers.py",
-            _MC45 + "test_fused_layers_cuda.py",
-            _MC45 + "test_encoder_cuda_graph_options_page.py",
-        ),
-        docs=(_DESIGN + "/fused_layers.md",),
-        results=("Fused encoder layers",),
-        remarks=(_fused_layers_default,),
     ),
 )
 
