@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import ChangeSet
 from minicpmo_cg.export.transform import ExportError
 from minicpmo_cg.patchtool.series import Patch, load_series
@@ -64,6 +65,8 @@ __all__ = [
     "StackError",
     "VllmPr",
     "hf_override_keys",
+    "patch_commit_title",
+    "patch_prefix",
     "patch_topic",
     "resolve",
 ]
@@ -290,7 +293,9 @@ STACK: tuple[OmniPr, ...] = (
     OmniPr(
         key="duplex-scale",
         title="MiniCPM-o 4.5: duplex audio at serving scale: no host reads, start-up capture, one batched step",
-        prefixes=("[Model]", "[Perf]"),
+        # [Core]: its two worker patches change vllm-omni's model runner (hooks any model can answer);
+        # they stay here, as they apply between this PR's model patches and are tested with them
+        prefixes=("[Model]", "[Core]", "[Perf]"),
         patches=(
             "minicpmo45-audio-lengths-on-the-host",
             "worker-model-graphs-at-startup",
@@ -337,6 +342,25 @@ class StackError(ExportError):
 def patch_topic(name: str) -> str:
     """``vllm-omni/0005-minicpmo45-siglip-sdpa-attention.patch`` -> ``minicpmo45-siglip-sdpa-attention``."""
     return re.sub(r"^\d{4}-", "", PurePosixPath(name).name.removesuffix(".patch"))
+
+
+def patch_prefix(patch: Patch) -> str:
+    """The commit prefix of a vllm-omni patch, read off the files it changes: ``[Model]`` when every
+    one lies in the model's folder (:data:`.conventions.MODEL_DIR`), ``[Core]`` when one lies outside
+    it (vllm-omni's own code, e.g. ``vllm_omni/worker/gpu_model_runner.py``)."""
+    if all(path.startswith(conv.MODEL_DIR) for path in patch.file_paths):
+        return conv.TITLE_PREFIX_MODEL
+    return conv.TITLE_PREFIX_CORE
+
+
+def patch_commit_title(patch: Patch) -> str:
+    """The commit title of a vllm-omni patch: ``[Model] MiniCPM-o 4.5: <subject>`` for a change of the
+    model, ``[Core] <subject>`` for one of vllm-omni's core (:func:`patch_prefix`); a ``minicpmo_4_5: ``
+    at the start of the subject gives way to the model's name."""
+    prefix = patch_prefix(patch)
+    if prefix == conv.TITLE_PREFIX_CORE:
+        return f"{prefix} {patch.subject}"
+    return f"{prefix} {conv.MODEL_TITLE}: {patch.subject.removeprefix('minicpmo_4_5: ')}"
 
 
 @dataclass
@@ -479,6 +503,12 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
         patches = [p for p in _match_patches(spec.patches, series, where, problems) if p.name in active]
         for patch in patches:
             owner_patch[patch.name].append(spec.key)
+            prefix = patch_prefix(patch)
+            if prefix not in spec.prefixes:
+                problems.append(
+                    f"{where}: {patch.name} changes {', '.join(patch.file_paths)}, so its commit is {prefix}, "
+                    f"which the PR's title prefixes ({''.join(spec.prefixes)}) lack"
+                )
             at = order.index(patch.name)
             if at < last:
                 problems.append(

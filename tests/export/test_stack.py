@@ -173,6 +173,37 @@ def test_prs_out_of_series_order_are_refused(cs):
         stack.resolve(cs, swapped)
 
 
+def _diff_paths(patch) -> set[str]:
+    """The files a patch changes, read off its ``+++ b/`` lines (not the patch tool's parser)."""
+    return set(re.findall(r"^\+\+\+ b/(\S+)", patch.diff, re.MULTILINE))
+
+
+@pytest.mark.cpu
+def test_a_patch_commit_is_core_where_it_changes_vllm_omni_outside_the_model_and_its_pr_says_so(cs, st):
+    """A vllm-omni patch's commit is [Model] when every file it changes is in the model's folder,
+    [Core] when one is elsewhere in vllm-omni (the model runner); the PR holding a [Core] commit
+    carries [Core] among its title prefixes, and a table whose PR lacks it is refused, naming the patch."""
+    model_dir = "vllm_omni/model_executor/models/minicpmo_4_5/"
+    core = set()
+    for pr in st.omni:
+        for patch in pr.patches:
+            outside = {f for f in _diff_paths(patch) if not f.startswith(model_dir)}
+            title = stack.patch_commit_title(patch)
+            assert title.startswith("[Core] " if outside else "[Model] MiniCPM-o 4.5: "), patch.name
+            assert patch.subject.removeprefix("minicpmo_4_5: ") in title
+            if outside:
+                core.add(patch.name)
+                assert "[Core]" in pr.spec.prefixes and "[Core]" in pr.title, pr.key
+    assert core, "no vllm-omni patch changes vllm-omni outside the model's folder"
+    holder = next(i for i, pr in enumerate(st.omni) if any(p.name in core for p in pr.patches))
+    lacking = tuple(p for p in stack.STACK[holder].prefixes if p != "[Core]")
+    with pytest.raises(
+        stack.StackError, match=r"so its commit is \[Core\], which the PR's title prefixes"
+    ) as info:
+        stack.resolve(cs, _replace(stack.STACK, holder, prefixes=lacking))
+    assert all(PurePosixPath(name).name in str(info.value) for name in core)
+
+
 @pytest.mark.cpu
 def test_table_entries_that_match_nothing_are_refused_each_one_named(cs):
     table = _replace(stack.STACK, 0, tests=stack.STACK[0].tests + ("tests/nowhere/test_x.py",),
