@@ -319,7 +319,8 @@ def encode_packed_slices(
 
 def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)`` in the
-    convolution's dtype: the convolution's output read as ``(B, N, hidden)``, a transposed view."""
+    convolution's dtype, not necessarily contiguous (the convolution's output read as
+    ``(B, N, hidden)`` is a transposed view)."""
     # pr: fused-layers
     # with the fused layers on, the convolution runs as the GEMM it is, contiguous already
     # (fused_layers.siglip_patch_embeddings, which falls back to the convolution itself)
