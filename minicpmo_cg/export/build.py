@@ -175,9 +175,8 @@ class _StackBuilder:
         start, first = self.repo.head(), len(self.repo.titles)
         modules = self._commit_owned(pr)
         for patch in pr.patches:
-            subject = patch.subject.removeprefix("minicpmo_4_5: ")
             self.repo.commit(
-                f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {subject}",
+                stack.patch_commit_title(patch),
                 wrap_body(patch.why),
                 diff=patch.diff,
                 format_paths=list(patch.file_paths),

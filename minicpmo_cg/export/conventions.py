@@ -114,11 +114,15 @@ E2E_DEFAULT_LEVEL = "advanced_model"
 
 #: PR title prefixes (``docs/contributing/README.md``; ``[Perf]`` is common on merged PRs).
 TITLE_PREFIX_MODEL = "[Model]"
+TITLE_PREFIX_CORE = "[Core]"
 TITLE_PREFIX_TEST = "[Test]"
 TITLE_PREFIX_DOC = "[Doc]"
 TITLE_PREFIX_CI = "[CI/Build]"
 TITLE_PREFIX_PERF = "[Perf]"
 MODEL_TITLE = "MiniCPM-o 4.5"
+#: The model's folder in vllm-omni: a commit changing files there only is the model's (``[Model]``),
+#: one changing a file elsewhere in ``vllm_omni/`` (the worker's model runner) vllm-omni's core (``[Core]``).
+MODEL_DIR = "vllm_omni/model_executor/models/minicpmo_4_5/"
 
 #: ``.github/PULL_REQUEST_TEMPLATE.md`` @ 3529b828: first line and headings, in order.
 PR_TEMPLATE_FIRST_LINE = "<!-- markdownlint-disable -->"

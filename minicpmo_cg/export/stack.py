@@ -27,9 +27,9 @@ is derived and checked by :func:`resolve` against the checkout:
   and the earlier ones applied) or the key of the last PR of the stack the measured tree had;
 - ``vllm``: keys of :data:`VLLM_PRS` the PR cannot work without;
 - ``remarks``: paragraphs of the PR text's Purpose, after its new modules, for what the stack itself
-  explains (a module carried before the PR that puts it to use, an option's default): fixed text,
-  or a function of the checkout's ``--hf-overrides`` registry (key -> :class:`HfKey`), so that a
-  default the text states is the one the code has.
+  explains (an option's default and what it gives): fixed text, or a function of the checkout's
+  ``--hf-overrides`` registry (key -> :class:`HfKey`), so that a default the text states is the one
+  the code has.
 
 A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
 keys when the series is renumbered. Editing the stack is editing these two tables; the export
@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import ChangeSet
 from minicpmo_cg.export.transform import ExportError
 from minicpmo_cg.patchtool.series import Patch, load_series
@@ -64,6 +65,8 @@ __all__ = [
     "StackError",
     "VllmPr",
     "hf_override_keys",
+    "patch_commit_title",
+    "patch_prefix",
     "patch_topic",
     "resolve",
 ]
@@ -104,18 +107,6 @@ def _js(value: object) -> str:
     return f"`{json.dumps(value)}`"
 
 
-def _fused_layers_carried(keys: Mapping[str, HfKey]) -> str:
-    default = keys["encoder_fused_layers"].default
-    return (
-        "`fused_layers.py` and `ops/` come with this PR because `encoder_graphs.py` imports them; nothing "
-        "runs them yet. An encoder takes the fused path only when its `_fused_layers` flag is set, which "
-        "`fused_layers.configure_fused_layers` does, and the model's constructor calls it only from the "
-        "fused-layers PR of the stack on. Until then every call takes the unfused layers: the "
-        "`--hf-overrides encoder_fused_layers` key arrives with that PR (registered, validated and read "
-        f"there, default {_js(default)})."
-    )
-
-
 def _fused_layers_default(keys: Mapping[str, HfKey]) -> str:
     default = keys["encoder_fused_layers"].default
     if default == "none":
@@ -138,10 +129,21 @@ def _fused_layers_default(keys: Mapping[str, HfKey]) -> str:
 
 def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
     key = keys["encoder_cuda_graph_duplex_batch"]
+    fused = keys["encoder_fused_layers"].default
     per_session = "each session's chunk is encoded on its own, bitwise equal to eager"
+    off_path = "within four bf16 steps of each session's own encode, not bitwise"
+    if fused in ("all", "audio"):
+        rows = (
+            "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
+            f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
+            "gathered pages (measured on an H200), and "
+            f"{off_path} with vLLM's FlashAttention (where its compiled op is registered) or the unfused layers"
+        )
+    else:
+        rows = f"the rows run the unfused Whisper layers (`encoder_fused_layers` defaults to {_js(fused)}), {off_path}"
     batched = (
-        "the chunks of every duplex session scheduled in one engine step are encoded in one batched call, "
-        "within a tolerance of each session's own encode, not bitwise"
+        "the chunks of every duplex session scheduled in one engine step are encoded in one batched call: "
+        f"{rows}"
     )
     if key.default:
         state = (
@@ -202,7 +204,9 @@ _FIRST_RUNS_TREE = "streaming-audio"
 # tree its tests pass in: each --hf-overrides key arrives with the PR whose code reads it (its lines
 # of options.py and of the tests are tagged `# pr: KEY`), and the test of the design overview's
 # options table against the registry (test_encoder_cuda_graph_options_page.py) sits with the last
-# of them, the fused-layers PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# of them, the duplex-scale PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# The fused-layers PR comes before duplex-scale: the batched duplex steps' exact rows run its fused
+# Whisper layers (duplex_rows.encode_rows through fused_layers.whisper_encode_layers).
 STACK: tuple[OmniPr, ...] = (
     OmniPr(
         key="siglip-attention",
@@ -219,15 +223,7 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-route-encoders-through-cuda-graphs",),
-        # encoder_graphs.py imports fused_layers.py, so the module (unused until the fused-layers
-        # PR's hook turns it on) travels with the first PR whose code imports it
-        owned=(
-            _MODEL + "encoder_cuda_graph*",
-            _MODEL + "encoder_graphs.py",
-            _MODEL + "fused_layers.py",
-            _MODEL + "ops/*",
-        ),
-        remarks=(_fused_layers_carried,),
+        owned=(_MODEL + "encoder_cuda_graph*", _MODEL + "encoder_graphs.py"),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -282,9 +278,24 @@ STACK: tuple[OmniPr, ...] = (
         measured_on=_FIRST_RUNS_TREE,
     ),
     OmniPr(
+        key="fused-layers",
+        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
+        prefixes=("[Model]", "[Perf]"),
+        patches=("minicpmo45-fused-encoder-layers",),
+        # the calls of encoder_graphs.py, vision_path.py and streaming_audio.py into fused_layers.py are
+        # tagged for this PR, so the module and its kernel arrive here with every caller
+        owned=(_MODEL + "fused_layers.py", _MODEL + "ops/*"),
+        tests=(_MC45 + "test_fused_layers.py", _MC45 + "test_fused_layers_cuda.py"),
+        docs=(_DESIGN + "/fused_layers.md",),
+        results=("Fused encoder layers",),
+        remarks=(_fused_layers_default,),
+    ),
+    OmniPr(
         key="duplex-scale",
         title="MiniCPM-o 4.5: duplex audio at serving scale: no host reads, start-up capture, one batched step",
-        prefixes=("[Model]", "[Perf]"),
+        # [Core]: its two worker patches change vllm-omni's model runner (hooks any model can answer);
+        # they stay here, as they apply between this PR's model patches and are tested with them
+        prefixes=("[Model]", "[Core]", "[Perf]"),
         patches=(
             "minicpmo45-audio-lengths-on-the-host",
             "worker-model-graphs-at-startup",
@@ -302,6 +313,7 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_audio_host_reads.py",
             _MC45 + "test_startup_capture.py",
             _MC45 + "test_duplex_batch.py",
+            _MC45 + "test_encoder_cuda_graph_options_page.py",
         ),
         docs=tuple(
             f"{_DESIGN}/streaming_audio.md#{heading}"
@@ -309,20 +321,6 @@ STACK: tuple[OmniPr, ...] = (
         ),
         results=("Duplex at serving scale", "Batched duplex steps with exact rows"),
         remarks=(_duplex_batch_default,),
-    ),
-    OmniPr(
-        key="fused-layers",
-        title="MiniCPM-o 4.5: fused SigLIP and Whisper layers inside the encoder graphs",
-        prefixes=("[Model]", "[Perf]"),
-        patches=("minicpmo45-fused-encoder-layers",),
-        tests=(
-            _MC45 + "test_fused_layers.py",
-            _MC45 + "test_fused_layers_cuda.py",
-            _MC45 + "test_encoder_cuda_graph_options_page.py",
-        ),
-        docs=(_DESIGN + "/fused_layers.md",),
-        results=("Fused encoder layers",),
-        remarks=(_fused_layers_default,),
     ),
 )
 
@@ -344,6 +342,25 @@ class StackError(ExportError):
 def patch_topic(name: str) -> str:
     """``vllm-omni/0005-minicpmo45-siglip-sdpa-attention.patch`` -> ``minicpmo45-siglip-sdpa-attention``."""
     return re.sub(r"^\d{4}-", "", PurePosixPath(name).name.removesuffix(".patch"))
+
+
+def patch_prefix(patch: Patch) -> str:
+    """The commit prefix of a vllm-omni patch, read off the files it changes: ``[Model]`` when every
+    one lies in the model's folder (:data:`.conventions.MODEL_DIR`), ``[Core]`` when one lies outside
+    it (vllm-omni's own code, e.g. ``vllm_omni/worker/gpu_model_runner.py``)."""
+    if all(path.startswith(conv.MODEL_DIR) for path in patch.file_paths):
+        return conv.TITLE_PREFIX_MODEL
+    return conv.TITLE_PREFIX_CORE
+
+
+def patch_commit_title(patch: Patch) -> str:
+    """The commit title of a vllm-omni patch: ``[Model] MiniCPM-o 4.5: <subject>`` for a change of the
+    model, ``[Core] <subject>`` for one of vllm-omni's core (:func:`patch_prefix`); a ``minicpmo_4_5: ``
+    at the start of the subject gives way to the model's name."""
+    prefix = patch_prefix(patch)
+    if prefix == conv.TITLE_PREFIX_CORE:
+        return f"{prefix} {patch.subject}"
+    return f"{prefix} {conv.MODEL_TITLE}: {patch.subject.removeprefix('minicpmo_4_5: ')}"
 
 
 @dataclass
@@ -486,6 +503,12 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
         patches = [p for p in _match_patches(spec.patches, series, where, problems) if p.name in active]
         for patch in patches:
             owner_patch[patch.name].append(spec.key)
+            prefix = patch_prefix(patch)
+            if prefix not in spec.prefixes:
+                problems.append(
+                    f"{where}: {patch.name} changes {', '.join(patch.file_paths)}, so its commit is {prefix}, "
+                    f"which the PR's title prefixes ({''.join(spec.prefixes)}) lack"
+                )
             at = order.index(patch.name)
             if at < last:
                 problems.append(

@@ -91,6 +91,11 @@ def test_layout_follows_vllm_omni(exported):
         }
         titles = [c["title"] for c in pr["commits"]]
         assert all(any(p.subject.split(": ", 1)[-1] in t for t in titles) for p in resolved.patches)
+        for commit in pr["commits"]:  # a commit changing vllm-omni outside the model's folder is [Core]
+            outside = [
+                f for f in commit["files"] if f.startswith("vllm_omni/") and not f.startswith(conv.MODEL_DIR)
+            ]
+            assert commit["title"].startswith(conv.TITLE_PREFIX_CORE) == bool(outside), commit
         assert any(t.startswith(conv.TITLE_PREFIX_MODEL) and "add " in t for t in titles) == bool(
             resolved.owned
         )

@@ -174,6 +174,37 @@ def test_prs_out_of_series_order_are_refused(cs):
         stack.resolve(cs, swapped)
 
 
+def _diff_paths(patch) -> set[str]:
+    """The files a patch changes, read off its ``+++ b/`` lines (not the patch tool's parser)."""
+    return set(re.findall(r"^\+\+\+ b/(\S+)", patch.diff, re.MULTILINE))
+
+
+@pytest.mark.cpu
+def test_a_patch_commit_is_core_where_it_changes_vllm_omni_outside_the_model_and_its_pr_says_so(cs, st):
+    """A vllm-omni patch's commit is [Model] when every file it changes is in the model's folder,
+    [Core] when one is elsewhere in vllm-omni (the model runner); the PR holding a [Core] commit
+    carries [Core] among its title prefixes, and a table whose PR lacks it is refused, naming the patch."""
+    model_dir = "vllm_omni/model_executor/models/minicpmo_4_5/"
+    core = set()
+    for pr in st.omni:
+        for patch in pr.patches:
+            outside = {f for f in _diff_paths(patch) if not f.startswith(model_dir)}
+            title = stack.patch_commit_title(patch)
+            assert title.startswith("[Core] " if outside else "[Model] MiniCPM-o 4.5: "), patch.name
+            assert patch.subject.removeprefix("minicpmo_4_5: ") in title
+            if outside:
+                core.add(patch.name)
+                assert "[Core]" in pr.spec.prefixes and "[Core]" in pr.title, pr.key
+    assert core, "no vllm-omni patch changes vllm-omni outside the model's folder"
+    holder = next(i for i, pr in enumerate(st.omni) if any(p.name in core for p in pr.patches))
+    lacking = tuple(p for p in stack.STACK[holder].prefixes if p != "[Core]")
+    with pytest.raises(
+        stack.StackError, match=r"so its commit is \[Core\], which the PR's title prefixes"
+    ) as info:
+        stack.resolve(cs, _replace(stack.STACK, holder, prefixes=lacking))
+    assert all(PurePosixPath(name).name in str(info.value) for name in core)
+
+
 @pytest.mark.cpu
 def test_table_entries_that_match_nothing_are_refused_each_one_named(cs):
     table = _replace(stack.STACK, 0, tests=stack.STACK[0].tests + ("tests/nowhere/test_x.py",),
@@ -608,22 +639,25 @@ def _calls_added(pr, name: str) -> bool:
 
 
 @pytest.mark.cpu
-def test_the_fused_layers_remarks_say_when_they_run_and_how_close_they_are(st):
-    """The PR carrying fused_layers.py before its hook says it does not run yet and that its key
-    comes with the hook's PR; the PR adding the constructor's configure_fused_layers call (the only
-    setter of ``_fused_layers``) states the registry's default and that the fused layers are within
+def test_the_fused_layers_arrive_with_their_hook_and_its_remark_says_how_close_they_are(st):
+    """fused_layers.py and its kernel arrive with the PR adding the constructor's configure_fused_layers
+    call (the only setter of ``_fused_layers``), before the PR whose batched duplex rows run the fused
+    Whisper layers; that PR's remark states the registry's default and that the fused layers are within
     the CUDA tests' bound, not bitwise."""
     from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
 
     default = HF_OVERRIDE_KEYS["encoder_fused_layers"].default
-    carrier = next(pr for pr in st.omni if any(rel.endswith("/fused_layers.py") for rel in pr.owned))
+    carriers = [
+        pr
+        for pr in st.omni
+        if any(rel.endswith(("/fused_layers.py", "/ops/fused_add_layer_norm.py")) for rel in pr.owned)
+    ]
     hook = [pr for pr in st.omni if _calls_added(pr, "configure_fused_layers")]
-    assert len(hook) == 1 and st.keys.index(hook[0].key) > st.keys.index(carrier.key)
-    carried = " ".join(carrier.remarks)
-    assert "configure_fused_layers" in carried and "unfused layers" in carried
-    assert (
-        f"key arrives with that PR (registered, validated and read there, default `{json.dumps(default)}`)"
-        in carried
+    assert len(hook) == 1 and [pr.key for pr in carriers] == [hook[0].key]
+    rows = next(pr for pr in st.omni if any(rel.endswith("/duplex_rows.py") for rel in pr.owned))
+    assert st.keys.index(hook[0].key) < st.keys.index(rows.key)
+    assert not any(
+        "fused_layers.py" in remark for pr in st.omni for remark in pr.remarks if pr is not hook[0]
     )
     stated = " ".join(hook[0].remarks)
     assert f"defaults to `{json.dumps(default)}`" in stated
@@ -640,10 +674,13 @@ def test_the_fused_layers_remarks_say_when_they_run_and_how_close_they_are(st):
 @pytest.mark.cpu
 def test_the_duplex_batch_remark_states_the_registrys_default(st):
     """The PR adding batched duplex steps states whether they are on by default as the registry does,
-    and that the batched call is within a tolerance, not bitwise."""
+    and how close a batched row is to its session's own encode in that PR's tree: bitwise only where
+    it runs the fused Whisper layers (on by default from an earlier PR) with the SDPA reference
+    attention, within four bf16 steps otherwise."""
     from vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph.options import HF_OVERRIDE_KEYS
 
     key = HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"]
+    fused = HF_OVERRIDE_KEYS["encoder_fused_layers"].default
     # the PR whose patches add the model's batched append (its own encode of a step's chunks)
     owners = [
         pr for pr in st.omni if any("def preprocess_append_batch" in patch.diff for patch in pr.patches)
@@ -653,7 +690,13 @@ def test_the_duplex_batch_remark_states_the_registrys_default(st):
     text = " ".join(owner.remarks)
     assert f"default `{json.dumps(key.default)}`" in text, owner.key
     assert text.startswith("Batched duplex steps are " + ("on by default" if key.default else "opt-in"))
-    assert "within a tolerance" in text and "not bitwise" in text and key.doc in text
+    assert f"`encoder_fused_layers` defaults to `{json.dumps(fused)}`" in text and key.doc in text
+    assert "within four bf16 steps of each session's own encode, not bitwise" in text
+    if fused in ("all", "audio"):
+        hook = next(pr for pr in st.omni if _calls_added(pr, "configure_fused_layers"))
+        assert st.keys.index(hook.key) < st.keys.index(owner.key)  # the rows' fused layers are in its tree
+        assert "bitwise equal to its session's own encode where it runs the fused Whisper layers" in text
+        assert "SDPA reference attention" in text
 
 
 @pytest.mark.cpu

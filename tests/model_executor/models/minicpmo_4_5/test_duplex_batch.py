@@ -229,8 +229,6 @@ def test_row_linear_runs_one_gemm_per_row_only_where_the_plan_says(monkeypatch):
     assert calls == []
 
 
-# pr: fused-layers
-# the exact-rows plan serves the fused Whisper layers, which the fused-layers PR turns on
 @pytest.mark.cpu
 @pytest.mark.parametrize("probed", [True, False], ids=["probed-plan", "control-no-plan"])
 def test_ops_a_batch_rounds_differently_never_reach_the_rows(cpu_backend, monkeypatch, probed):
@@ -264,9 +262,6 @@ def test_ops_a_batch_rounds_differently_never_reach_the_rows(cpu_backend, monkey
     else:
         assert sessions.worst > 10 * tol
         assert encoder.stats()["single_rows"] == 0 and encoder.stats()["batched_rows"] == 12
-
-
-# /pr
 
 
 @pytest.mark.cpu

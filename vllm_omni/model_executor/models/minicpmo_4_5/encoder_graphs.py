@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from vllm.logger import init_logger
 
-from . import fused_layers
+from . import fused_layers  # pr: fused-layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 
 logger = init_logger(__name__)
@@ -144,11 +144,13 @@ def encode_last_hidden_state(
             (eager/sdpa) or the bool mask ``(B, N)`` (FA2).
 
     Returns:
-        ``(B, N, hidden)`` last hidden state, same dtype/device as the input (through the fused
-        layers where they apply: ``fused_layers.siglip_fused_applies``).
+        ``(B, N, hidden)`` last hidden state, same dtype/device as the input.
     """
+    # pr: fused-layers
+    # the fused layers where they apply (fused_layers.siglip_fused_applies)
     if fused_layers.siglip_fused_applies(vpm, hidden_states, attention_mask):
         return fused_layers.siglip_encode(vpm, hidden_states, attention_mask)
+    # /pr
     encoder_outputs = vpm.encoder(
         inputs_embeds=hidden_states,
         attention_mask=attention_mask,

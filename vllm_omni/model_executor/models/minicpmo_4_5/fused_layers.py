@@ -681,8 +681,8 @@ def whisper_encode_layers(
         output_hidden_states: also return the hidden states as the unfused encoder's
             ``encoder_states``: the input, each layer's output but the last, then the final
             LayerNorm's output.
-        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear`` (the
-            batched duplex rows pass one that keeps each row's bits, ``duplex_rows.RowLinear``).
+        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear`` (a caller
+            batching independent rows may pass one that keeps each row's bits).
 
     Returns:
         ``(last_hidden_state (B, T, d_model), encoder_states or None)``, what the unfused loop

@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from vllm.logger import init_logger
 
-from . import fused_layers
+from . import fused_layers  # pr: fused-layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
 
@@ -480,23 +480,28 @@ def streaming_audio_mask_plan(
 ) -> ZeroMaskPlan:
     """The :class:`ZeroMaskPlan` of a chunk of ``positions`` over ``total`` positions on ``device``
     (SDPA's choice is asked once per shape and kept in ``model._streaming_audio_mask_plans``).
-
-    With the fused Whisper layers the mask goes and nothing is pinned: their streaming attention
-    pins its own backends, which give the same bits with the all-zero mask and without it
-    (``fused_layers.whisper_streaming_drops_zero_mask``).
     """
     key = (device, positions, total)
     plan = model._streaming_audio_mask_plans.get(key)
     if plan is None:
-        if fused_layers.whisper_streaming_drops_zero_mask(model.apm):
-            plan = ZeroMaskPlan(drop_mask=True)
-        else:
-            plan = zero_mask_plan(
-                model.apm.config._attn_implementation,
-                lambda: eager_sdpa_choice(model.apm, device, positions, total),
-            )
+        plan = _decide_mask_plan(model, device, positions, total)
         model._streaming_audio_mask_plans[key] = plan
     return plan
+
+
+def _decide_mask_plan(model: nn.Module, device: torch.device, positions: int, total: int) -> ZeroMaskPlan:
+    """:func:`streaming_audio_mask_plan`'s decision for a shape it has not planned yet."""
+    # pr: fused-layers
+    # With the fused Whisper layers the mask goes and nothing is pinned: their streaming attention
+    # pins its own backends, which give the same bits with the all-zero mask and without it
+    # (fused_layers.whisper_streaming_drops_zero_mask).
+    if fused_layers.whisper_streaming_drops_zero_mask(model.apm):
+        return ZeroMaskPlan(drop_mask=True)
+    # /pr
+    return zero_mask_plan(
+        model.apm.config._attn_implementation,
+        lambda: eager_sdpa_choice(model.apm, device, positions, total),
+    )
 
 
 def streaming_audio_arena(model: nn.Module, device: torch.device) -> StreamingAudioKVArena:

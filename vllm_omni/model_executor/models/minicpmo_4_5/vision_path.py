@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import fused_layers, siglip_attention
+from . import fused_layers  # pr: fused-layers
+from . import siglip_attention
 from .encoder_graphs import VisionGraphRegion
 
 #: Modules the image-call region (:func:`encode_images`) calls, relative to the thinker: the
@@ -298,9 +299,8 @@ def encode_packed_slices(
     # lays its result out like its operands: the sum, and every residual sum of the encoder
     # after it, would keep the transposed layout, so each layer would copy its input before
     # both LayerNorms and run both residual adds through the strided elementwise kernel.
-    # The sum is written to a contiguous tensor instead (the same values). With the fused
-    # layers the patch embedding runs as a GEMM, contiguous already.
-    embeddings = fused_layers.siglip_patch_embeddings(vpm, pixel_values)
+    # The sum is written to a contiguous tensor instead (the same values).
+    embeddings = patch_embeddings(vpm, pixel_values)
     position_ids = position_ids_from_tgt_sizes(vpm.embeddings, tgt_sizes, embeddings.shape[1])
     position_embeds = vpm.embeddings.position_embedding(position_ids)
     hidden_states = torch.empty(
@@ -315,6 +315,19 @@ def encode_packed_slices(
             patch_valid, hidden_states.dtype, vpm._use_flash_attention_2
         )
     return vpm._encode_last_hidden_state(hidden_states, attention_mask)
+
+
+def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)`` in the
+    convolution's dtype, not necessarily contiguous (the convolution's output read as
+    ``(B, N, hidden)`` is a transposed view)."""
+    # pr: fused-layers
+    # with the fused layers on, the convolution runs as the GEMM it is, contiguous already
+    # (fused_layers.siglip_patch_embeddings, which falls back to the convolution itself)
+    if getattr(vpm, "_fused_layers", False):
+        return fused_layers.siglip_patch_embeddings(vpm, pixel_values)
+    # /pr
+    return vpm.embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
 
 
 def get_vision_hidden_states(model: nn.Module, data: dict) -> torch.Tensor:

@@ -254,9 +254,10 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         kind="bool",
         default=False,
         doc="opt-in, for many concurrent duplex sessions: encode the audio chunks of every duplex session "
-        "scheduled in one engine step in one batched call (one graph replay per step; per-row rel "
-        "error up to ~1.1e-2 against each session's own encode, slower below 4 sessions); false = each "
-        "session's chunk on its own, bitwise equal to eager",
+        "scheduled in one engine step in one batched call (one graph replay per step; each row bitwise "
+        "equal to its session's own encode with the fused Whisper layers and the SDPA reference attention, "
+        "else within four bf16 steps; slower below 4 sessions); false = each session's chunk on its own, "
+        "bitwise equal to eager",
     ),
     # /pr
     HfOverrideKey(
