@@ -489,6 +489,11 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
         inp.requirements = requirements
         inp.lane, inp.lanes = cs.lane.name, lanes
         earlier.append(pr)
+    for pr in result.prs:  # the vLLM PRs of the tree its figures were measured on
+        tree = result.prs[: pr.inputs.measured_upto]
+        folders = list(dict.fromkeys(folder for p in tree for folder in p.vllm))
+        by_folder = {v.folder: v for v in result.vllm_prs}
+        pr.inputs.measured_vllm = [(by_folder[f].title, f) for f in folders]
     for pr in result.vllm_prs:
         pr.inputs.needed_by = [(p.title, p.folder) for p in result.prs if pr.folder in p.vllm]
 

@@ -219,6 +219,8 @@ class PrInputs:
     results_headings: tuple[str, ...] = ()
     #: how many PRs of the stack, from the first, the tree of the GPU figures had applied (0: unknown)
     measured_upto: int = 0
+    #: (title, folder) of the vLLM PRs that tree needs (its vLLM had them applied)
+    measured_vllm: list[tuple[str, str]] = field(default_factory=list)
     #: the results page without project-only parts and without the parts of other PRs
     results_text: str | None = None
     #: distribution -> its requirements (``torch==2.13.0``, ``python>=3.10``)
@@ -510,10 +512,14 @@ def measured_tree(inp: PrInputs) -> str:
         tree = f"PRs 1 to {upto} of the stack applied to {release} (this one and {later} after it)"
     else:
         raise ValueError(f"PR {number}: its figures' tree ({upto} PRs) lacks the PR itself")
-    return (
-        f"The figures were measured on {tree}, against the pinned vLLM {inp.vllm_version}; this PR shows the "
-        "figures of the paths it adds."
+    # a tree with a PR that needs a vLLM change ran against vLLM with that change applied
+    names = [folder.removeprefix("vllm-").replace("-", " ") for _, folder in inp.measured_vllm]
+    vllm = (
+        f"vLLM {inp.vllm_version} with the vLLM change{'s' if len(names) > 1 else ''} ({', '.join(names)}) applied"
+        if names
+        else f"the pinned vLLM {inp.vllm_version} as released"
     )
+    return f"The figures were measured on {tree}, against {vllm}; this PR shows the figures of the paths it adds."
 
 
 def _until_level(rest: list[tuple[int, str, str]], level: int) -> list[tuple[int, str, str]]:

@@ -181,6 +181,20 @@ def _stack_run_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--python", default=sys.executable, help="interpreter of the tests (default: this one)")
     p.add_argument(
+        "--figures",
+        action="store_true",
+        help="then measure the call-site figures of the release's and each PR's tree (minicpmo_cg.bench.tree_figures)",
+    )
+    p.add_argument("--no-tests", action="store_true", help="run no tests (with --figures: the figures alone)")
+    p.add_argument(
+        "--figures-cpu",
+        action="store_true",
+        help="the figures' logic check without CUDA (numbers mean nothing)",
+    )
+    _add_seconds(
+        p, "--figures-timeout", stackrun.DEFAULT_FIGURES_TIMEOUT_S, "time limit of one tree's figures"
+    )
+    p.add_argument(
         "--installed-site",
         type=Path,
         metavar="DIR",
@@ -321,7 +335,13 @@ def cmd_stack_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pr_timeout_s=args.timeout,
         markers=args.markers,
         extra=shlex.split(args.pytest_args),
+        tests=not args.no_tests,
+        figures=args.figures,
+        figures_timeout_s=args.figures_timeout,
+        figures_cpu=args.figures_cpu,
     )
+    if not plan.tests and not plan.figures:
+        ap.error("--no-tests without --figures runs nothing")
     site = args.installed_site.resolve() if args.installed_site else _site(args)
     if args.dry_run:
         print(stackrun.describe(plan, stack, site))

@@ -10,6 +10,9 @@ against that PR alone, this writes ``<bundle dir>/stack-LANE/`` (see ``docs/offl
   file of the release wheel's ``vllm_omni/`` (the host checks each overlaid package against it);
 - ``blobs.tar.xz``: every content named there once, as ``blobs/<sha256>``.
 
+``STACK.json`` also holds the release's own overlay (``release``: the wheel's bytes, pristine vLLM),
+so that ``stack-run --figures`` measures the first PR against the tree before it too.
+
 The overlay's paths are every ``vllm_omni/`` file that some PR of the stack touches or that the
 bundle's site holds with other bytes than the release wheel, so the bundle's ``vllm_omni`` with a
 PR's overlay is the release with that PR and the earlier ones applied, file for file. A PR that
@@ -38,6 +41,8 @@ BLOBS = "blobs.tar.xz"
 OMNI_MARKS = "core_model and cuda"
 #: vLLM's tests carry no hardware marks: all of the vLLM PR's tests run.
 VLLM_MARKS = ""
+#: The name of the release's tree (no PR applied) in ``STACK.json`` and in the figures.
+RELEASE = "00-release"
 
 
 def stack_dir_name(lane: str) -> str:
@@ -135,6 +140,9 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
         cs = read_change_set(repo, lane)
         vllm_files = sorted({f for pr in manifest["vllm_prs"] for f in pr["files"] if f.startswith("vllm/")})
         pristine = pristine_files(cs, vllm_files, site_packages) if vllm_files else {}
+        # the release itself (no PR applied, vLLM pristine): the tree the first PR's figures compare with
+        release = {rel: keep(base[rel]) if rel in base else None for rel in paths}
+        release.update({rel: keep(data) for rel, data in pristine.items()})
         vllm_of = {pr["folder"]: set(pr["vllm"]) for pr in manifest["prs"]}
         entries = []
         for pr in manifest["prs"]:
@@ -211,6 +219,12 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
         "blobs_sha256": payload.file_sha256(out / BLOBS),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "commit": payload.git_head(repo),
+        #: the overlay that turns the bundle's packages into the release's (``stack-run --figures``)
+        "release": {
+            "folder": RELEASE,
+            "title": f"the vllm-omni {manifest['vllm_omni']} release",
+            "overlay": release,
+        },
         "prs": entries,
     }
     (out / STACK_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")

@@ -8,6 +8,12 @@ the PR's own test files from that tree, ``-m`` the PR's marks, ``PYTHONPATH`` = 
 ``minicpmo_cg`` unimportable, the copies, the bundle's site (never the checkout), under a time
 limit. Output folder, flat: ``stack-LANE.json`` (the summary), ``stack-LANE.log`` (everything
 printed), and per PR ``tests-PR.log`` and ``junit-PR.xml``.
+
+With ``--figures`` (``--no-tests`` for figures alone) the release's tree and each vllm-omni PR's
+tree then get their call-site figures (:mod:`minicpmo_cg.bench.tree_figures`), in stack order, with
+the same packages as the PR's tests but this project's package importable (the measuring code is
+not part of any PR): ``figures/<folder>.json`` and ``figures-<folder>.log`` per tree, and
+``figures/compare.json`` relating each tree's outputs to the tree before it.
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from minicpmo_cg.offline_gpu import hostenv, payload, runner
 
 STACK_FILE = "STACK.json"
 BLOBS = "blobs.tar.xz"
 DEFAULT_PR_TIMEOUT_S = 150
+DEFAULT_FIGURES_TIMEOUT_S = 150
+FIGURES = "figures"
+#: the CPU core each tree's figures process runs on (where the host has it)
+FIGURES_CORE = 2
 DEFAULT_BUDGET_S = 540
 _BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
 _ENV_SNIPPET = (
@@ -67,6 +78,12 @@ class StackPlan:
     #: replaces each PR's own marks when set
     markers: str | None = None
     extra: list[str] = field(default_factory=list)
+    #: run each PR's tests; measure the trees' call-site figures
+    tests: bool = True
+    figures: bool = False
+    figures_timeout_s: int = DEFAULT_FIGURES_TIMEOUT_S
+    #: the figures' CPU logic check (``tree_figures --allow-cpu``), for a machine without CUDA
+    figures_cpu: bool = False
 
 
 def select(stack: dict, wanted: list[str]) -> list[str]:
@@ -266,11 +283,109 @@ def describe(plan: StackPlan, stack: dict, site: Path) -> str:
             f"[{folder}] overlay {len(pr['overlay'])} files ({vllm}), {len(pr['tests'])} test files: "
             f"{' '.join(argv)} > {plan.out}/tests-{folder}.log"
         )
-    lines.append(
-        f"# files in {plan.out}: stack-{plan.lane}.json stack-{plan.lane}.log "
-        + " ".join(f"tests-{f}.log junit-{f}.xml" for f in plan.prs)
-    )
+    if not plan.tests:
+        lines = lines[:2] + ["tests: not run (--no-tests)"]
+    files = [f"tests-{f}.log junit-{f}.xml" for f in plan.prs] if plan.tests else []
+    if plan.figures:
+        trees = figure_trees(plan, stack)
+        lines.append(
+            f"figures: {' '.join(trees)}, each {' '.join(figures_command(plan, 'TREE', Path('OUT')))} "
+            f"({plan.figures_timeout_s} s each), then {FIGURES}/compare.json"
+        )
+        files += [f"{FIGURES}/{t}.json figures-{t}.log" for t in trees] + [f"{FIGURES}/compare.json"]
+    lines.append(f"# files in {plan.out}: stack-{plan.lane}.json stack-{plan.lane}.log " + " ".join(files))
     return "\n".join(lines)
+
+
+def figure_trees(plan: StackPlan, stack: dict) -> list[str]:
+    """The trees ``--figures`` measures, in stack order: the release, then the selected vllm-omni PRs."""
+    omni = [pr["folder"] for pr in stack["prs"] if pr["kind"] == "vllm-omni" and pr["folder"] in plan.prs]
+    return [stack["release"]["folder"], *omni] if "release" in stack else omni
+
+
+def figures_command(plan: StackPlan, label: str, out: Path) -> list[str]:
+    argv = [
+        plan.python,
+        "-m",
+        "minicpmo_cg.bench.tree_figures",
+        "measure",
+        "--label",
+        label,
+        "--out",
+        str(out),
+    ]
+    if plan.figures_cpu:
+        return [*argv, "--allow-cpu"]
+    # eager calls are bound by how fast the host launches kernels: every tree's process on the same
+    # core, so that no tree looks slower for the core the scheduler gave it
+    taskset = shutil.which("taskset")
+    if taskset and (os.cpu_count() or 1) > FIGURES_CORE:
+        return [taskset, "-c", str(FIGURES_CORE), *argv]
+    return argv
+
+
+def run_figures(plan: StackPlan, stack: dict, entry: dict, site: Path, blobs: Path, work: Path, repo: Path,
+                limit: int) -> dict:  # fmt: skip
+    """One tree's call-site figures (``entry``: a PR of ``STACK.json`` or its ``release``)."""
+    folder = entry["folder"]
+    dest = work / f"figures-{folder}" / "pkgs"
+    overlay_packages(site, entry, blobs, dest)
+    problems, _ = check_package(stack, entry, site, dest)
+    if problems:
+        return _result(folder, entry["title"], "error", problems=problems)
+    # this project's package alone (the checkout's own vllm_omni/ must not shadow the tree's)
+    project = work / f"figures-{folder}" / "project"
+    project.mkdir(parents=True, exist_ok=True)
+    (project / "minicpmo_cg").symlink_to(repo / "minicpmo_cg", target_is_directory=True)
+    env = {**os.environ, **hostenv.FIXED_ENV, "PYTHONDONTWRITEBYTECODE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(dest), str(project), str(site)])
+    out = plan.out / FIGURES
+    out.mkdir(parents=True, exist_ok=True)
+    log = plan.out / f"figures-{folder}.log"
+    argv = figures_command(plan, folder, out)
+    t0 = time.monotonic()
+    rc, timed_out = runner.run_limited(argv, log, env, work, limit)
+    status = (
+        "timeout" if timed_out else ("ok" if rc == 0 and (out / f"{folder}.json").is_file() else "failed")
+    )
+    return _result(folder, entry["title"], status, returncode=rc, seconds=round(time.monotonic() - t0, 1),
+                   log=log.name, command=argv)  # fmt: skip
+
+
+def _figures(plan: StackPlan, stack: dict, site: Path, blobs: Path, work: Path, repo: Path, started: float,
+             say: Any) -> list[dict]:  # fmt: skip
+    entries = {pr["folder"]: pr for pr in stack["prs"]}
+    if "release" in stack:
+        entries[stack["release"]["folder"]] = stack["release"]
+    done = []
+    for folder in figure_trees(plan, stack):
+        left = plan.budget_s - (time.monotonic() - started)
+        say("=" * 100)
+        if left < min(runner.MIN_PART_S, plan.figures_timeout_s):
+            say(f"[figures {folder}] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
+            done.append(_result(folder, entries[folder]["title"], "skipped", reason="budget spent"))
+            continue
+        entry = run_figures(plan, stack, entries[folder], site, blobs, work, repo,
+                            int(min(plan.figures_timeout_s, left)))  # fmt: skip
+        done.append(entry)
+        if entry["status"] == "error":
+            say(
+                f"[figures {folder}] ERROR: the overlaid package is not the tree:\n  "
+                + "\n  ".join(entry["problems"])
+            )
+            continue
+        say(runner.log_excerpt(plan.out / entry["log"], 4))
+        say(f"[figures {folder}] {entry['status']} (exit {entry['returncode']}) in {entry['seconds']:.0f} s")
+    measured = [e["folder"] for e in done if e["status"] == "ok"]
+    if measured:
+        out = plan.out / FIGURES
+        argv = [plan.python, "-m", "minicpmo_cg.bench.tree_figures", "compare", "--out", str(out), *measured]
+        env = {**os.environ, **hostenv.FIXED_ENV, "PYTHONPATH": os.pathsep.join([str(repo), str(site)])}
+        rc, _ = runner.run_limited(argv, plan.out / "figures-compare.log", env, work, 120)
+        say(f"[figures] compare: exit {rc}")
+        for pt in out.glob("*.pt"):  # the outputs are inputs of the comparison only
+            pt.unlink()
+    return done
 
 
 def _result(folder: str, title: str, status: str, **extra) -> dict:
@@ -357,7 +472,7 @@ def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, rep
         doc.update(host_facts(plan.python, site, work))
         say(f"device: {doc['device']}\nsoftware: {doc['environment']}")
         by_folder = {pr["folder"]: pr for pr in stack["prs"]}
-        for folder in plan.prs:
+        for folder in plan.prs if plan.tests else []:
             pr = by_folder[folder]
             left = plan.budget_s - (time.monotonic() - started)
             limit = int(min(plan.pr_timeout_s, left))
@@ -378,12 +493,17 @@ def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, rep
             say(runner.log_excerpt(plan.out / entry["log"], 8))
             say(f"[{folder}] {entry['status']} (exit {entry['returncode']}) in {entry['seconds']:.0f} s: "
                 f"{entry['summary']}")  # fmt: skip
+        if plan.figures:
+            doc["figures"] = _figures(plan, stack, site, blobs, work, repo, started, say)
         shutil.rmtree(work, ignore_errors=True)
         say("=" * 100)
         say(f"SUMMARY per-PR runs {plan.lane} (total {time.monotonic() - started:.0f} s):")
         for entry in doc["prs"]:
             say(f"  {entry['folder']:26s} {entry['status']:8s} {entry.get('summary') or ''}")
-        doc["ok"] = bool(doc["prs"]) and all(e["status"] == "ok" for e in doc["prs"])
+        for entry in doc.get("figures", []):
+            say(f"  figures {entry['folder']:18s} {entry['status']:8s}")
+        runs = doc["prs"] + doc.get("figures", [])
+        doc["ok"] = bool(runs) and all(e["status"] == "ok" for e in runs)
         summary_path.write_text(json.dumps(doc, indent=2) + "\n")
         say(f"  summary: {summary_path}")
         return 0 if doc["ok"] else 1

@@ -287,8 +287,13 @@ def test_an_allowed_prefix_lets_one_line_name_the_project_once():
 def test_the_tree_of_a_prs_figures_is_said_as_recorded(number, upto, says):
     inp = prtext.PrInputs("k", number, "", [], [], "0.30.0", "0.30.0", total=6, measured_upto=upto)
     text = prtext.measured_tree(inp)
-    assert f"measured on {says}, against the pinned vLLM 0.30.0" in text
+    assert f"measured on {says}, against the pinned vLLM 0.30.0 as released;" in text
     assert transform.project_mentions({"PR.md": text}) == []
+    # a tree whose PRs need a vLLM change ran against vLLM with it: the sentence says so
+    inp.measured_vllm = [("[Core] a change", "vllm-capture-error-mode")]
+    text = prtext.measured_tree(inp)
+    assert f"measured on {says}, against vLLM 0.30.0 with the vLLM change (capture error mode) applied;" in text
+    assert "pinned" not in text
     with pytest.raises(ValueError, match="lacks the PR itself"):
         prtext.measured_tree(
             prtext.PrInputs("k", 5, "", [], [], "0.30.0", "0.30.0", total=6, measured_upto=4)

@@ -211,3 +211,51 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
     (results / "other.json").write_text(json.dumps(summary))
     runs, notes = gpu_runs([results / "stack-current.json", results / "other.json"], prs)
     assert runs == {} and f"{folder}: other.json ran another version of this series; not used" in notes
+
+
+def test_release_overlay_is_the_wheel(stack, tmp_path: Path) -> None:
+    """``STACK.json``'s release entry turns the bundle's packages back into the release wheel's."""
+    from minicpmo_cg.export import fetch
+
+    out, manifest, _, doc, blobs, _ = stack
+    release = doc["release"]
+    assert release["folder"] == "00-release"
+    dest = tmp_path / "pkgs"
+    assert stackrun.overlay_packages(SITE, release, blobs, dest) == ["vllm", "vllm_omni"]
+    wheel = fetch.wheel("vllm-omni", manifest["vllm_omni"])
+    want = _files(fetch.extract_package(wheel, "vllm_omni", tmp_path / "wheel"), "vllm_omni")
+    assert _files(dest, "vllm_omni") == want
+    assert stackrun.check_package(doc, release, SITE, dest) == ([], 0)
+
+
+def test_stack_run_figures_on_the_cpu(stack, tmp_path: Path, capsys) -> None:
+    """``--figures --no-tests --figures-cpu`` for the first PR: the release's tree and the PR's are
+    measured (the logic check), compared, and made into the PR's results section."""
+    from minicpmo_cg.bench import tree_report
+    from minicpmo_cg.offline_gpu.cli import main
+
+    _, manifest, bundles, _, _, _ = stack
+    folder = manifest["prs"][0]["folder"]
+    results = tmp_path / "results"
+    argv = ["stack-run", "current", folder.split("-", 1)[0], "--installed-site", str(SITE), "--python",
+            sys.executable, "--bundle-dir", str(bundles), "--out", str(results), "--figures", "--no-tests",
+            "--figures-cpu"]  # fmt: skip
+    code = main(argv)
+    printed = capsys.readouterr().out
+    summary = json.loads((results / "stack-current.json").read_text())
+    assert code == 0 and summary["prs"] == [], printed
+    assert [(e["folder"], e["status"]) for e in summary["figures"]] == [("00-release", "ok"), (folder, "ok")]
+    release = json.loads((results / "figures" / "00-release.json").read_text())
+    first = json.loads((results / "figures" / f"{folder}.json").read_text())
+    assert release["features"] == dict.fromkeys(("sdpa", "graphs", "startup_capture", "fused_layers"), False)
+    assert first["features"]["sdpa"] and not first["features"]["graphs"]
+    assert release["build"]["vision_attn"] == "eager" and first["build"]["vision_attn"] == "sdpa"
+    compare = json.loads((results / "figures" / "compare.json").read_text())
+    # contiguous hidden states change no bit of the audio; SDPA changes the image call's rounding
+    assert compare[folder]["vs_previous"]["eager/audio, 1 s"] == 0.0
+    assert compare[folder]["vs_previous"]["eager/duplex session"] == 0.0
+    assert 0.0 < compare[folder]["vs_previous"]["eager/image, 1 slice"] < 1e-3
+    assert not list((results / "figures").glob("*.pt"))
+    text = tree_report.sections(results)
+    key = manifest["prs"][0]["key"]
+    assert f"<!-- pr: {key} -->" in text and text.count("| image, 1 slice |") == 1

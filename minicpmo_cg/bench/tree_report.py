@@ -1,0 +1,192 @@
+"""The per-PR "before and after" sections of the results page, made from one ``stack-run --figures`` run.
+
+``python -m minicpmo_cg.bench.tree_report RUN_DIR`` prints Markdown: for each vllm-omni PR of the
+run, in stack order, a section tagged for that PR (``<!-- pr: KEY -->``, see
+:mod:`minicpmo_cg.export.docsplit`) with one table of the call sites of
+:mod:`minicpmo_cg.bench.tree_figures`, the tree before the PR against the PR's own tree. ``RUN_DIR``
+holds ``stack-LANE.json`` (the run's summary: date, device, software) and ``figures/`` (one JSON per
+tree and ``compare.json``). Every number of the sections comes from those files; nothing is typed.
+
+Columns: the eager call (``encoder_cuda_graph`` false) before and with the PR; the call as served by
+default (graphed where the tree wires the encoder graphs, whose adapters then decide what to
+capture; eager where it does not) before and with the PR, with the replays among its timed calls;
+the default path's speed-up; how the PR's default output compares with the output before it
+(``max |after - before| / max |before|``; "bitwise" for 0); and, on a tree with graphs, how its
+graphed output compares with its eager one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from minicpmo_cg.bench.tree_figures import CALLS, DUPLEX
+
+__all__ = ["main", "pr_section", "sections", "setup_line"]
+
+FIGURES = "figures"
+#: the heading every PR's section starts with (the export's ``results`` entry of each PR)
+HEADING = "Before and after this PR"
+
+
+def _load(run: Path) -> tuple[dict, dict[str, dict], dict]:
+    (summary_path,) = sorted(run.glob("stack-*.json"))[:1] or [None]
+    if summary_path is None:
+        raise FileNotFoundError(f"{run} has no stack-LANE.json")
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    trees = {}
+    for entry in summary.get("figures", []):
+        path = run / FIGURES / f"{entry['folder']}.json"
+        if entry["status"] == "ok" and path.is_file():
+            trees[entry["folder"]] = {**json.loads(path.read_text(encoding="utf-8")), "title": entry["title"]}
+    compare_path = run / FIGURES / "compare.json"
+    compare = json.loads(compare_path.read_text(encoding="utf-8")) if compare_path.is_file() else {}
+    return summary, trees, compare
+
+
+def _key(folder: str) -> str:
+    return re.sub(r"^\d+-", "", folder)
+
+
+def _default(tree: dict, call: str) -> tuple[str, dict | None]:
+    """``("graphed" | "eager", row)`` of the call as the tree serves it by default."""
+    graphed = tree.get("graphed")
+    if graphed and call in graphed:
+        return "graphed", graphed[call]
+    return "eager", tree["eager"].get(call)
+
+
+def _ms(row: dict | None, field: str = "median") -> str:
+    return "—" if row is None or row.get(field) is None else f"{row[field]:.2f}"
+
+
+def _rel(value: float | None) -> str:
+    if value is None:
+        return "shapes differ"
+    return "bitwise" if value == 0.0 else f"{value:.1e}"
+
+
+def _replays(kind: str, row: dict | None) -> str:
+    if kind != "graphed" or row is None:
+        return "eager"
+    return f"graphed, {row['replayed']}/{row['calls']} replayed"
+
+
+def _duplex_cell(kind: str, row: dict | None) -> str:
+    if row is None:
+        return "—"
+    cell = f"{row['median']:.2f} (worst {row['worst']:.2f})"
+    if kind == "graphed" and row.get("first_session"):
+        first = row["first_session"]
+        cell += f"; first session {first['median']:.2f} (worst {first['worst']:.2f})"
+    return cell
+
+
+def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) -> list[str]:
+    """The Markdown lines of one PR's section (``before``: the folder of the tree before it)."""
+    after_t, before_t = trees[folder], trees[before]
+    key = _key(folder)
+    cmp = compare.get(folder, {})
+    before_name = (
+        "the release's tree (no PR applied)"
+        if before_t["title"].startswith("the vllm-omni")
+        else "the tree before this PR (the earlier PRs of the stack applied)"
+    )
+    lines = [
+        f"<!-- pr: {key} -->",
+        f"### {HEADING}: {after_t['title']}",
+        "",
+        f"Each call site on {before_name} and on this PR's own tree, in one run on one host, with "
+        "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "
+        "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "
+        "shows what the PR changes; the targets are stated with the sections that set them.",
+        "",
+        "| call site | eager before | eager with this PR | default before | default with this PR "
+        "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for call in [*CALLS, DUPLEX]:
+        kind_b, row_b = _default(before_t, call)
+        kind_a, row_a = _default(after_t, call)
+        eb, ea = before_t["eager"].get(call), after_t["eager"].get(call)
+        if call == DUPLEX:
+            cells = [_duplex_cell("eager", eb), _duplex_cell("eager", ea), _duplex_cell(kind_b, row_b),
+                     _duplex_cell(kind_a, row_a)]  # fmt: skip
+        else:
+            cells = [_ms(eb), _ms(ea), _ms(row_b), _ms(row_a)]
+        speed = (
+            f"{row_b['median'] / row_a['median']:.2f}×" if row_a and row_b and row_a.get("median") else "—"
+        )
+        vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
+        if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
+            vs_before = _eager_vs(trees, before, folder, call, compare)
+        g_vs_e = cmp.get("graphed_vs_eager", {}).get(call)
+        lines.append(
+            f"| {call} | {' | '.join(cells)} | {_replays(kind_a, row_a)} | {speed} | "
+            f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} | "
+            f"{_rel(g_vs_e) if call in cmp.get('graphed_vs_eager', {}) else 'no graphs'} |"
+        )
+    startup = (after_t.get("graphed") or {}).get(DUPLEX, {}).get("startup")
+    lines.append("")
+    if startup:
+        lines.append(
+            f"Start-up capture on this tree: {startup['graphs']} graphs, {startup['mib']} MiB, "
+            f"{startup['seconds']} s, before the first session (what the worker does before serving)."
+        )
+        lines.append("")
+    lines += ["<!-- /pr -->", ""]
+    return lines
+
+
+def _eager_vs(trees: dict, before: str, folder: str, call: str, compare: dict) -> float | None | str:
+    """The PR's default (graphed) output against the tree before it's eager one: the PR's graphed
+    output equals its own eager one (``graphed_vs_eager``) and its eager one the tree before
+    (``vs_previous``); both bitwise means bitwise."""
+    cmp = compare.get(folder, {})
+    eager_vs = cmp.get("vs_previous", {}).get(f"eager/{call}")
+    g_vs_e = cmp.get("graphed_vs_eager", {}).get(call)
+    if eager_vs is None or g_vs_e is None:
+        return "n/a"
+    return 0.0 if eager_vs == 0.0 and g_vs_e == 0.0 else max(eager_vs, g_vs_e)
+
+
+def setup_line(summary: dict) -> str:
+    """The run's date, device and software, as the results page's Setup sentences say them."""
+    return (
+        f"**{summary.get('date')}, {summary.get('device') or 'no GPU'}** ({summary.get('environment')}); "
+        f"vLLM {summary.get('vllm')} and vllm-omni {summary.get('vllm_omni')}, the trees built at commit "
+        f"`{summary.get('stack_commit')}`."
+    )
+
+
+def sections(run: Path) -> str:
+    """All PR sections of the run at ``run``, in stack order, as Markdown."""
+    summary, trees, compare = _load(run)
+    order = [e["folder"] for e in summary.get("figures", []) if e["folder"] in trees]
+    lines = [f"<!-- generated by python -m minicpmo_cg.bench.tree_report from {run.name}/ -->", ""]
+    for before, folder in zip(order, order[1:]):
+        lines += pr_section(folder, before, trees, compare)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m minicpmo_cg.bench.tree_report", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("run", type=Path, help="a stack-run --figures output folder")
+    p.add_argument("--setup", action="store_true", help="print the run's setup sentence instead")
+    args = p.parse_args(argv)
+    try:
+        summary = _load(args.run)[0]
+        sys.stdout.write(setup_line(summary) + "\n" if args.setup else sections(args.run))
+    except FileNotFoundError as exc:
+        print(f"tree_report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU checks of the per-tree call-site figures (``minicpmo_cg.bench.tree_figures``) and of the
+results sections made from them (``minicpmo_cg.bench.tree_report``): the output comparison, the
+table cells, and a logic check of the whole measurement on the installed tree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.runs import patched_model_available
+
+from minicpmo_cg.bench import tree_figures, tree_report
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+
+def test_rel_diff_is_zero_only_for_equal_tensors() -> None:
+    a = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+    assert tree_figures.rel_diff(a, a.clone()) == 0.0
+    b = a.clone()
+    b[0, 0] += 0.04
+    assert tree_figures.rel_diff(a, b) == pytest.approx(0.01)
+    assert tree_figures.rel_diff(a, a[:1]) is None
+
+
+def test_compare_relates_each_tree_to_the_one_before(tmp_path: Path) -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+    torch.save({"eager/audio, 1 s": x}, tmp_path / "00-release.pt")
+    torch.save({"eager/audio, 1 s": x.clone(), "graphed/audio, 1 s": x + 0.5}, tmp_path / "01-a.pt")
+    # a tree that failed to measure has no outputs: the next one is related to the last measured
+    torch.save({"eager/audio, 1 s": x * 2, "graphed/audio, 1 s": x * 2}, tmp_path / "03-c.pt")
+    doc = tree_figures.compare(tmp_path, ["00-release", "01-a", "02-b", "03-c"])
+    assert list(doc) == ["00-release", "01-a", "03-c"]
+    assert doc["01-a"]["previous"] == "00-release"
+    assert doc["01-a"]["vs_previous"] == {"eager/audio, 1 s": 0.0}
+    assert doc["01-a"]["graphed_vs_eager"]["audio, 1 s"] == pytest.approx(0.5 / 5)
+    assert doc["03-c"]["previous"] == "01-a"
+    assert doc["03-c"]["graphed_vs_eager"] == {"audio, 1 s": 0.0}
+    assert doc["03-c"]["vs_previous"]["eager/audio, 1 s"] == pytest.approx(5 / 5)
+
+
+def _tree(eager_ms: float, graphed_ms: float | None, replayed: int = 15) -> dict:
+    def row(ms: float, hits: int) -> dict:
+        return {"median": ms, "p90": ms, "n": 15, "replayed": hits, "calls": 15}
+
+    duplex = {"first_ms": eager_ms, "median": eager_ms, "worst": eager_ms * 2, "n": 10}
+    eager = {call: row(eager_ms, 0) for call in tree_figures.CALLS} | {tree_figures.DUPLEX: duplex}
+    if graphed_ms is None:
+        return {"eager": eager, "graphed": None}
+    g_duplex = {**duplex, "median": graphed_ms, "worst": graphed_ms, "replayed": 10, "calls": 10,
+                "startup": {"graphs": 31, "mib": 374.0, "seconds": 1.9}}  # fmt: skip
+    graphed = {call: row(graphed_ms, replayed) for call in tree_figures.CALLS} | {
+        tree_figures.DUPLEX: g_duplex
+    }
+    return {"eager": eager, "graphed": graphed}
+
+
+def _run(tmp_path: Path, trees: dict[str, dict], compare: dict) -> Path:
+    (tmp_path / "figures").mkdir()
+    figures = []
+    for folder, doc in trees.items():
+        (tmp_path / "figures" / f"{folder}.json").write_text(json.dumps(doc))
+        figures.append({"folder": folder, "title": f"title of {folder}", "status": "ok"})
+    figures[0]["title"] = "the vllm-omni 0.30.0 release"
+    summary = {"date": "2026-12-02", "device": "GPU X", "environment": "Python 3.12", "figures": figures,
+               "vllm": "0.30.0", "vllm_omni": "0.30.0", "stack_commit": "abc1234"}  # fmt: skip
+    (tmp_path / "stack-current.json").write_text(json.dumps(summary))
+    (tmp_path / "figures" / "compare.json").write_text(json.dumps(compare))
+    return tmp_path
+
+
+def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -> None:
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    compare = {
+        "01-fix": {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}},
+        "02-graphs": {
+            "vs_previous": {f"eager/{c}": 0.0 for c in calls},
+            "graphed_vs_eager": {c: (3e-3 if c == "audio, 5 s" else 0.0) for c in calls},
+        },
+    }
+    run = _run(tmp_path, {"00-release": _tree(10.0, None), "01-fix": _tree(8.0, None),
+                          "02-graphs": _tree(8.0, 2.0, replayed=14)}, compare)  # fmt: skip
+    text = tree_report.sections(run)
+    assert text.count("<!-- pr: ") == 2 and text.count("<!-- /pr -->") == 2
+    first, second = text.split("<!-- pr: graphs -->")
+    assert "<!-- pr: fix -->" in first and "the release's tree (no PR applied)" in first
+    row = next(line for line in first.splitlines() if line.startswith("| image, 1 slice |"))
+    assert row.split(" | ")[1:] == [
+        "10.00",
+        "8.00",
+        "10.00",
+        "8.00",
+        "eager",
+        "1.25×",
+        "bitwise",
+        "no graphs |",
+    ]
+    assert "the tree before this PR (the earlier PRs of the stack applied)" in second
+    row = next(line for line in second.splitlines() if line.startswith("| image, 1 slice |"))
+    assert row.split(" | ")[4:] == ["2.00", "graphed, 14/15 replayed", "4.00×", "bitwise", "bitwise |"]
+    # the graphed default changed the path: its output is compared through its own eager one
+    row = next(line for line in second.splitlines() if line.startswith("| audio, 5 s |"))
+    assert row.endswith("| 3.0e-03 | 3.0e-03 |")
+    assert "Start-up capture on this tree: 31 graphs, 374.0 MiB, 1.9 s" in second
+    assert tree_report.setup_line(json.loads((run / "stack-current.json").read_text())).startswith(
+        "**2026-12-02, GPU X** (Python 3.12)"
+    )
+
+
+def test_report_needs_a_run_summary(tmp_path: Path, capsys) -> None:
+    assert tree_report.main([str(tmp_path)]) == 2
+    assert "has no stack-LANE.json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not patched_model_available(), reason="needs the patched vllm-omni installation")
+def test_measure_logic_check_on_the_installed_tree() -> None:
+    """The whole measurement without CUDA, on the installed tree (every PR applied): eager and
+    graphed passes (the graphed one through the CPU stand-in for capture), start-up capture first."""
+    features = tree_figures.tree_features()
+    assert features == {"sdpa": True, "graphs": True, "startup_capture": True, "fused_layers": True}
+    figures, outputs = tree_figures.measure_tree(cpu=True)
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    assert list(figures["eager"]) == calls and list(figures["graphed"]) == calls
+    assert all(figures["eager"][c]["replayed"] == 0 for c in tree_figures.CALLS)
+    duplex = figures["graphed"][tree_figures.DUPLEX]
+    assert duplex["startup"]["graphs"] > 0 and duplex["timed_session"] == 1
+    # the start-up capture's graphs serve the first session's every chunk
+    assert duplex["replayed"] == duplex["calls"] == tree_figures.DUPLEX_CHUNKS["cpu"]
+    assert set(outputs) == {f"{kind}/{c}" for kind in ("eager", "graphed") for c in calls}
+    for call in calls:
+        assert tree_figures.rel_diff(outputs[f"eager/{call}"], outputs[f"graphed/{call}"]) == 0.0, call
+
+
+def test_duplex_chunks_are_float32_as_the_duplex_stage_hands_them_over() -> None:
+    """The start-up capture captures the stage's float32 chunk forms: a bf16 model must still get
+    float32 chunks, or no chunk finds its graph."""
+    chunks = tree_figures._duplex_chunks(3, torch.device("cpu"))
+    assert [c.features.dtype for c in chunks] == [torch.float32] * 3
+    assert [c.features.shape[-1] for c in chunks] == [102, 104, 104]
+    assert [c.prefix_extra_frames for c in chunks] == [0, 2, 2]
