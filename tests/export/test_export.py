@@ -283,6 +283,10 @@ def test_each_pr_says_how_and_on_which_tree_its_figures_were_measured(exported):
         upto = {"stack": len(keys), "own": number}.get(spec.measured_on) or keys.index(spec.measured_on) + 1
         inp = prtext.PrInputs(pr["key"], number, "", [], [], manifest["vllm"], manifest["vllm_omni"],
                               total=len(keys), measured_upto=upto)  # fmt: skip
+        # the measured tree ran against vLLM with the vLLM PRs its PRs need (the manifest's, in order)
+        needed = dict.fromkeys(folder for p in manifest["prs"][:upto] for folder in p["vllm"])
+        titles = {v["folder"]: v["title"] for v in manifest["vllm_prs"]}
+        inp.measured_vllm = [(titles[folder], folder) for folder in needed]
         assert prtext.measured_tree(inp) in result
         assert ("whole stack" in result) == (upto == len(keys)), pr["folder"]
 
