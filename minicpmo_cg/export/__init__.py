@@ -13,5 +13,6 @@ repository on the release (:mod:`.gitseries`, :mod:`.build`), the files rewritte
 (:mod:`.transform`) and formatted by ruff with vllm-omni's settings (:mod:`.lint`, :mod:`.conventions`),
 each PR's text assembled from its patches, pages and test runs (:mod:`.prtext`), and :mod:`.verify`
 checks each PR on its own as a maintainer would. Edits to files the wheel does not carry (Buildkite,
-docs navigation) are in :mod:`.upstream_edits`.
+docs navigation) are in :mod:`.upstream_edits`; an identity no person has (a placeholder address)
+is warned about and reported by :mod:`.identity`.
 """

@@ -9,10 +9,12 @@ Writes into ``OUT``, one folder per pull request of the stack (:mod:`.stack`):
   signed off, every new Python file with vllm-omni's SPDX header, all Python formatted and fixed by
   ruff with vllm-omni's settings; ``PR.md`` (the description in vllm-omni's template), ``PR-title.txt``
   and, when the PR needs edits to files the release wheel does not carry (Buildkite, docs
-  navigation), ``UPSTREAM-EDITS.md`` (``--checkout`` makes them in a vllm-omni git checkout);
+  navigation), ``UPSTREAM-EDITS.md``: which files of vllm-omni's git tree to edit and how, in plain
+  words (``--checkout`` makes the same edits in a vllm-omni git checkout);
 - ``vllm-key/`` for each vLLM PR: its series against the lane's pristine vLLM files (the change and
   its tests in vLLM's layout), ``PR.md`` and ``PR-title.txt``;
-- ``STACK.md``: the stack in merge order with each PR's size and dependencies;
+- ``STACK.md``: the stack in merge order with each PR's size and dependencies, opening with a
+  warning when the identity of the commits is a placeholder (:mod:`.identity`);
 - ``export.json``: the manifest (versions, base wheel, per PR its commits, files, tests, size, lint).
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
+from minicpmo_cg.export import identity
 from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
@@ -96,6 +99,8 @@ class ExportResult:
     prs: list[PrResult]
     vllm_prs: list[PrResult]
     warnings: list[str] = field(default_factory=list)
+    #: The commits' identity is a placeholder (:func:`.identity.placeholder_problem`): why, and what to do.
+    identity_problem: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -418,6 +423,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         RuntimeError: a patch does not apply to the release (git's message).
     """
     opts.out = opts.out.resolve()  # git writes the series from inside the scratch repository
+    placeholder = identity.warn_if_placeholder(opts.author)  # before the minutes the export takes
     cs = read_change_set(opts.repo, opts.lane)
     if not cs.omni_patches:
         raise transform.ExportError(
@@ -443,7 +449,8 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         }
         wheel = builder.wheel
         omni_commit = builder.omni_commit
-    result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs)
+    result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs, identity_problem=placeholder)
+    result.warnings += [placeholder] if placeholder else []
     _link(result, st, cs)
     _write_texts(cs, st, result)
     _write_manifest(cs, result, wheel, omni_commit)
@@ -494,14 +501,25 @@ def _write_texts(cs: ChangeSet, st: stack.Stack, result: ExportResult) -> None:
     for pr in result.prs:
         (result.out / pr.folder / "PR.md").write_text(prtext.omni_pr(pr.inputs), encoding="utf-8")
         (result.out / pr.folder / "PR-title.txt").write_text(pr.title + "\n", encoding="utf-8")
-        edits = upstream_edits.render(pr.files, pr.page)
+        edits = upstream_edits.render(pr.files, pr.page, cs.lane.vllm_omni)
         if edits:
             (result.out / pr.folder / upstream_edits.EDITS_FILE).write_text(edits, encoding="utf-8")
         result.warnings += [f"{pr.folder}: {n}" for n in pr.inputs.notes]
     for pr in result.vllm_prs:
         (result.out / pr.folder / "PR.md").write_text(prtext.vllm_pr(pr.inputs), encoding="utf-8")
         (result.out / pr.folder / "PR-title.txt").write_text(pr.title + "\n", encoding="utf-8")
-    (result.out / STACK_FILE).write_text(prtext.stack_overview(result.prs, result.vllm_prs), encoding="utf-8")
+    (result.out / STACK_FILE).write_text(_stack_text(result), encoding="utf-8")
+
+
+def _stack_text(result: ExportResult) -> str:
+    """``STACK.md``: :func:`.prtext.stack_overview`, with the placeholder-identity note right under its
+    title when the commits' identity is one."""
+    text = prtext.stack_overview(result.prs, result.vllm_prs)
+    if not result.identity_problem:
+        return text
+    note = identity.stack_note(result.identity_problem)
+    title, sep, rest = text.partition("\n\n") if text.startswith("# ") else ("", "", text)
+    return f"{title}{sep}{note}\n{rest}"
 
 
 def _write_manifest(cs: ChangeSet, result: ExportResult, wheel: Path, omni_commit: str | None) -> None:
@@ -530,7 +548,8 @@ def _refuse_foreign_text(exported: dict[str, str], out: Path, result: ExportResu
     found += transform.project_mentions(exported, words=transform.NOT_UPSTREAM)
     for pr in result.prs + result.vllm_prs:
         texts = {f"{pr.folder}/{name}": (out / pr.folder / name).read_text(encoding="utf-8")
-                 for name in ("PR.md", "PR-title.txt")}  # fmt: skip
+                 for name in ("PR.md", "PR-title.txt", upstream_edits.EDITS_FILE)
+                 if (out / pr.folder / name).is_file()}  # fmt: skip
         for where, text in texts.items():
             found += transform.project_mentions({where: text})
             found += transform.project_mentions({where: text}, words=transform.NOT_UPSTREAM)
@@ -550,4 +569,4 @@ def rewrite_prs(result: ExportResult, runs: dict[str, list[prtext.PytestRun]]) -
             pr.inputs.runs = runs[pr.folder]
             render = prtext.omni_pr if pr in result.prs else prtext.vllm_pr
             (result.out / pr.folder / "PR.md").write_text(render(pr.inputs), encoding="utf-8")
-    (result.out / STACK_FILE).write_text(prtext.stack_overview(result.prs, result.vllm_prs), encoding="utf-8")
+    (result.out / STACK_FILE).write_text(_stack_text(result), encoding="utf-8")

@@ -37,7 +37,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--author",
         metavar="'NAME <EMAIL>'",
         help="author and Signed-off-by of every commit (default: git's identity, `git var GIT_AUTHOR_IDENT`, "
-        "global config included)",
+        "global config included; a placeholder address such as one under .example or example.com is warned "
+        "about, noted in STACK.md and a --verify problem)",
     )
     parser.add_argument(
         "--repo", type=Path, metavar="DIR", help="checkout of this patch set (default: the one installed)"
@@ -88,10 +89,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def git_identity(cwd: Path) -> Identity:
     """The identity git would commit with in ``cwd``: ``GIT_AUTHOR_*`` environment variables, then the
     repository's, the global and the system configuration (``git var GIT_AUTHOR_IDENT``); never a
-    name or address git would guess from the host.
+    name or address git would guess from the host. An address that is no person's (``user.email =
+    root``, a ``.example`` domain) is returned as it is: the export warns about it
+    (:mod:`.identity`).
 
     Raises:
-        ValueError: git has no identity configured (the message says how to set one or pass --author).
+        ValueError: git has no identity configured, or one that is not ``Name <address>`` (the
+            message says how to set one or pass --author).
     """
     proc = subprocess.run(
         ["git", "-c", "user.useConfigOnly=true", "var", "GIT_AUTHOR_IDENT"],
@@ -109,7 +113,13 @@ def git_identity(cwd: Path) -> Identity:
             "`git config --global user.name 'Your Name'` and `git config --global user.email you@example.com`, "
             f"or pass --author 'Your Name <you@example.com>' (git: {reason})"
         )
-    return Identity(ident)
+    try:
+        return Identity(ident, address_required=False)
+    except ValueError:
+        raise ValueError(
+            f"git's identity {ident!r} is not 'Name <address>': set `git config --global user.name` and "
+            "`user.email`, or pass --author 'Your Name <you@example.com>'"
+        ) from None
 
 
 def _identity(args: argparse.Namespace, repo: Path) -> Identity:
@@ -144,20 +154,8 @@ def _to_checkout(args: argparse.Namespace, result: build.ExportResult, identity:
         _user_git(checkout, "am", "-q", "--keep-non-patch", *map(str, pr.series), env=identity.env())
         for rel, text in upstream_edits.apply_to_checkout(checkout, pr.files, pr.page).items():
             (checkout / rel).write_text(text, encoding="utf-8")
-            ci = rel.startswith(".buildkite/")
-            prefix = "[CI/Build]" if ci else "[Doc]"
-            what = "eager vs graphed encoder CUDA graph e2e step" if ci else "list the design page"
-            _user_git(
-                checkout,
-                "commit",
-                "-q",
-                "-s",
-                "-m",
-                f"{prefix} MiniCPM-o 4.5: {what}",
-                "--",
-                rel,
-                env=identity.env(),
-            )
+            title = upstream_edits.commit_title(rel)
+            _user_git(checkout, "commit", "-q", "-s", "-m", title, "--", rel, env=identity.env())
         for old in (args.out / pr.folder).glob("*.patch"):
             old.unlink()
         listed = _user_git(
@@ -216,11 +214,11 @@ def run(args: argparse.Namespace) -> int:
     if args.verify or args.run_tests:
         marks = tuple(args.marks or [DEFAULT_MARKS])
         report = verify.verify(args.out, repo, run_tests=args.run_tests, marks=marks)
-        extra += [f"verify: {p}" for p in report.problems]
+        extra += [f"verify: {p}" for p in report.identity + report.problems]
         extra.append(
             f"verify: {'ok' if report.ok else 'FAILED'}" + ("" if args.run_tests else " (tests not run)")
         )
-        if report.ok and args.run_tests:
+        if report.prs_ok and args.run_tests:  # the runs are the PRs' own, whoever the author is
             runs = report.runs()
         ok = ok and report.ok
     if args.gpu_results:

@@ -130,6 +130,18 @@ PR_TEMPLATE_HEADINGS = ("## Purpose", "## Test Plan", "## Test Result")
 PR_FIELD_VLLM = "**vLLM Version:**"
 PR_FIELD_OMNI = "**vLLM-Omni Commit:**"
 
+#: vllm-omni's tracker of the encoder CUDA graph work, cited by its full reference and title. Its
+#: plan says, following its Gating section, that PRs that enable encoder graphs merge after the next
+#: vLLM pin bump, and that changes that do not enable encoder graphs can merge on the current pin;
+#: the texts cite nothing else from it.
+TRACKER_ISSUE = "vllm-project/vllm-omni#7452"
+TRACKER_TITLE = "[Perf] Onboard omni encoder stages to the upstream multimodal encoder CUDA Graph framework"
+#: The tracker's ordering rule, as the PR texts state it.
+TRACKER_RULE = (
+    f'{TRACKER_ISSUE} ("{TRACKER_TITLE}") says that PRs that enable encoder graphs merge after the next '
+    "vLLM pin bump"
+)
+
 #: Where things live upstream.
 DESIGN_DOCS_DIR = "docs/design"
 NAV_FILE = "docs/.nav.yml"

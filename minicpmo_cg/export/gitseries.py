@@ -21,10 +21,18 @@ __all__ = ["Identity", "SeriesRepo", "git", "series_fingerprint", "wrap_body"]
 
 
 class Identity:
-    """``Name <email>`` of the author and signer of every commit."""
+    """``Name <email>`` of the author and signer of every commit.
 
-    def __init__(self, text: str):
-        m = re.fullmatch(r"\s*([^<>]+?)\s*<([^<>\s]+@[^<>\s]+)>\s*", text)
+    ``address_required=False`` also takes an address without ``@`` (git's identity can be one, e.g.
+    ``user.email = root``), which :mod:`.identity` then reports as a placeholder.
+
+    Raises:
+        ValueError: ``text`` is not ``Name <email>``.
+    """
+
+    def __init__(self, text: str, address_required: bool = True):
+        address = r"[^<>\s]+@[^<>\s]+" if address_required else r"[^<>\s]+"
+        m = re.fullmatch(rf"\s*([^<>]+?)\s*<({address})>\s*", text)
         if not m:
             raise ValueError(f"--author {text!r} is not 'Full Name <email@example.com>'")
         self.name, self.email = m.groups()

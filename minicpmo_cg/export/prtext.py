@@ -347,8 +347,7 @@ def _vllm_changes(changes: list[tuple[str, str]], vllm_version: str, needs: str,
         "",
         *(f"- {title}" for title, _ in changes),
         "",
-        f"{merge} vllm-omni's vLLM pin includes that change (encoder-graph PRs merge after the next vLLM pin "
-        "bump, issue #7452).",
+        f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}.",
         "",
     ]
 

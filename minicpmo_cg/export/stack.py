@@ -1,7 +1,9 @@
 """The stack of pull requests the export writes: one declarative table, and its resolution.
 
-vllm-omni merges encoder-graph PRs only after its next vLLM pin bump (tracker issue #7452), while
-some of the changes are plain bug or layout fixes that can merge on the current pin. So the change
+vllm-project/vllm-omni#7452 ("[Perf] Onboard omni encoder stages to the upstream multimodal encoder
+CUDA Graph framework") says that PRs that enable encoder graphs merge after the next vLLM pin bump,
+and that changes that do not enable encoder graphs can merge on the current pin; some of these
+changes are plain bug or layout fixes that enable no graph. So the change
 set goes upstream as a **stack**: independent vllm-omni PRs, each applying on the one before it
 (against the pinned release wheel), each with its own tests, design-page parts and results, plus
 the vLLM change as a PR of its own for vllm-project/vllm.

@@ -1,9 +1,11 @@
 """Edits to vllm-omni files that the release wheel does not carry: the Buildkite step and the docs nav.
 
-The wheel has no ``.buildkite/`` or ``docs/``, so these edits cannot be diffed against the pinned
-release. :func:`render` describes them (``UPSTREAM-EDITS.md``); :func:`apply_to_checkout` makes them
-in a vllm-omni git checkout, each anchored on what is already there and failing when the anchor
-is missing (never guessing a place):
+The wheel has no ``.buildkite/`` or ``docs/``, and PyPI has no source archive of the pinned
+releases (vllm-omni's sdists stop at 0.20.0), so these edits cannot be diffed against the release
+and are not in the series. :func:`render` writes them out for the person opening the PR
+(``UPSTREAM-EDITS.md``: the files, where, the exact lines; nothing about this project's tooling);
+:func:`apply_to_checkout` makes the same edits in a vllm-omni git checkout, each anchored on what is
+already there and failing when the anchor is missing (never guessing a place):
 
 - Buildkite: the MiniCPM-o online e2e step of ``.buildkite/cuda/test-ready.yml`` is cloned (same
   agents, plugins, environment and dependency group) into one that runs the exported serving test,
@@ -19,7 +21,18 @@ from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
 
-__all__ = ["EDITS_FILE", "EditError", "clone_nav_line", "clone_step", "e2e_command", "render", "step_label"]
+__all__ = [
+    "EDITS_FILE",
+    "STEP_KEY",
+    "EditError",
+    "apply_to_checkout",
+    "clone_nav_line",
+    "clone_step",
+    "commit_title",
+    "e2e_command",
+    "render",
+    "step_label",
+]
 
 #: The file of a PR's folder that describes these edits.
 EDITS_FILE = "UPSTREAM-EDITS.md"
@@ -34,6 +47,21 @@ def e2e_command(files: list[str]) -> str | None:
     return f"pytest -sv {' '.join(tests)}" if tests else None
 
 
+#: The ``key:`` of the copied Buildkite step.
+STEP_KEY = "minicpmo-4-5-encoder-cuda-graph"
+
+
+def commit_title(rel: str) -> str:
+    """The title of the commit that makes the edit of ``rel`` (one commit per edited file)."""
+    what = {
+        conv.BUILDKITE_READY: "eager vs graphed encoder CUDA graph e2e step",
+        conv.NAV_FILE: "list the design page in the docs navigation",
+        conv.DESIGN_INDEX_FILE: "link the design page from the design index",
+    }[rel]
+    prefix = conv.TITLE_PREFIX_CI if rel.startswith(".buildkite/") else conv.TITLE_PREFIX_DOC
+    return f"{prefix} {conv.MODEL_TITLE}: {what}"
+
+
 def step_label() -> str:
     return f"Omni · {conv.MODEL_TITLE} Encoder CUDA Graph Test (eager vs graphed)"
 
@@ -42,43 +70,79 @@ def _page_title(design_rel: str) -> str:
     return f"{conv.MODEL_TITLE} Input Encoder CUDA Graphs"
 
 
-def render(files: list[str], design_rel: str | None) -> str | None:
+def render(files: list[str], design_rel: str | None, release: str | None = None) -> str | None:
     """``UPSTREAM-EDITS.md`` of a PR whose files are ``files`` and which adds the design page
-    ``design_rel`` (or none): what :func:`apply_to_checkout` does, for a maintainer without the
-    tool; None when the PR needs no such edit."""
+    ``design_rel`` (or none), made against vllm-omni ``release``: for the person opening the PR,
+    which files of vllm-omni's git tree to edit and how, with the exact lines to add (the edits
+    :func:`apply_to_checkout` makes); None when the PR needs no such edit."""
     command = e2e_command(files)
     if not command and not design_rel:
         return None
+    version = f"vllm-omni {release}" if release else "the vllm-omni release"
     lines = [
-        "# Edits to files the vllm-omni release wheel does not carry",
+        "# Edits to vllm-omni files that are not in this patch series",
         "",
-        "The series of this folder is checked against the release wheel, which has no `.buildkite/` or",
-        "`docs/`. These edits are made by `minicpmo-cg-patch export --checkout DIR` in a vllm-omni git",
-        "checkout (each next to an anchor that must exist there); by hand they are:",
+        f"The patch series of this folder was made and checked against the {version} wheel from PyPI,",
+        "which holds only the `vllm_omni/` package (PyPI has no source archive of this release). The files",
+        "named here are in vllm-omni's git repository but not in that wheel, so the series cannot carry",
+        "them: after `git am` of the series on the branch of this PR, make these edits by hand, each as a",
+        "commit of its own signed off like the others (`git commit -s`).",
         "",
     ]
     n = 0
     if command:
         n += 1
         lines += [
-            f"{n}. `{conv.BUILDKITE_READY}`: in the group `{conv.BUILDKITE_E2E_GROUP}`, a copy of the step",
-            f"   `{conv.BUILDKITE_SIBLING_STEP}` labelled `{step_label()}`, whose pytest command is:",
+            f"## {n}. `{conv.BUILDKITE_READY}`: a CI step for the eager vs graphed serving test",
+            "",
+            f"Commit title: `{commit_title(conv.BUILDKITE_READY)}`",
+            "",
+            f"In the group whose `group:` line names `{conv.BUILDKITE_E2E_GROUP}`, find the step whose `label:`",
+            f"contains `{conv.BUILDKITE_SIBLING_STEP}`. Add a copy of that whole step (same agents, plugins,",
+            "environment, timeout and dependencies) right after it, and change three things in the copy:",
+            "",
+            f"1. its label: `{step_label()}`;",
+            f"2. its `key:`, if the step has one: `{STEP_KEY}`;",
+            "3. its pytest command: replace the step's `pytest` line (all of them, when it has several) by",
+            "   this one line, at the same indentation:",
             "",
             f"       {command}",
             "",
-            "   It serves MiniCPM-o 4.5 twice (encoder graphs off, then on) and compares the answers.",
+            "The test serves MiniCPM-o 4.5 twice, with the encoder CUDA graphs off and then on, and compares",
+            "the answers.",
+            "",
         ]
     if design_rel:
         page = PurePosixPath(design_rel).name
+        nav_page = design_rel.removeprefix("docs/")
+        title = _page_title(design_rel)
         lines += [
-            f"{n + 1}. `{conv.NAV_FILE}`: `{page}` listed next to `{conv.NAV_SIBLING_PAGE}`.",
-            f"{n + 2}. `{conv.DESIGN_INDEX_FILE}`: a link `[{_page_title(design_rel)}]({page})` next to the one to",
-            f"   `{conv.NAV_SIBLING_PAGE}`.",
+            f"## {n + 1}. `{conv.NAV_FILE}`: the design page in the docs navigation",
+            "",
+            f"Commit title: `{commit_title(conv.NAV_FILE)}`",
+            "",
+            f"Right after the line that names `{conv.NAV_SIBLING_PAGE}`, add this line at the same",
+            "indentation:",
+            "",
+            f"    - {title}: {nav_page}",
+            "",
+            f"## {n + 2}. `{conv.DESIGN_INDEX_FILE}`: a link to the design page",
+            "",
+            f"Commit title: `{commit_title(conv.DESIGN_INDEX_FILE)}`",
+            "",
+            f"Right after the line that links `{conv.NAV_SIBLING_PAGE}`, add this line at the same",
+            "indentation:",
+            "",
+            f"    - [{title}]({page})",
+            "",
+            f"If `{conv.NAV_FILE}` or `{conv.DESIGN_INDEX_FILE}` does not name `{conv.NAV_SIBLING_PAGE}`, put",
+            "its line with the other model-specific design pages of that file. The design page links its topic",
+            "pages itself; they need no entry.",
+            "",
         ]
     lines += [
-        "",
-        "The unit tests need no step: `tests/model_executor/` is collected by the existing L1 (`core_model and cpu`)",
-        "and L2 (`core_model and cuda`) steps.",
+        "The unit tests need no CI edit: `tests/model_executor/` is collected by the existing L1",
+        "(`core_model and cpu`) and L2 (`core_model and cuda`) steps.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -130,7 +194,7 @@ def clone_step(text: str, command: str, path: str = conv.BUILDKITE_READY) -> str
     block[first] = f"{m.group(1)}{command}"
     block = [ln for i, ln in enumerate(block) if i not in pytest_lines[1:]]
     block = [re.sub(r"(label:\s*['\"]?)[^'\"]*", rf"\g<1>{step_label()}", block[0], count=1)] + block[1:]
-    block = [re.sub(r"^(\s*key:\s*).*$", r"\1minicpmo-4-5-encoder-cuda-graph", ln) for ln in block]
+    block = [re.sub(r"^(\s*key:\s*).*$", rf"\g<1>{STEP_KEY}", ln) for ln in block]
     return "\n".join(lines[:end] + [""] + block + lines[end:])
 
 

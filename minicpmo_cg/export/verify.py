@@ -14,11 +14,18 @@ release wheel (the one whose sha256 the manifest names):
 
 Each vLLM PR's series applies with ``git am`` to the lane's pristine vLLM files, and optionally
 its tests (in vLLM's layout) pass against the installed vLLM once that carries the change.
+
+Across the series, the author of every commit (its ``From:``) must have an address a person can
+have: a placeholder (no ``@``, a domain reserved by RFC 2606 / RFC 6761, :mod:`.identity`) is a
+problem of the report (:attr:`VerifyReport.identity`), since vllm-omni's DCO check would accept its
+sign-off and a maintainer would not.
 """
 
 from __future__ import annotations
 
 import ast
+import email.parser
+import email.policy
 import hashlib
 import importlib.metadata
 import json
@@ -35,6 +42,7 @@ from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import fetch, lint
 from minicpmo_cg.export.changeset import read_change_set
 from minicpmo_cg.export.gitseries import Identity, git
+from minicpmo_cg.export.identity import placeholder_problem
 from minicpmo_cg.export.prtext import PytestRun
 
 __all__ = [
@@ -63,17 +71,24 @@ class PrCheck:
 
 @dataclass
 class VerifyReport:
-    """Per PR, in export order (vllm-omni PRs, then vLLM PRs); ``problems`` not tied to one PR."""
+    """Per PR, in export order (vllm-omni PRs, then vLLM PRs); ``problems`` not tied to one PR;
+    ``identity``: one problem per placeholder author of the series (:func:`series_authors`)."""
 
     checks: list[PrCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    identity: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        return not self.identity and self.prs_ok
+
+    @property
+    def prs_ok(self) -> bool:
+        """Every PR applies, lints and passes its tests (whoever the author is)."""
         return not self.problems and all(not c.problems for c in self.checks)
 
     def all_problems(self) -> list[str]:
-        return self.problems + [f"{c.folder}: {p}" for c in self.checks for p in c.problems]
+        return self.identity + self.problems + [f"{c.folder}: {p}" for c in self.checks for p in c.problems]
 
     def runs(self) -> dict[str, list[PytestRun]]:
         return {c.folder: c.runs for c in self.checks if c.runs}
@@ -82,11 +97,40 @@ class VerifyReport:
         return next(c for c in self.checks if c.folder == folder)
 
 
-def _init_base(tree: Path, identity: Identity) -> str:
+def _init_base(tree: Path, committer: Identity) -> str:
     git(tree, "init", "-q", "-b", "verify")
     git(tree, "add", "-A")
-    git(tree, "commit", "-q", "--allow-empty", "--no-verify", "-m", "base", env=identity.env())
+    git(tree, "commit", "-q", "--allow-empty", "--no-verify", "-m", "base", env=committer.env())
     return git(tree, "rev-parse", "HEAD").strip()
+
+
+def series_authors(patches: list[Path]) -> dict[str, list[str]]:
+    """``Name <address>`` of each ``From:`` of the ``git format-patch`` files ``patches`` -> the
+    names of the files it authors (in the order given)."""
+    parser = email.parser.BytesHeaderParser(policy=email.policy.default)
+    found: dict[str, list[str]] = {}
+    for patch in patches:
+        header = parser.parsebytes(patch.read_bytes())["From"]
+        addresses = getattr(header, "addresses", ()) if header is not None else ()
+        author = (
+            f"{addresses[0].display_name} <{addresses[0].addr_spec}>"
+            if addresses
+            else str(header or "").strip()
+        )
+        found.setdefault(author, []).append(patch.name)
+    return found
+
+
+def identity_problems(out: Path, manifest: dict) -> list[str]:
+    """One problem per placeholder author (:func:`.identity.placeholder_problem`) of the series the
+    manifest names (vllm-omni PRs and vLLM PRs), with how many of their commits it authors."""
+    patches = [out / s for pr in manifest["prs"] + manifest["vllm_prs"] for s in pr["series"]]
+    problems = []
+    for author, names in series_authors(patches).items():
+        problem = placeholder_problem(author)
+        if problem:
+            problems.append(f"{len(names)} of the {len(patches)} commits: {problem}")
+    return problems
 
 
 def _am(tree: Path, patches: list[Path], identity: Identity) -> list[str]:
@@ -366,18 +410,18 @@ def verify(
     ``marks``: the ``-m`` expressions the vllm-omni PRs' tests run with (one run each).
     """
     manifest = json.loads((out / "export.json").read_text(encoding="utf-8"))
-    report = VerifyReport()
+    report = VerifyReport(identity=identity_problems(out, manifest))
     wheel = fetch.wheel("vllm-omni", manifest["vllm_omni"])
     if hashlib.sha256(wheel.read_bytes()).hexdigest() != manifest["base"]["sha256"]:
         report.problems.append(f"{wheel} is not the wheel the export was made against")
         return report
-    identity = Identity("Export Check <export-check@example.invalid>")
+    committer = Identity("Export Check <export-check@example.invalid>")  # git am keeps the series' authors
     env = environment() if run_tests else ""
     beside_tests = {f for pr in manifest["prs"] for f in pr["files"] if f.startswith("tests/")}
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-verify-") as tmp:
         work = Path(tmp)
         tree = fetch.extract_package(wheel, "vllm_omni", work / "vllm-omni")
-        _init_base(tree, identity)
+        _init_base(tree, committer)
         ruff = fetch.ruff_binary(conv.RUFF_VERSION)
         config = lint.ruff_config(work / "ruff.toml")
         touched: list[str] = []
@@ -390,7 +434,7 @@ def verify(
                     f"not checked: {broken} does not apply, and this PR applies on top of it"
                 )
                 continue
-            check.problems += _am(tree, [out / s for s in pr["series"]], identity)
+            check.problems += _am(tree, [out / s for s in pr["series"]], committer)
             if check.problems:
                 broken = pr["folder"]
                 continue
@@ -403,5 +447,7 @@ def verify(
             for expression in marks if run_tests and tests else ():
                 _run(tree, tests, expression, work / f"{pr['folder']}-pytest", check, env)
         for pr in manifest["vllm_prs"]:
-            report.checks.append(_check_vllm(pr, out, repo, manifest["lane"], identity, work, run_tests, env))
+            report.checks.append(
+                _check_vllm(pr, out, repo, manifest["lane"], committer, work, run_tests, env)
+            )
     return report

@@ -536,7 +536,7 @@ def test_profiling_signal(ecg, vllm_config):
     assert not ecg.in_memory_profiling(copy)
 
 
-def test_vllm_sizes_the_kv_cache_after_profiling_on_this_lane():
+def test_vllm_runs_the_encoder_in_profile_run_before_it_sets_num_gpu_blocks():
     """What the guard relies on, in the installed vLLM and vllm-omni: profile_run is called by
     determine_available_memory and runs the encoder; initialize_from_config sets num_gpu_blocks;
     vllm-omni's workers reach vLLM's initialize_from_config."""
