@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
 from minicpmo_cg.export import identity
-from minicpmo_cg.export.changeset import ChangeSet, owned_module, read_change_set
+from minicpmo_cg.export.changeset import RESULTS_PAGE, ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
 from minicpmo_cg.lanes import all_lanes
 
@@ -216,6 +216,7 @@ class _StackBuilder:
             patches=list(pr.patches),
             modules=modules,
             remarks=list(pr.remarks),
+            not_run=list(pr.spec.not_run),
             design=next(((p, pages[p]) for p in pr.pages if p == result.page), None),
             pages_added=[(p, pages[p]) for p in pr.pages if p != result.page],
             sections_added=[(page, heading) for page, heading in pr.sections if page not in pr.pages],
@@ -483,8 +484,8 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
         inp.results_headings = resolved.results
         inp.measured_upto = resolved.measured_upto
         if results is not None:
-            own = transform.drop_project_only(results, "docs/results/README.md")
-            inp.results_text = docsplit.own_parts(own, "docs/results/README.md", pr.key, set(st.keys))
+            own = transform.drop_project_only(results, RESULTS_PAGE)
+            inp.results_text = docsplit.own_parts(own, RESULTS_PAGE, pr.key, set(st.keys))
         inp.requirements = requirements
         inp.lane, inp.lanes = cs.lane.name, lanes
         earlier.append(pr)

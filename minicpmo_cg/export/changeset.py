@@ -7,8 +7,9 @@
 - their tests: every ``tests/<dir>/`` mirroring the folder of an owned module (a package counts as
   one module, in the folder that holds it), and the end-to-end tests (``tests/e2e/``) named after
   an owned module;
-- the design pages (``docs/design/**/*.md``: an overview and its topic pages) and the results page
-  (``docs/results/README.md``).
+- the design pages (``docs/design/**/*.md``: an overview and its topic pages) and the stack's
+  results page (``docs/results/stack.md``: each PR measured on its own tree; the PR texts' Test
+  Results come from it, while ``docs/results/README.md`` keeps the project's longer runs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from minicpmo_cg.patchtool.series import Patch, load_series
 
 __all__ = ["ChangeSet", "active_patches", "owned_module", "read_change_set"]
 
-RESULTS_PAGE = "docs/results/README.md"
+#: The results page the PR texts take their GPU figures from.
+RESULTS_PAGE = "docs/results/stack.md"
 DESIGN_DIR = "docs/design"
 
 

@@ -198,6 +198,8 @@ class PrInputs:
     modules: list[tuple[str, str]] = field(default_factory=list)
     #: paragraphs the stack table adds to the Purpose after the new modules
     remarks: list[str] = field(default_factory=list)
+    #: what the PR's own paths hold that no run measured (its text's "Not run" lists them)
+    not_run: list[str] = field(default_factory=list)
     #: (page, its version as of this PR) when the PR adds a design page
     design: tuple[str, str] | None = None
     #: (page, its version) of the other design pages the PR adds (topic pages)
@@ -589,6 +591,7 @@ def _not_run(inp: PrInputs) -> list[str]:
     for marks in inp.unit_marks if units and inp.number else ():
         if marks not in ran:
             items.append(f'This PR\'s unit tests with `-m "{marks}"` from its own tree.')
+    items += inp.not_run
     items.append(
         "vllm-omni's Buildkite pipelines on its agents (L1 `core_model and cpu`, L2 `core_model and cuda`): the "
         "tests of Test Result ran with pytest outside them."

@@ -20,12 +20,13 @@ import pytest
 from exportkit import AUTHOR, REPO, created_file, patch_texts, series_names, tracked
 
 from minicpmo_cg.export import conventions as conv
+from minicpmo_cg.export.changeset import RESULTS_PAGE
 from minicpmo_cg.export import prtext, stack, transform
 from minicpmo_cg.export.changeset import read_change_set
 
 pytestmark = [pytest.mark.core_model]
 
-RESULTS = "docs/results/README.md"
+RESULTS = RESULTS_PAGE
 
 
 def _folders(manifest: dict) -> list[str]:

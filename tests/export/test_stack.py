@@ -19,13 +19,13 @@ import pytest
 from exportkit import REPO, series_names, tracked
 
 from minicpmo_cg.export import docsplit, prtext, stack, transform
-from minicpmo_cg.export.changeset import read_change_set
+from minicpmo_cg.export.changeset import RESULTS_PAGE, read_change_set
 from minicpmo_cg.export.verify import unresolved_imports
 
 pytestmark = [pytest.mark.core_model]
 
 DESIGN_DIR = "docs/design"
-RESULTS = "docs/results/README.md"
+RESULTS = RESULTS_PAGE
 
 
 @pytest.fixture(scope="module")

@@ -292,7 +292,9 @@ def test_the_tree_of_a_prs_figures_is_said_as_recorded(number, upto, says):
     # a tree whose PRs need a vLLM change ran against vLLM with it: the sentence says so
     inp.measured_vllm = [("[Core] a change", "vllm-capture-error-mode")]
     text = prtext.measured_tree(inp)
-    assert f"measured on {says}, against vLLM 0.30.0 with the vLLM change (capture error mode) applied;" in text
+    assert (
+        f"measured on {says}, against vLLM 0.30.0 with the vLLM change (capture error mode) applied;" in text
+    )
     assert "pinned" not in text
     with pytest.raises(ValueError, match="lacks the PR itself"):
         prtext.measured_tree(
