@@ -102,7 +102,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         f"Each call site on {before_name} and on this PR's own tree, in one run on one host, with "
         "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "
         "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "
-        "shows what the PR changes; the targets are stated with the sections that set them.",
+        "shows what the PR changes.",
         "",
         "| call site | eager before | eager with this PR | default before | default with this PR "
         "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
