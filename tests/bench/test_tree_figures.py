@@ -6,6 +6,7 @@ table cells, and a logic check of the whole measurement on the installed tree.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,18 @@ def test_duplex_chunks_are_float32_as_the_duplex_stage_hands_them_over() -> None
     assert [c.features.dtype for c in chunks] == [torch.float32] * 3
     assert [c.features.shape[-1] for c in chunks] == [102, 104, 104]
     assert [c.prefix_extra_frames for c in chunks] == [0, 2, 2]
+
+
+def test_the_stack_results_page_holds_the_sections_of_its_recorded_run() -> None:
+    """docs/results/stack.md's per-PR sections are tree_report's output for the raw run it cites:
+    no figure of the PR texts is typed by hand."""
+    repo = Path(__file__).resolve().parents[2]
+    page = (repo / "docs/results/stack.md").read_text(encoding="utf-8")
+    (run,) = set(re.findall(r"tree_report (docs/results/\S+/stack)\b", page))
+    start, end = tree_report.page_span(page)
+    assert page[start:end].strip() == tree_report.sections(repo / run).strip()
+    summary = json.loads(next((repo / run).glob("stack-*.json")).read_text())
+    setup = page.split("## Setup", 1)[1].split("## ", 1)[0]
+    assert summary["date"] in setup
+    for part in summary["environment"].split(", ")[:3]:  # Python, torch, transformers
+        assert part in setup, part
