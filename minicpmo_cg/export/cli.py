@@ -202,6 +202,8 @@ def _print_summary(result: build.ExportResult, report: verify.VerifyReport | Non
 def run(args: argparse.Namespace) -> int:
     """Run ``export``; 0 when the export (and each requested check) succeeded, 1 otherwise."""
     repo = (args.repo or resources.payload_root()).resolve()
+    # the checks run git in scratch trees: a relative --out would name nothing there
+    args.out = args.out.resolve()
     identity = _identity(args, repo)
     opts = build.ExportOptions(
         repo=repo, out=args.out, author=identity, lane=args.lane, site_packages=args.site_packages
