@@ -51,6 +51,11 @@ def sites(tmp_path_factory) -> Sites:
 def warnings(monkeypatch):
     """The plugin's log records (vLLM's loggers do not propagate to pytest's handler)."""
     monkeypatch.setenv(vllm_plugin.ENV_CHECKED, "")  # empty: not checked yet; restored afterwards
+    # vLLM configures logging when vllm.logger is first imported (the plugin imports it to warn), and
+    # that configuration empties the handlers of the loggers below "vllm": import it first, so the
+    # handler added here survives when this file runs before anything else imported vLLM
+    import vllm.logger  # noqa: F401
+
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
