@@ -72,6 +72,8 @@ def _rel(value: float | None) -> str:
 def _replays(kind: str, row: dict | None) -> str:
     if kind != "graphed" or row is None:
         return "eager"
+    if not row["replayed"]:
+        return f"eager: no graph replayed (0/{row['calls']})"
     return f"graphed, {row['replayed']}/{row['calls']} replayed"
 
 
@@ -99,7 +101,8 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         f"<!-- pr: {key} -->",
         f"### {HEADING}: {after_t['title']}",
         "",
-        f"Each call site on {before_name} and on this PR's own tree, in one run on one host, with "
+        f"Each call site on {before_name} and on this PR's own tree, each tree in its own process, one after "
+        "the other on one host, with "
         "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "
         "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "
         "shows what the PR changes.",
@@ -124,10 +127,13 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)
         g_vs_e = cmp.get("graphed_vs_eager", {}).get(call)
+        replayed = kind_a == "graphed" and row_a is not None and row_a.get("replayed", 0) > 0
+        if call in cmp.get("graphed_vs_eager", {}) and not replayed:
+            cmp = {**cmp, "graphed_vs_eager": {k: v for k, v in cmp["graphed_vs_eager"].items() if k != call}}
         lines.append(
             f"| {call} | {' | '.join(cells)} | {_replays(kind_a, row_a)} | {speed} | "
             f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} | "
-            f"{_rel(g_vs_e) if call in cmp.get('graphed_vs_eager', {}) else 'no graphs'} |"
+            f"{_rel(g_vs_e) if call in cmp.get('graphed_vs_eager', {}) else 'no replay'} |"
         )
     startup = (after_t.get("graphed") or {}).get(DUPLEX, {}).get("startup")
     lines.append("")

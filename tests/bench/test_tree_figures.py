@@ -97,7 +97,7 @@ def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -
         "eager",
         "1.25×",
         "bitwise",
-        "no graphs |",
+        "no replay |",
     ]
     assert "the tree before this PR (the earlier PRs of the stack applied)" in second
     row = next(line for line in second.splitlines() if line.startswith("| image, 1 slice |"))

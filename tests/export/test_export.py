@@ -226,12 +226,20 @@ def test_the_gpu_environment_is_stated_with_its_differences_from_the_pins(export
 
 
 def _tagged_rows(results: str) -> dict[str, list[str]]:
-    """Table rows of the results page by the key they are tagged with (tag cut off)."""
+    """Table rows of the results page by the one key they are tagged with (tag cut off): a row
+    ending in ``<!-- pr: KEY -->``, or a row inside a ``<!-- pr: KEY -->`` ... ``<!-- /pr -->`` block."""
     rows: dict[str, list[str]] = {}
+    block = None
     for line in results.splitlines():
+        opened = re.match(r"^\s*<!--\s*pr:\s*([\w-]+)\s*-->\s*$", line)
+        if opened or re.match(r"^\s*<!--\s*/pr\s*-->\s*$", line):
+            block = opened.group(1) if opened else None
+            continue
         m = re.match(r"^(\|.*\|)[ \t]*<!--[ \t]*pr:[ \t]*([\w-]+)[ \t]*-->[ \t]*$", line)
         if m:
             rows.setdefault(m.group(2), []).append(m.group(1))
+        elif block and line.startswith("| ") and not line.startswith("|---") and results.count(line) == 1:
+            rows.setdefault(block, []).append(line.rstrip())  # not a header every section has
     return rows
 
 
@@ -294,7 +302,9 @@ def test_each_pr_says_how_and_on_which_tree_its_figures_were_measured(exported):
         titles = {v["folder"]: v["title"] for v in manifest["vllm_prs"]}
         inp.measured_vllm = [(titles[folder], folder) for folder in needed]
         assert prtext.measured_tree(inp) in result
-        assert ("whole stack" in result) == (upto == len(keys)), pr["folder"]
+        # a PR's own tree comes first: the last PR's own tree is the whole stack, said as its own
+        assert ("whole stack" in result) == (upto == len(keys) != number), pr["folder"]
+        assert ("this PR's own tree" in result) == (upto == number), pr["folder"]
 
 
 @pytest.mark.cpu
