@@ -38,3 +38,15 @@ def tracked(*paths: str) -> list[str]:
     return subprocess.run(
         ["git", "ls-files", *paths], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
+
+
+def no_git_identity(home: Path, monkeypatch) -> None:
+    """A git with no identity of its own: ``home`` as HOME (made if missing), no system config and
+    none of the identity variables, so only what a test writes into ``home`` counts."""
+    home.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL",
+                 "GIT_CONFIG_GLOBAL", "GIT_CONFIG_COUNT"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)

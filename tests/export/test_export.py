@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from exportkit import AUTHOR, REPO, created_file, patch_texts, series_names, tracked
+from exportkit import AUTHOR, REPO, created_file, no_git_identity, patch_texts, series_names, tracked
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import RESULTS_PAGE
@@ -414,20 +414,10 @@ def test_export_refuses_a_foreign_out_dir_an_out_file_and_a_missing_identity(tmp
         build.export(build.ExportOptions(repo=REPO, out=tmp_path / "keep.txt", author=Identity(AUTHOR)))
     assert (tmp_path / "keep.txt").read_text() == "not an export"
     assert run(["export", "--out", str(tmp_path / "new"), "--author", "nobody"]) == 2
-    _no_git_identity(tmp_path / "home", monkeypatch)
+    no_git_identity(tmp_path / "home", monkeypatch)
     assert run(["export", "--out", str(tmp_path / "new")]) == 2
     assert "git config --global user.name" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
-
-
-def _no_git_identity(home: Path, monkeypatch) -> None:
-    home.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL",
-                 "GIT_CONFIG_GLOBAL", "GIT_CONFIG_COUNT"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.cpu
@@ -436,7 +426,7 @@ def test_the_identity_is_gits_global_one_unless_author_overrides_it(tmp_path, mo
 
     from minicpmo_cg.export import cli
 
-    _no_git_identity(tmp_path, monkeypatch)
+    no_git_identity(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="--author"):
         cli.git_identity(tmp_path)
     (tmp_path / ".gitconfig").write_text("[user]\n\tname = Global Name\n\temail = global@example.org\n")

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from exportkit import REPO
+from exportkit import REPO, no_git_identity
 
 from minicpmo_cg.export import build, fetch, identity, verify
 from minicpmo_cg.export.gitseries import Identity
@@ -166,12 +166,7 @@ def test_verify_finds_nothing_to_report_for_a_real_author(tmp_path):
 def test_gits_identity_without_an_address_is_taken_and_flagged(tmp_path, monkeypatch):
     from minicpmo_cg.export import cli
 
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / ".config"))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for name in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "EMAIL",
-                 "GIT_CONFIG_GLOBAL", "GIT_CONFIG_COUNT"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
+    no_git_identity(tmp_path, monkeypatch)
     (tmp_path / ".gitconfig").write_text("[user]\n\tname = Root\n\temail = root\n")
     found = cli.git_identity(tmp_path)
     assert str(found) == "Root <root>"
