@@ -834,3 +834,39 @@ def test_source_versions_keep_each_tagged_part_from_its_pr_on():
         docsplit.source_version("# /pr\n", "m.py", ["a"], known)
     with pytest.raises(transform.ExportError, match="never closed"):
         docsplit.source_version("# pr: b\nx = 1\n", "m.py", ["a"], known)
+
+
+@pytest.mark.cpu
+def test_source_versions_before_a_pr_carry_its_pr_before_lines_uncommented():
+    """A rule a later PR changes: the earlier versions carry the commented-out lines (code, blank
+    lines and comments alike, at their indentation), the later ones and the file itself the lines
+    tagged for that PR; a docstring's line tagged for a PR goes with it like any other line."""
+    text = (
+        "def f(x):\n"
+        '    """Doc.\n'
+        "    - later item  # pr: c\n"
+        '    """\n'
+        "    # pr-before: c\n"
+        "    # # clamp first\n"
+        "    # y = min(x, 1)\n"
+        "    #\n"
+        "    # return y\n"
+        "    # /pr-before\n"
+        "    return x  # pr: c\n"
+    )
+    known = {"a", "b", "c"}
+    before = 'def f(x):\n    """Doc.\n    """\n    # clamp first\n    y = min(x, 1)\n\n    return y\n'
+    assert docsplit.source_version(text, "m.py", ["a", "b"], known) == before
+    after = 'def f(x):\n    """Doc.\n    - later item\n    """\n    return x\n'
+    assert docsplit.source_version(text, "m.py", ["a", "b", "c"], known) == after
+    for version in (before, after):
+        compile(version, "m.py", "exec")
+    uncommented = "if x:\n    # pr-before: b\n    y = 1\n    # /pr-before\n"
+    with pytest.raises(transform.ExportError, match=r"m.py:3: a line of a pr-before block must be commented"):
+        docsplit.source_version(uncommented, "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match=r"m.py:1: # /pr-before without # pr-before: KEY"):
+        docsplit.source_version("# /pr-before\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match="m.py: tagged for x, no PR of the stack"):
+        docsplit.source_version("# pr-before: x\n# y = 1\n# /pr-before\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match="the before block of 'b' is never closed"):
+        docsplit.source_version("# pr-before: b\n# y = 1", "m.py", ["a"], known)
