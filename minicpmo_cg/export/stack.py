@@ -227,7 +227,15 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-route-encoders-through-cuda-graphs",),
-        owned=(_MODEL + "encoder_cuda_graph*", _MODEL + "encoder_graphs.py"),
+        # the adapter package but immediate.py (capture_now), whose only caller is the duplex-scale PR's
+        # start-up capture
+        owned=(
+            *(
+                f"{_MODEL}encoder_cuda_graph/{name}.py"
+                for name in ("__init__", "adapter", "admission", "backend", "factory", "options", "shapes")
+            ),
+            _MODEL + "encoder_graphs.py",
+        ),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -312,6 +320,7 @@ STACK: tuple[OmniPr, ...] = (
         ),
         owned=(
             _MODEL + "audio_lengths.py",
+            _MODEL + "encoder_cuda_graph/immediate.py",
             _MODEL + "startup_capture.py",
             _MODEL + "duplex_batch.py",
             _MODEL + "duplex_rows.py",
