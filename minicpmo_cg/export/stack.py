@@ -209,7 +209,10 @@ _BEFORE_AFTER = "Before and after this PR"
 # tree its tests pass in: each --hf-overrides key arrives with the PR whose code reads it (its lines
 # of options.py and of the tests are tagged `# pr: KEY`), and the test of the design overview's
 # options table against the registry (test_encoder_cuda_graph_options_page.py) sits with the last
-# of them, the duplex-scale PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# of them, the duplex-scale PR. The model wiring every encoder shares (_init_encoder_cuda_graphs, its
+# fallbacks and start-up line) is tested with the encoder-graphs PR that adds it
+# (test_encoder_cuda_graph_wiring.py, and test_encoder_cuda_graph_models.py on CUDA), the vision graph over
+# the whole image call with the image-call PR (test_model_wiring.py, test_vision_graph_cuda.py).
 # The fused-layers PR comes before duplex-scale: the batched duplex steps' exact rows run its fused
 # Whisper layers (duplex_rows.encode_rows through fused_layers.whisper_encode_layers).
 STACK: tuple[OmniPr, ...] = (
@@ -244,12 +247,14 @@ STACK: tuple[OmniPr, ...] = (
                     "admission",
                     "cuda",
                     "failed_capture",
+                    "models",
                     "multi_gpu",
                     "options",
                     "platform",
                     "policy",
                     "static_args",
                     "threads",
+                    "wiring",
                 )
             ),
             _MC45 + "test_vision_attention_overrides.py",
@@ -268,7 +273,6 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_vision_path.py",
             _MC45 + "test_vision_graph_cuda.py",
             _MC45 + "test_model_wiring.py",
-            _MC45 + "test_encoder_cuda_graph_models.py",
             "tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py",
         ),
         docs=(_DESIGN + "/image_path.md",),
