@@ -437,4 +437,6 @@ def streaming_audio_graph(model: Any) -> Any:
 def duplex_batch_graph(model: Any) -> Any:
     """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
     return getattr(getattr(model, "_duplex_batch", None), "graph", None)
+
+
 # /pr

@@ -48,4 +48,6 @@ def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     object.__setattr__(model_config, "duplex_max_sessions", max_sessions)
     object.__setattr__(config, "model_config", model_config)
     return config
+
+
 # /pr

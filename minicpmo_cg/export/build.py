@@ -277,7 +277,9 @@ class _StackBuilder:
         for rel, text in new.items():
             module = owned_module(rel, self.cs.owned)
             if module != PurePosixPath(rel) and f"{module}/__init__.py" not in pr.owned:
-                name = f"{module.name}/{PurePosixPath(rel).relative_to(module)}"  # into an earlier PR's package
+                name = (
+                    f"{module.name}/{PurePosixPath(rel).relative_to(module)}"  # into an earlier PR's package
+                )
             else:
                 name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
             if module == PurePosixPath(rel) or rel == f"{module}/__init__.py" or not name.endswith("/"):

@@ -547,7 +547,9 @@ def _vendored_runs(st) -> dict[str, dict[str, tuple[dict[str, str], set[tuple[st
         runs = {}
         for folder in {PurePosixPath(rel).parent for rel in vendored.vendored}:
             files = {
-                PurePosixPath(r).name: t for r, t in vendored.files.items() if PurePosixPath(r).parent == folder
+                PurePosixPath(r).name: t
+                for r, t in vendored.files.items()
+                if PurePosixPath(r).parent == folder
             }
             run = _units_run(files)
             for rel in vendored.vendored:
@@ -572,7 +574,11 @@ def test_a_helper_function_arrives_with_the_first_pr_whose_tests_run_it(st):
                 if (module, name) in run:
                     continue
                 later = next(
-                    (p.key for p in st.omni[n + 1 :] if (module, name) in runs[p.key].get(rel, ("", set()))[1]),
+                    (
+                        p.key
+                        for p in st.omni[n + 1 :]
+                        if (module, name) in runs[p.key].get(rel, ("", set()))[1]
+                    ),
                     None,
                 )
                 if later:

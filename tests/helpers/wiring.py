@@ -73,7 +73,9 @@ def tiny_vision_model(attn: str = "eager", vision_batch_size: int = 16) -> nn.Mo
     nn.Module.__init__(model)
     model.config = SimpleNamespace(vision_batch_size=vision_batch_size)
     model.vpm = tiny_vpm(attn)
-    model.resampler = llm.Resampler(num_queries=4, embed_dim=EMBED_V, num_heads=2, kv_dim=HIDDEN, adaptive=True)
+    model.resampler = llm.Resampler(
+        num_queries=4, embed_dim=EMBED_V, num_heads=2, kv_dim=HIDDEN, adaptive=True
+    )
     return model.eval()
 
 

@@ -198,7 +198,9 @@ def test_init_encoder_cuda_graphs_builds_an_adapter_per_encoder(vllm_configs):
     )
     model._init_encoder_cuda_graphs(vllm_configs["graphs"])
     vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
-    assert isinstance(vision, adapter_mod.EncoderCudaGraph) and isinstance(audio, adapter_mod.EncoderCudaGraph)
+    assert isinstance(vision, adapter_mod.EncoderCudaGraph) and isinstance(
+        audio, adapter_mod.EncoderCudaGraph
+    )
     assert vision is not audio
     assert vision.options.max_graphs == 7 and audio.options.min_capture_calls == 3
     assert vision.name == "vision" and audio.name == "audio"
