@@ -38,7 +38,9 @@ is derived and checked by :func:`resolve` against the checkout:
 A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
 keys when the series is renumbered. Editing the stack is editing these two tables; the export
 tests check their invariants on the checkout (every patch, owned file and test file in exactly one
-PR, each PR applying on the previous, a PR's tests importing only what it or an earlier PR holds).
+PR, each PR applying on the previous, a PR's tests importing only what it or an earlier PR holds),
+and ``--verify`` that each PR's tree names nothing a later PR adds, that each module a PR adds has a
+user in its tree and that what a PR adds is tested with it (:mod:`.forward`).
 """
 
 from __future__ import annotations
