@@ -56,8 +56,8 @@ from minicpmo_cg.thinker_config import (
 __all__ = [
     "ADAPTER_MODULE",
     "AUDIO_CONFIG",
-    "FUSED_LAYERS_KEY",
-    "FUSED_LAYERS_MODULE",
+    "FUSED_LAYERS_KEY",  # pr: fused-layers
+    "FUSED_LAYERS_MODULE",  # pr: fused-layers
     "LLM_CONFIG",
     "MODEL_MODULE",
     "REDUCED_AUDIO_LAYERS",
@@ -69,13 +69,13 @@ __all__ = [
     "PatchMissingError",
     "audio_graph",
     "build_thinker_encoders",
-    "configure_fused_layers",
-    "duplex_batch_graph",
+    "configure_fused_layers",  # pr: fused-layers
+    "duplex_batch_graph",  # pr: duplex-scale
     "has_graph_wiring",
     "init_weights_",
     "model_module",
     "resolve_vision_attn",
-    "streaming_audio_graph",
+    "streaming_audio_graph",  # pr: streaming-audio
     "thinker_config",
     "vision_graph",
     "wire_encoder_graphs",
@@ -83,9 +83,11 @@ __all__ = [
 
 #: The adapter, installed beside the model file.
 ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
+# pr: fused-layers
 #: The fused encoder layers, installed beside the model file (--hf-overrides encoder_fused_layers).
 FUSED_LAYERS_KEY = "encoder_fused_layers"
 FUSED_LAYERS_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.fused_layers"
+# /pr
 
 WIRING_MISSING = (
     "the installed vllm-omni model file has no encoder CUDA graph wiring "
@@ -146,9 +148,11 @@ class EncoderBuildInfo:
         audio_attn: Whisper attention implementation (transformers' default for the config).
         num_params: parameters of all encoder modules (count).
         build_s: wall time of the build, seconds.
+        # pr: fused-layers
         fused_layers: ``{"vision": state, "audio": state}`` as the model's constructor configures
             ``--hf-overrides encoder_fused_layers`` (``"on"`` or ``"off (<why>)"``); both
             ``"off (no fused_layers module)"`` where the installed tree has none.
+        # /pr
     """
 
     vision_layers: int
@@ -157,7 +161,7 @@ class EncoderBuildInfo:
     audio_attn: str
     num_params: int
     build_s: float
-    fused_layers: dict[str, str] = dataclasses.field(default_factory=dict)
+    fused_layers: dict[str, str] = dataclasses.field(default_factory=dict)  # pr: fused-layers
 
 
 def build_thinker_encoders(
@@ -167,7 +171,7 @@ def build_thinker_encoders(
     reduced: bool = False,
     seed: int = 0,
     vision_attn: str = "sdpa",
-    fused_layers: str | None = None,
+    fused_layers: str | None = None,  # pr: fused-layers
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> Any:
@@ -183,10 +187,12 @@ def build_thinker_encoders(
         vision_attn: SigLIP's attention, the ``--hf-overrides`` key ``vision_attn_implementation``
             (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
             ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
+        # pr: fused-layers
         fused_layers: the ``--hf-overrides`` key ``encoder_fused_layers`` (``"all"``, ``"vision"``,
             ``"audio"`` or ``"none"``); None keeps the option's default. Configured after
             the weights are in place, as the model's constructor configures it (the q/k/v weights
             are packed then).
+        # /pr
         config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
         progress: print build progress to stderr.
 
@@ -207,8 +213,10 @@ def build_thinker_encoders(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
+    # pr: fused-layers
     if fused_layers is not None:
         config.encoder_fused_layers = fused_layers
+    # /pr
     config.vision_config._attn_implementation = resolve_vision_attn(config, vision_attn)
     if progress:
         _progress(
@@ -218,7 +226,7 @@ def build_thinker_encoders(
         )
     model = _bare_model_on_meta(config)
     _materialise_(model, device=device, dtype=dtype, seed=seed, progress=progress)
-    fused_states = configure_fused_layers(model)
+    fused_states = configure_fused_layers(model)  # pr: fused-layers
     model.build_info = EncoderBuildInfo(
         vision_layers=len(model.vpm.encoder.layers),
         audio_layers=len(model.apm.layers),
@@ -226,13 +234,14 @@ def build_thinker_encoders(
         audio_attn=str(model.apm.config._attn_implementation),
         num_params=sum(p.numel() for p in model.parameters()),
         build_s=time.perf_counter() - start,
-        fused_layers=fused_states,
+        fused_layers=fused_states,  # pr: fused-layers
     )
     if progress:
         _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
     return model
 
 
+# pr: fused-layers
 def configure_fused_layers(model: Any) -> dict[str, str]:
     """Configure ``--hf-overrides encoder_fused_layers`` on ``model`` as the model's constructor does.
 
@@ -269,6 +278,7 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
     return module.configure_fused_layers(model)
 
 
+# /pr
 def resolve_vision_attn(config: Any, vision_attn: str) -> str:
     """Set ``vision_attn_implementation`` on ``config`` and resolve it as the model's ``__init__`` does.
 
@@ -355,8 +365,8 @@ def wire_encoder_graphs(
     The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
     model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
     only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
-    reads them and sets ``model.vpm._encoder_graph``, ``model._audio_encoder_graph`` and
-    ``model._streaming_audio_encoder_graph`` (None when graphs are off).
+    reads them and sets each encoder's adapter, None when graphs are off (the accessors below return
+    them, e.g. :func:`vision_graph`).
 
     Args:
         model: from :func:`build_thinker_encoders`.
@@ -365,9 +375,14 @@ def wire_encoder_graphs(
         backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. a CPU
             stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
-            ``encoder_cuda_graph_max_graphs``, ``streaming_audio=False`` sets
-            ``encoder_cuda_graph_streaming_audio``, ``duplex_batch=True`` turns on the opt-in
-            batched duplex steps (``encoder_cuda_graph_duplex_batch``, default false).
+            ``encoder_cuda_graph_max_graphs``.
+            # pr: streaming-audio
+            ``streaming_audio=False`` sets ``encoder_cuda_graph_streaming_audio``.
+            # /pr
+            # pr: duplex-scale
+            ``duplex_batch=True`` turns on the opt-in batched duplex steps
+            (``encoder_cuda_graph_duplex_batch``, default false).
+            # /pr
 
     Raises:
         PatchMissingError: the installed model file has no encoder CUDA graph wiring.
@@ -388,8 +403,8 @@ def wire_encoder_graphs(
     adapters = (
         vision_graph(model),
         audio_graph(model),
-        streaming_audio_graph(model),
-        duplex_batch_graph(model),
+        streaming_audio_graph(model),  # pr: streaming-audio
+        duplex_batch_graph(model),  # pr: duplex-scale
     )
     for adapter in adapters:
         if adapter is not None and backend is not None:
@@ -411,11 +426,17 @@ def audio_graph(model: Any) -> Any:
     return getattr(model, "_audio_encoder_graph", None)
 
 
+# pr: streaming-audio
 def streaming_audio_graph(model: Any) -> Any:
     """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
     return getattr(model, "_streaming_audio_encoder_graph", None)
 
 
+# /pr
+# pr: duplex-scale
 def duplex_batch_graph(model: Any) -> Any:
     """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
     return getattr(getattr(model, "_duplex_batch", None), "graph", None)
+
+
+# /pr

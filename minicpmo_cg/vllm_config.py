@@ -35,6 +35,7 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     return config
 
 
+# pr: duplex-scale
 def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     """``base`` (a :func:`standalone_vllm_config`) as a duplex deployment's: ``model_config`` with
     vllm-omni's ``session_mode = "duplex"`` and ``duplex_max_sessions``, which start-up capture
@@ -47,3 +48,6 @@ def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     object.__setattr__(model_config, "duplex_max_sessions", max_sessions)
     object.__setattr__(config, "model_config", model_config)
     return config
+
+
+# /pr

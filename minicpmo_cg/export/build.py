@@ -151,6 +151,12 @@ def _module_overview(name: str, doc: str, paragraphs: int = 2) -> list[str]:
     return out
 
 
+def _model_relative(rel: str) -> str:
+    """An owned file as the model's folder names it (``encoder_cuda_graph/options.py``)."""
+    path = PurePosixPath(rel)
+    return path.relative_to(conv.MODEL_DIR).as_posix() if rel.startswith(conv.MODEL_DIR) else path.name
+
+
 def _title_topic(title: str) -> str:
     return title.split(": ", 1)[1] if title.startswith(conv.MODEL_TITLE + ": ") else title
 
@@ -247,7 +253,7 @@ class _StackBuilder:
         """Commit the PR's owned files, and the parts of earlier PRs' owned files tagged for it (an
         ``--hf-overrides`` key with the PR whose code reads it); return ``(module name, docstring)``
         of each new module (a package of owned files is one module, ``name/``, introduced by its
-        ``__init__``)."""
+        ``__init__``; a module added to the package of an earlier PR is ``name/module.py``)."""
         upto = self.stack.upto(pr.key)
         earlier = {
             rel: path
@@ -270,11 +276,16 @@ class _StackBuilder:
         modules: dict[str, str] = {}
         for rel, text in new.items():
             module = owned_module(rel, self.cs.owned)
-            name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
-            if module == PurePosixPath(rel) or rel == f"{module}/__init__.py":
+            if module != PurePosixPath(rel) and f"{module}/__init__.py" not in pr.owned:
+                name = (
+                    f"{module.name}/{PurePosixPath(rel).relative_to(module)}"  # into an earlier PR's package
+                )
+            else:
+                name = module.name if module == PurePosixPath(rel) else f"{module.name}/"
+            if module == PurePosixPath(rel) or rel == f"{module}/__init__.py" or not name.endswith("/"):
                 modules[name] = _docstring(text)
             modules.setdefault(name, "")
-        grown_names = ", ".join(PurePosixPath(rel).name for rel in grown)
+        grown_names = ", ".join(_model_relative(rel) for rel in grown)
         if modules:
             names = ", ".join(modules)
             body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]

@@ -50,7 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="check each PR on its own: it applies (with the PRs before it) to the release, is signed off, "
-        "passes vllm-omni's lint, and its imports resolve in its tree",
+        "passes vllm-omni's lint, its imports resolve in its tree, its tree names nothing a later PR adds and "
+        "each module it adds is imported in its tree",
     )
     parser.add_argument(
         "--run-tests",

@@ -14,11 +14,17 @@ which part belongs where with HTML comments, invisible where the page is rendere
   renders it (every PR applied) hides it;
 - the stack table's ``page#Heading`` entries: the section and its subsections belong to that PR.
 
-Python files (the owned modules beside the model file and the tests) use comments alike: a line
-``# pr: KEY`` alone opens a block that ``# /pr`` closes, and a line ending in ``# pr: KEY``
-belongs to ``KEY``; a part of a later PR is left out of the file as the earlier PRs carry it
+Python files (the owned modules beside the model file, the tests and the helper modules vendored
+beside them) use comments alike: a line ``# pr: KEY`` alone opens a block that ``# /pr`` closes,
+and a line ending in ``# pr: KEY`` belongs to ``KEY`` (a docstring's line too: a list item of a
+later PR); a part of a later PR is left out of the file as the earlier PRs carry it
 (:func:`source_version`), so a module arrives with the PR that adds it and grows with the PRs
-whose code uses its later parts (an ``--hf-overrides`` key with the PR that reads it).
+whose code uses its later parts (an ``--hf-overrides`` key with the PR that reads it). Where a PR
+*changes* lines an earlier PR carries (a rule that only its code needs), ``# pr-before: KEY``
+alone on a line opens a block that ``# /pr-before`` closes, holding the earlier lines commented
+out at the opener's indentation (``# `` before each, ``#`` alone for an empty line): the versions
+before ``KEY`` carry them uncommented, the file itself (every PR applied) and the versions from
+``KEY`` on leave them out, and the lines that replace them are tagged ``KEY``.
 
 :func:`page_version` gives a design page as of a PR (parts of later PRs left out, hidden parts of
 PRs not reached yet shown); :func:`own_parts` gives a results page with the parts tagged for other
@@ -45,11 +51,12 @@ _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 _PY_OPEN = re.compile(rf"^\s*#\s*pr:\s*{_KEYS}\s*$")
 _PY_CLOSE = re.compile(r"^\s*#\s*/pr\s*$")
 _PY_TRAILING = re.compile(rf"\s*#\s*pr:\s*{_KEYS}\s*$")
-_NEVER = re.compile(r"(?!x)x")
+_PY_BEFORE_OPEN = re.compile(r"^(\s*)#\s*pr-before:\s*([\w-]+)\s*$")
+_PY_BEFORE_CLOSE = re.compile(r"^\s*#\s*/pr-before\s*$")
 #: (open, close, trailing, before-open, before-close) markers by syntax.
 _MARKERS = {
     "md": (_OPEN, _CLOSE, _TRAILING, _BEFORE_OPEN, _BEFORE_CLOSE),
-    "py": (_PY_OPEN, _PY_CLOSE, _PY_TRAILING, _NEVER, _NEVER),
+    "py": (_PY_OPEN, _PY_CLOSE, _PY_TRAILING, _PY_BEFORE_OPEN, _PY_BEFORE_CLOSE),
 }
 
 
@@ -63,15 +70,30 @@ def _keys(group: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in group.split(","))
 
 
+def _uncomment(line: str, indent: str, where: str, n: int) -> str:
+    """A line of a Python ``pr-before`` block without its comment mark: ``indent + "# " + code`` ->
+    ``indent + code``, ``indent + "#"`` -> an empty line."""
+    if line.rstrip() == indent + "#":
+        return ""
+    if not line.startswith(indent + "# "):
+        raise ExportError(
+            f"{where}:{n}: a line of a pr-before block must be commented out at the block's indentation "
+            f"({indent + '# '!r} before the code, {indent + '#'!r} alone for an empty line)"
+        )
+    return indent + line[len(indent) + 2 :]
+
+
 def _tag_lines(
     text: str, where: str, syntax: str = "md"
 ) -> list[tuple[str, tuple[str, ...] | None, str | None]]:
-    """``(line, in_keys, before_key)`` per kept line; marker lines dropped, trailing markers cut."""
+    """``(line, in_keys, before_key)`` per kept line; marker lines dropped, trailing markers cut, the
+    lines of a Python ``pr-before`` block uncommented."""
     open_re, close_re, trailing_re, before_open_re, before_close_re = _MARKERS[syntax]
     close_marker = "<!-- /pr -->" if syntax == "md" else "# /pr"
     open_marker = "<!-- pr: KEY -->" if syntax == "md" else "# pr: KEY"
     out: list[tuple[str, tuple[str, ...] | None, str | None]] = []
     block: tuple[str, tuple[str, ...], int] | None = None  # (kind, keys, line number)
+    indent = ""  # the opener's indentation of a Python pr-before block
     for n, line in enumerate(text.split("\n"), 1):
         if m := open_re.match(line):
             if block:
@@ -83,7 +105,8 @@ def _tag_lines(
                 raise ExportError(
                     f"{where}:{n}: a pr-before block inside the block opened at line {block[2]}"
                 )
-            block = ("before", (m.group(1),), n)
+            block = ("before", (m.group(m.lastindex),), n)
+            indent = m.group(1) if syntax == "py" else ""
             continue
         if close_re.match(line):
             if not block or block[0] != "in":
@@ -93,8 +116,13 @@ def _tag_lines(
         if block and block[0] == "before" and before_close_re.match(line):
             block = None
             continue
+        if syntax == "py" and before_close_re.match(line):
+            raise ExportError(f"{where}:{n}: # /pr-before without # pr-before: KEY before it")
         in_key = block[1] if block and block[0] == "in" else None
         before_key = block[1][0] if block and block[0] == "before" else None
+        if before_key and syntax == "py":
+            out.append((_uncomment(line, indent, where, n), None, before_key))
+            continue
         if m := trailing_re.search(line):
             if in_key and set(in_key) != set(_keys(m.group(1))):
                 raise ExportError(f"{where}:{n}: a line tagged {m.group(1)!r} inside a block of {in_key!r}")
@@ -194,19 +222,24 @@ def page_version(
 
 def source_version(text: str, where: str, included: list[str], known: set[str]) -> str:
     """A Python file as of the PR whose keys up to itself are ``included`` (stack order): the parts
-    tagged for a key outside ``included`` left out, the markers dropped; the lines are otherwise
-    kept as they are (blank lines too: the export's formatter tidies them). Other files are returned
-    unchanged.
+    tagged for a key outside ``included`` left out, the ``pr-before`` parts of such a key uncommented
+    and those of an included key left out, the markers dropped; the lines are otherwise kept as they
+    are (blank lines too: the export's formatter tidies them). Other files are returned unchanged.
 
     Raises:
-        ExportError: an unknown key or an unbalanced marker (the message names the line).
+        ExportError: an unknown key, an unbalanced marker or a pr-before line that is not commented
+            out at its block's indentation (the message names the line).
     """
     if not where.endswith(".py"):
         return text
     inc = set(included)
     tagged = _tag_lines(text, where, "py")
     _check_keys(tagged, known, where)
-    kept = [line for line, keys, _ in tagged if keys is None or inc & set(keys)]
+    kept = [
+        line
+        for line, keys, before in tagged
+        if (keys is None or inc & set(keys)) and (before is None or before not in inc)
+    ]
     return "\n".join(kept)
 
 

@@ -38,7 +38,9 @@ is derived and checked by :func:`resolve` against the checkout:
 A PR key names its folder (``NN-key``, numbered in stack order) and its tags in the pages; keep
 keys when the series is renumbered. Editing the stack is editing these two tables; the export
 tests check their invariants on the checkout (every patch, owned file and test file in exactly one
-PR, each PR applying on the previous, a PR's tests importing only what it or an earlier PR holds).
+PR, each PR applying on the previous, a PR's tests importing only what it or an earlier PR holds),
+and ``--verify`` that each PR's tree names nothing a later PR adds, that each module a PR adds has a
+user in its tree and that what a PR adds is tested with it (:mod:`.forward`).
 """
 
 from __future__ import annotations
@@ -209,7 +211,10 @@ _BEFORE_AFTER = "Before and after this PR"
 # tree its tests pass in: each --hf-overrides key arrives with the PR whose code reads it (its lines
 # of options.py and of the tests are tagged `# pr: KEY`), and the test of the design overview's
 # options table against the registry (test_encoder_cuda_graph_options_page.py) sits with the last
-# of them, the duplex-scale PR; test_model_wiring.py checks the vision wiring of the image-call patch.
+# of them, the duplex-scale PR. The model wiring every encoder shares (_init_encoder_cuda_graphs, its
+# fallbacks and start-up line) is tested with the encoder-graphs PR that adds it
+# (test_encoder_cuda_graph_wiring.py, and test_encoder_cuda_graph_models.py on CUDA), the vision graph over
+# the whole image call with the image-call PR (test_model_wiring.py, test_vision_graph_cuda.py).
 # The fused-layers PR comes before duplex-scale: the batched duplex steps' exact rows run its fused
 # Whisper layers (duplex_rows.encode_rows through fused_layers.whisper_encode_layers).
 STACK: tuple[OmniPr, ...] = (
@@ -227,7 +232,15 @@ STACK: tuple[OmniPr, ...] = (
         title="MiniCPM-o 4.5: exact-shape CUDA graphs for the vision and audio encoders",
         prefixes=("[Model]", "[Perf]"),
         patches=("minicpmo45-route-encoders-through-cuda-graphs",),
-        owned=(_MODEL + "encoder_cuda_graph*", _MODEL + "encoder_graphs.py"),
+        # the adapter package but immediate.py (capture_now), whose only caller is the duplex-scale PR's
+        # start-up capture
+        owned=(
+            *(
+                f"{_MODEL}encoder_cuda_graph/{name}.py"
+                for name in ("__init__", "adapter", "admission", "backend", "factory", "options", "shapes")
+            ),
+            _MODEL + "encoder_graphs.py",
+        ),
         tests=(
             _MC45 + "conftest.py",
             *(
@@ -236,12 +249,14 @@ STACK: tuple[OmniPr, ...] = (
                     "admission",
                     "cuda",
                     "failed_capture",
+                    "models",
                     "multi_gpu",
                     "options",
                     "platform",
                     "policy",
                     "static_args",
                     "threads",
+                    "wiring",
                 )
             ),
             _MC45 + "test_vision_attention_overrides.py",
@@ -260,7 +275,6 @@ STACK: tuple[OmniPr, ...] = (
             _MC45 + "test_vision_path.py",
             _MC45 + "test_vision_graph_cuda.py",
             _MC45 + "test_model_wiring.py",
-            _MC45 + "test_encoder_cuda_graph_models.py",
             "tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py",
         ),
         docs=(_DESIGN + "/image_path.md",),
@@ -312,6 +326,7 @@ STACK: tuple[OmniPr, ...] = (
         ),
         owned=(
             _MODEL + "audio_lengths.py",
+            _MODEL + "encoder_cuda_graph/immediate.py",
             _MODEL + "startup_capture.py",
             _MODEL + "duplex_batch.py",
             _MODEL + "duplex_rows.py",

@@ -8,6 +8,8 @@ release wheel (the one whose sha256 the manifest names):
 - its files pass vllm-omni's lint (:mod:`.lint`) as the tree stands after it;
 - every import of a ``vllm_omni`` module or of a module beside a test, in the files the stack has
   touched so far, resolves in that tree (a PR's tests import only what it or an earlier PR holds);
+- once every PR applied, each PR's tree names no file and no name a later PR adds, and each module
+  a PR adds has a user in its tree (:mod:`.forward`);
 - optionally, its tests pass with pytest run from that tree (its ``vllm_omni`` first on
   ``sys.path``, vLLM from the lane), with this project's ``minicpmo_cg`` made unimportable, under
   vllm-omni's registered markers and ``--strict-markers``, once per ``-m`` expression.
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import fetch, lint
+from minicpmo_cg.export import fetch, forward, lint
 from minicpmo_cg.export.changeset import read_change_set
 from minicpmo_cg.export.gitseries import Identity, git
 from minicpmo_cg.export.identity import placeholder_problem
@@ -421,6 +423,8 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-verify-") as tmp:
         work = Path(tmp)
         tree = fetch.extract_package(wheel, "vllm_omni", work / "vllm-omni")
+        release = forward.ReleaseIndex.read(tree, {f for pr in manifest["prs"] for f in pr["files"]})
+        snapshots: list[forward.Snapshot] = []
         _init_base(tree, committer)
         ruff = fetch.ruff_binary(conv.RUFF_VERSION)
         config = lint.ruff_config(work / "ruff.toml")
@@ -443,9 +447,13 @@ def verify(
             check.lint_notes = lint_report.notes
             touched = sorted(set(touched) | set(pr["files"]))
             check.problems += [f"imports: {p}" for p in unresolved_imports(tree, touched, beside_tests)]
+            snapshots.append(forward.Snapshot.read(tree, pr["folder"], touched))
             tests = [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")]
             for expression in marks if run_tests and tests else ():
                 _run(tree, tests, expression, work / f"{pr['folder']}-pytest", check, env)
+        if not broken:
+            for folder, found in forward.problems(release, snapshots).items():
+                report.check(folder).problems += [f"stack order: {p}" for p in found]
         for pr in manifest["vllm_prs"]:
             report.checks.append(
                 _check_vllm(pr, out, repo, manifest["lane"], committer, work, run_tests, env)

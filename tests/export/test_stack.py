@@ -399,7 +399,14 @@ def _scope(nodes: list[ast.AST]) -> _Scope:
 
 def _helper_modules_run(files: dict[str, str]) -> set[str]:
     """The vendored helper modules (``minicpmo45_cg_*``) that the tests of one exported test folder
-    (``files``: file name -> text) import when they run, read from the syntax.
+    (``files``: file name -> text) import when they run (:func:`_units_run`)."""
+    return {module for module, _ in _units_run(files) if module.startswith(_VENDORED_PREFIX)}
+
+
+def _units_run(files: dict[str, str]) -> set[tuple[str, str | None]]:
+    """``(module, unit)`` of what the tests of one exported test folder (``files``: file name -> text)
+    run, read from the syntax: ``unit`` a top-level function, class or assigned name of ``module``,
+    None for the module's top-level statements (it is imported).
 
     Every statement of a test module or ``conftest.py`` runs. Of a helper module, its top-level
     statements run when it is imported (so a module-level import imports that module too); a top-level
@@ -454,7 +461,7 @@ def _helper_modules_run(files: dict[str, str]) -> set[str]:
             follow(module, scope, {**init[module].bindings, **scope.bindings})
         elif (target := init[module].bindings.get(unit)) and target[1]:  # a name the module re-exports
             todo.append(target)
-    return {module for module, _ in seen if module.startswith(_VENDORED_PREFIX)}
+    return seen
 
 
 @pytest.mark.cpu
@@ -517,6 +524,78 @@ def test_each_pr_vendors_only_the_helper_modules_its_tests_run(st):
             assert not unused, (
                 f"{pr.key}: {folder}/ vendors {[vendored[m] for m in unused]}, which none of its tests runs"
             )
+
+
+def _helper_definitions(text: str) -> list[str]:
+    """The top-level functions and classes of a vendored helper module."""
+    nodes = ast.parse(text).body
+    return [n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+
+def _vendored_runs(st) -> dict[str, dict[str, tuple[dict[str, str], set[tuple[str, str | None]]]]]:
+    """Per PR key, per vendored helper (its exported path): its text as the PR carries it and what
+    the tests of its folder in that PR's tree run (:func:`_units_run`)."""
+    keys = set(st.keys)
+    tests: dict[str, Path] = {}
+    out = {}
+    for pr in st.omni:
+        upto = st.upto(pr.key)
+        tests |= pr.tests
+        vendored = transform.vendor_tests(
+            REPO, tests, version=lambda text, rel, upto=upto: docsplit.source_version(text, rel, upto, keys)
+        )
+        runs = {}
+        for folder in {PurePosixPath(rel).parent for rel in vendored.vendored}:
+            files = {
+                PurePosixPath(r).name: t
+                for r, t in vendored.files.items()
+                if PurePosixPath(r).parent == folder
+            }
+            run = _units_run(files)
+            for rel in vendored.vendored:
+                if PurePosixPath(rel).parent == folder:
+                    runs[rel] = (vendored.files[rel], run)
+        out[pr.key] = runs
+    return out
+
+
+@pytest.mark.cpu
+def test_a_helper_function_arrives_with_the_first_pr_whose_tests_run_it(st):
+    """A function or class of a vendored helper module that only a later PR's tests run is that
+    PR's (tagged for it in the helper), not carried by the earlier PRs that vendor the module for
+    other parts: e.g. ``vllm_config.duplex_vllm_config``, which the duplex-scale PR's tests use. What
+    no PR's tests run (the demo's inputs) goes with the module as it is."""
+    runs = _vendored_runs(st)
+    problems = []
+    for n, pr in enumerate(st.omni):
+        for rel, (text, run) in runs[pr.key].items():
+            module = PurePosixPath(rel).stem
+            for name in _helper_definitions(text):
+                if (module, name) in run:
+                    continue
+                later = next(
+                    (
+                        p.key
+                        for p in st.omni[n + 1 :]
+                        if (module, name) in runs[p.key].get(rel, ("", set()))[1]
+                    ),
+                    None,
+                )
+                if later:
+                    problems.append(f"{pr.key}: {rel} carries {name}, which only the tests of PR {later} run")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.cpu
+def test_the_units_a_test_runs_are_found_and_only_those():
+    files = {
+        "minicpmo45_cg_config.py": "def standalone():\n    return 1\n\ndef duplex(base):\n    return base\n",
+        "test_a.py": "from minicpmo45_cg_config import standalone\n\ndef test_x():\n    assert standalone()\n",
+    }
+    run = _units_run(files)
+    assert ("minicpmo45_cg_config", "standalone") in run and ("minicpmo45_cg_config", "duplex") not in run
+    files["test_b.py"] = "import minicpmo45_cg_config as config\n\ndef test_y():\n    config.duplex(1)\n"
+    assert ("minicpmo45_cg_config", "duplex") in _units_run(files)
 
 
 # -- PR text pieces ---------------------------------------------------------------------------------
@@ -834,3 +913,39 @@ def test_source_versions_keep_each_tagged_part_from_its_pr_on():
         docsplit.source_version("# /pr\n", "m.py", ["a"], known)
     with pytest.raises(transform.ExportError, match="never closed"):
         docsplit.source_version("# pr: b\nx = 1\n", "m.py", ["a"], known)
+
+
+@pytest.mark.cpu
+def test_source_versions_before_a_pr_carry_its_pr_before_lines_uncommented():
+    """A rule a later PR changes: the earlier versions carry the commented-out lines (code, blank
+    lines and comments alike, at their indentation), the later ones and the file itself the lines
+    tagged for that PR; a docstring's line tagged for a PR goes with it like any other line."""
+    text = (
+        "def f(x):\n"
+        '    """Doc.\n'
+        "    - later item  # pr: c\n"
+        '    """\n'
+        "    # pr-before: c\n"
+        "    # # clamp first\n"
+        "    # y = min(x, 1)\n"
+        "    #\n"
+        "    # return y\n"
+        "    # /pr-before\n"
+        "    return x  # pr: c\n"
+    )
+    known = {"a", "b", "c"}
+    before = 'def f(x):\n    """Doc.\n    """\n    # clamp first\n    y = min(x, 1)\n\n    return y\n'
+    assert docsplit.source_version(text, "m.py", ["a", "b"], known) == before
+    after = 'def f(x):\n    """Doc.\n    - later item\n    """\n    return x\n'
+    assert docsplit.source_version(text, "m.py", ["a", "b", "c"], known) == after
+    for version in (before, after):
+        compile(version, "m.py", "exec")
+    uncommented = "if x:\n    # pr-before: b\n    y = 1\n    # /pr-before\n"
+    with pytest.raises(transform.ExportError, match=r"m.py:3: a line of a pr-before block must be commented"):
+        docsplit.source_version(uncommented, "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match=r"m.py:1: # /pr-before without # pr-before: KEY"):
+        docsplit.source_version("# /pr-before\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match="m.py: tagged for x, no PR of the stack"):
+        docsplit.source_version("# pr-before: x\n# y = 1\n# /pr-before\n", "m.py", ["a"], known)
+    with pytest.raises(transform.ExportError, match="the before block of 'b' is never closed"):
+        docsplit.source_version("# pr-before: b\n# y = 1", "m.py", ["a"], known)

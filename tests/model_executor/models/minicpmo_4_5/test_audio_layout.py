@@ -49,8 +49,8 @@ def tiny_model(attn: str) -> nn.Module:
         embed=EMBED,
         pool=POOL,
     )
-    model._audio_encoder_graph = None
-    model._streaming_audio_encoder_graph = None
+    model._audio_encoder_graph = None  # pr: encoder-graphs
+    model._streaming_audio_encoder_graph = None  # pr: streaming-audio
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 

@@ -20,7 +20,6 @@ whichever attention the device offers.
 
 from __future__ import annotations
 
-import copy
 import gc
 import math
 import sys
@@ -49,14 +48,10 @@ TOL = graph_rel_tol(torch.float32)
 
 
 def duplex_config(sessions=8):
-    from minicpmo_cg.vllm_config import standalone_vllm_config
+    """A standalone ``VllmConfig`` as a duplex deployment of ``sessions`` sessions."""
+    from minicpmo_cg.vllm_config import duplex_vllm_config, standalone_vllm_config
 
-    config = copy.copy(standalone_vllm_config())
-    model_config = copy.copy(config.model_config)
-    object.__setattr__(model_config, "session_mode", "duplex")
-    object.__setattr__(model_config, "duplex_max_sessions", sessions)
-    object.__setattr__(config, "model_config", model_config)
-    return config
+    return duplex_vllm_config(standalone_vllm_config(), sessions)
 
 
 def tiny(**config):

@@ -114,6 +114,24 @@ def test_huge_values_are_refused_with_the_range(ecg, key, value):
     assert problem.endswith(ecg.HF_OVERRIDE_KEYS[key].allowed) and " and <= " in problem
 
 
+# pr-before: streaming-audio
+# def test_options_built_directly_are_range_checked_too(ecg, vllm_config):
+#     """No code derives an option from the validated ones: the adapter's constructor and
+#     ``dataclasses.replace`` check the range a user's value gets."""
+#     import dataclasses
+#
+#     options = ecg.EncoderCudaGraphOptions.from_hf_config(
+#         types.SimpleNamespace(encoder_cuda_graph_max_graphs=1024)
+#     )
+#     expected = ["encoder_cuda_graph_max_graphs=1025: got an integer, expected an integer >= 0 and <= 1024"]
+#     with pytest.raises(ecg.HfOverridesError) as info:
+#         dataclasses.replace(options, max_graphs=1025)
+#     assert info.value.problems == expected
+#     with pytest.raises(ecg.HfOverridesError) as info:
+#         ecg.EncoderCudaGraph(torch.neg, vllm_config, max_graphs=1025)
+#     assert info.value.problems == expected
+# /pr-before
+# pr: streaming-audio
 def test_values_the_wiring_derives_may_pass_the_user_maximum(ecg, vllm_config):
     """The maximum bounds what a user writes; the streaming audio adapter's cap is ``max_graphs``
     times its past lengths (30 at the defaults), built with ``dataclasses.replace`` and passed to
@@ -132,6 +150,9 @@ def test_values_the_wiring_derives_may_pass_the_user_maximum(ecg, vllm_config):
     assert info.value.problems == [
         "encoder_cuda_graph_max_graphs=-1: got an integer, expected an integer >= 0"
     ]
+
+
+# /pr
 
 
 def test_every_bad_key_is_reported_in_one_error(ecg):

@@ -396,7 +396,7 @@ def test_zero_mask_plan_pins_the_eager_kernel_or_keeps_the_mask(attn, choice, pl
 
     got = sa.zero_mask_plan(attn, sdpa_choice)
     want_backend = None if plan[1] is None else SDPBackend.__members__[plan[1]]
-    assert (got.drop_mask, got.sdpa_backend) == (plan[0], want_backend)
+    assert got == sa.ZeroMaskPlan(drop_mask=plan[0], sdpa_backend=want_backend)
     assert asked == ([attn] if attn == "sdpa" else [])  # SDPA is asked only for its own implementation
     hash(got)  # a static argument of the adapter: part of the graph key
 

@@ -2,9 +2,8 @@
 """CPU tests of SigLIP's attention (``vision_attn_implementation``), on the *installed* model file.
 
 - ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated by
-  ``siglip_attention`` itself; together with the encoder CUDA graph keys in
-  ``test_vision_attention_overrides.py``), refuses ``flash_attention_2`` without flash-attn 2 before
-  building anything heavy, builds SigLIP with the chosen class (SDPA by default) and logs it.
+  ``siglip_attention`` itself), refuses ``flash_attention_2`` without flash-attn 2 before building
+  anything heavy, builds SigLIP with the chosen class (SDPA by default) and logs it.
 - SDPA attention: the same weights as eager, equal to eager in float32 (padding included), closer
   than eager to a float32 reference in bfloat16; the key-padding mask ``(B, 1, 1, N)`` adds exactly
   what the former ``(B, 1, N, N)`` mask added, and ``SiglipVisionTransformer.forward`` builds it.

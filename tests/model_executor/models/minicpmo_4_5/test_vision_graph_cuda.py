@@ -166,6 +166,22 @@ def test_image_call_makes_the_host_wait_for_nothing(models, photo_inputs, attn):
 
 @pytest.mark.cuda
 @torch.inference_mode()
+def test_vpm_forward_never_touches_the_graph(models):
+    """The image path's graph starts at the pixels (get_vision_hidden_states); vpm.forward is eager."""
+    model = models["sdpa"]
+    graph = model.vpm._encoder_graph
+    before = graph.get_cumulative_stats()
+    pixels = torch.randn(1, 3, 14, 1024 * 14, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 1024, dtype=torch.bool, device="cuda")
+    tgt = torch.tensor([[32, 32]], dtype=torch.int32, device="cuda")
+    out = model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt, output_hidden_states=True)
+    assert len(out.hidden_states) == 27
+    model.vpm(pixels, patch_attention_mask=mask, tgt_sizes=tgt)
+    assert graph.get_cumulative_stats() == before
+
+
+@pytest.mark.cuda
+@torch.inference_mode()
 def test_lookup_tables_are_never_built_inside_a_capture(models):
     from vllm_omni.model_executor.models.minicpmo_4_5 import vision_path
 

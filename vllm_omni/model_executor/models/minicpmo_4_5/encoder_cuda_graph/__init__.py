@@ -40,8 +40,10 @@ testable on CPU; each module imports only those above it):
   guard, byte budget, memory floor, hooks check, stats, the fatal contract).
 - :mod:`.factory`: :func:`make_encoder_cuda_graph`, which the model file calls,
   and :func:`lora_may_reach`.
+# pr: duplex-scale
 - :mod:`.immediate`: :func:`capture_now`, a call's graph captured at once,
   keyed as the call is (start-up capture).
+# /pr
 
 Every public name is importable from this package. The user-facing contract is
 ``docs/design/minicpmo_encoder_cuda_graph.md`` and its topic pages in
@@ -68,7 +70,7 @@ from .backend import (
     ReplayableGraph,
 )
 from .factory import EncoderCudaGraphSetup, lora_may_reach, make_encoder_cuda_graph
-from .immediate import capture_now
+from .immediate import capture_now  # pr: duplex-scale
 from .options import (
     HF_OVERRIDE_KEYS,
     EncoderCudaGraphOptions,
@@ -103,7 +105,7 @@ __all__ = [
     "HfOverrideKey",
     "HfOverridesError",
     "ReplayableGraph",
-    "capture_now",
+    "capture_now",  # pr: duplex-scale
     "in_memory_profiling",
     "lora_may_reach",
     "make_encoder_cuda_graph",

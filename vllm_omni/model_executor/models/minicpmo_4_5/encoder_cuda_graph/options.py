@@ -74,10 +74,12 @@ class HfOverrideKey:
         minimum: lower bound of ``"int"`` and ``"number"`` keys (inclusive).
         maximum: upper bound of ``"int"`` and ``"number"`` keys (inclusive), required
             for them: a value past any sensible setting (e.g. a capture threshold no
-            shape ever reaches) is a mistake to report, not a setting to honour. It
-            bounds what a user writes (:func:`read_hf_overrides`); code that derives a
-            value from the options may pass it (``check(value, bounded=False)``): the
+            shape ever reaches) is a mistake to report, not a setting to honour.
+            # pr: streaming-audio
+            It bounds what a user writes (:func:`read_hf_overrides`); code that derives
+            a value from the options may pass it (``check(value, bounded=False)``): the
             streaming audio adapter's cap is ``max_graphs`` times its past lengths.
+            # /pr
         choices: allowed strings of a ``"choice"`` key.
 
     Raises:
@@ -106,18 +108,28 @@ class HfOverrideKey:
     @property
     def allowed(self) -> str:
         """What the key accepts from a user, in words (used in error messages and docs)."""
+        # pr: streaming-audio
         return self._allowed(bounded=True)
 
     def _allowed(self, bounded: bool) -> str:
+        # /pr
         if self.kind == "bool":
             return "a JSON boolean (true or false)"
         if self.kind in ("int", "number"):
             what = "an integer" if self.kind == "int" else "a number"
+            # pr-before: streaming-audio
+            # upper = f" and <= {_bound(self.maximum)}" if self.maximum is not None else ""
+            # /pr-before
+            # pr: streaming-audio
             upper = f" and <= {_bound(self.maximum)}" if bounded and self.maximum is not None else ""
+            # /pr
             return f"{what} >= {_bound(self.minimum)}{upper}"
         return "one of " + ", ".join(json.dumps(c) for c in self.choices)
 
-    def _accepts(self, value: Any, bounded: bool) -> bool:
+    # pr-before: streaming-audio
+    # def _accepts(self, value: Any) -> bool:
+    # /pr-before
+    def _accepts(self, value: Any, bounded: bool) -> bool:  # pr: streaming-audio
         if self.kind == "bool":
             return isinstance(value, bool)
         if self.kind == "choice":
@@ -129,8 +141,21 @@ class HfOverrideKey:
         if isinstance(value, float) and not math.isfinite(value):
             return False
         # compared as given: an int of any size (JSON has no limit) never goes through float
+        # pr-before: streaming-audio
+        # return self.minimum <= value and (self.maximum is None or value <= self.maximum)
+        # /pr-before
+        # pr: streaming-audio
         return self.minimum <= value and (not bounded or self.maximum is None or value <= self.maximum)
+        # /pr
 
+    # pr-before: streaming-audio
+    # def check(self, value: Any) -> str | None:
+    #     """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``."""
+    #     if self._accepts(value):
+    #         return None
+    #     return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self.allowed}"
+    # /pr-before
+    # pr: streaming-audio
     def check(self, value: Any, *, bounded: bool = True) -> str | None:
         """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``.
 
@@ -141,6 +166,7 @@ class HfOverrideKey:
         if self._accepts(value, bounded):
             return None
         return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self._allowed(bounded)}"
+        # /pr
 
 
 def _bound(value: float | None) -> str:
@@ -162,10 +188,10 @@ def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
 #: entry here (register only keys whose behaviour exists); its consumer reads the
 #: validated value from :func:`read_hf_overrides`. The maximum of each numeric key is
 #: where the setting stops making sense: 1024 graphs per encoder (never evicted, each
-#: holding pool segments and buffers; the streaming audio adapter keeps 30 times as
-#: many), a capture threshold of 10000 calls (the cost rule is the way to be more
-#: selective), 1 TiB for byte amounts (more than any device holds) and one day
-#: between stats lines.
+#: holding pool segments and buffers), a capture threshold of 10000 calls (the cost rule
+#: is the way to be more selective), 1 TiB for byte amounts (more than any device holds)
+#: and one day between stats lines.
+#: The streaming audio adapter keeps up to 30 times ``max_graphs`` graphs.  # pr: streaming-audio
 HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
     HfOverrideKey(
         name="encoder_cuda_graph",
@@ -368,8 +394,10 @@ class EncoderCudaGraphOptions:
     One instance configures both encoders; each encoder gets its own adapter,
     so caps and counters are per encoder. Each field names its key in
     :data:`HF_OVERRIDE_KEYS`, which holds the default, the rule and the doc.
-    The fields read by the model wiring of later features (streaming audio,
-    duplex) are documented where they are defined.
+    # pr: streaming-audio
+    The fields that only the model wiring reads are documented where they
+    are defined.
+    # /pr
 
     Attributes:
         enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
@@ -390,8 +418,8 @@ class EncoderCudaGraphOptions:
             ``min_capture_calls``-th call; ``"cost"`` also requires the measured
             saving to pay for the capture and the memory (:class:`CaptureCostModel`).
             The model wiring applies it to the vision and stateless audio
-            adapters; the streaming audio adapter always counts (see
-            ``streaming_audio``).
+            adapters.
+            The streaming audio adapter always counts (see ``streaming_audio``).  # pr: streaming-audio
         max_bytes: ``encoder_cuda_graph_max_bytes`` (int 0 to 1 TiB, bytes, default 0).
             Device memory the encoder's graphs may hold (pool growth + static
             input and output buffers); a capture whose estimate would pass it is
@@ -406,10 +434,13 @@ class EncoderCudaGraphOptions:
             JSON, the type received and what is allowed. ``true`` is not
             accepted as an int and the string ``"false"`` not as a bool. The
             ranges above bound the ``--hf-overrides`` values
-            (:meth:`from_hf_config`); built directly (``EncoderCudaGraphOptions(...)``,
+            (:meth:`from_hf_config`).
+            # pr: streaming-audio
+            Built directly (``EncoderCudaGraphOptions(...)``,
             ``dataclasses.replace``, the adapter's constructor), a numeric field
             is checked against its minimum only, so the wiring may derive larger
             values (the streaming audio adapter's ``max_graphs``).
+            # /pr
     """
 
     enabled: bool = _hf_field("encoder_cuda_graph")
@@ -448,12 +479,17 @@ class EncoderCudaGraphOptions:
     # /pr
 
     def __post_init__(self) -> None:
+        # pr-before: streaming-audio
+        # checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
+        # /pr-before
+        # pr: streaming-audio
         # the type and the minimum: values read from --hf-overrides were range-checked by
         # read_hf_overrides; the code derives larger ones (the streaming audio adapter's cap)
         checks = (
             HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name), bounded=False)
             for f in fields(self)
         )
+        # /pr
         problems = [p for p in checks if p is not None]
         if problems:
             raise HfOverridesError(problems)
