@@ -30,7 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
+from minicpmo_cg.export import (
+    docsplit,
+    fetch,
+    lint,
+    prtext,
+    pytestlog,
+    stack,
+    testmarks,
+    transform,
+    upstream_edits,
+)
 from minicpmo_cg.export import identity
 from minicpmo_cg.export.changeset import RESULTS_PAGE, ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
@@ -172,6 +182,7 @@ class _StackBuilder:
             str, str
         ] = {}  # owned file -> its last version in the tree (before formatting)
         self.tests_exported: dict[str, str] = {}  # test file -> its text as exported (before formatting)
+        self.built: list[PrResult] = []  # the PRs built so far, in stack order
         self.known = set(cs.design_pages) | {
             p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts
         }
@@ -237,6 +248,16 @@ class _StackBuilder:
                 "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8") for path in pr.tests.values()
             ),
         )
+        # the earlier PRs' test files this PR leaves as they are: its tree runs them too
+        earlier = pytestlog.earlier_test_files(
+            [{"tests": p.tests} for p in [*self.built, result]], len(self.built)
+        )
+        result.inputs.earlier_test_files = earlier
+        result.inputs.earlier_marks = testmarks.levels_with_tests(
+            prtext.UNIT_MARKS,
+            [self.tests_exported[rel] for rel in earlier if not rel.startswith("tests/e2e/")],
+        )
+        self.built.append(result)
         return result
 
     def _version(self, text: str, rel: str, upto: list[str]) -> str:

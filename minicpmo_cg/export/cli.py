@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from minicpmo_cg import resources
-from minicpmo_cg.export import build, verify
+from minicpmo_cg.export import build, prtext, verify
 from minicpmo_cg.export.gitseries import Identity
 
 __all__ = ["HELP", "add_parser", "git_identity", "run"]
@@ -55,7 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument(
         "--run-tests",
         action="store_true",
-        help="with --verify: also run each PR's tests from its tree (and the vLLM PR's against the installed vLLM)",
+        help="with --verify: also run each PR's tests from its tree, and there the earlier PRs' tests apart from "
+        "its own (and the vLLM PR's tests against the installed vLLM)",
     )
     parser.add_argument(
         "--marks",
@@ -185,9 +186,9 @@ def _print_summary(result: build.ExportResult, report: verify.VerifyReport | Non
         check = next((c for c in report.checks if c.folder == pr.folder), None) if report else None
         if check:
             for run in check.runs:
-                print(
-                    f"    tests -m {run.marks!r}: {run.summary}" if run.marks else f"    tests: {run.summary}"
-                )
+                which = "" if run.scope == prtext.OWN else " (the earlier PRs' tests on this tree)"
+                marks = f" -m {run.marks!r}" if run.marks else ""
+                print(f"    tests{marks}{which}: {run.summary}")
             for problem in check.problems:
                 print(f"    verify: {problem}")
             for note in check.lint_notes:

@@ -21,7 +21,7 @@ from exportkit import AUTHOR, REPO, created_file, no_git_identity, patch_texts, 
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import RESULTS_PAGE
-from minicpmo_cg.export import prtext, stack, transform
+from minicpmo_cg.export import prtext, pytestlog, stack, testmarks, transform
 from minicpmo_cg.export.changeset import read_change_set
 
 pytestmark = [pytest.mark.core_model]
@@ -31,6 +31,12 @@ RESULTS = RESULTS_PAGE
 
 def _folders(manifest: dict) -> list[str]:
     return [pr["folder"] for pr in manifest["prs"]]
+
+
+def _selected(summary: str) -> int:
+    """How many tests a pytest summary line says ran (every outcome but ``deselected``)."""
+    counts = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", summary)
+    return sum(int(n) for n, _ in counts)
 
 
 @pytest.mark.cpu
@@ -47,13 +53,18 @@ def test_each_pr_applies_on_the_previous_is_signed_off_lint_clean_and_its_tests_
         for text in texts:
             assert f"Signed-off-by: {AUTHOR}" in text
             assert re.search(r"^Subject: \[PATCH[^\]]*\] \[[A-Z][\w/]*\]", text, re.MULTILINE)
-    for check, pr in zip(report.checks, manifest["prs"]):
+    for index, (check, pr) in enumerate(zip(report.checks, manifest["prs"])):
         tests = [t for t in pr["tests"] if Path(t).name.startswith("test_")]
-        if not tests:
-            continue
-        [run] = check.runs  # one per --marks expression
-        assert run.ok and " passed" in run.summary, check.outputs
-        assert not re.search(r"\d+ (failed|error)", run.summary)
+        own = [run for run in check.runs if run.scope == prtext.OWN]
+        earlier = [run for run in check.runs if run.scope == prtext.EARLIER]
+        # on each tree the earlier PRs' tests run too, apart from its own: one run each per --marks
+        files = pytestlog.earlier_test_files(manifest["prs"], index)
+        assert bool(files) == (index > 0) and [run.files for run in earlier] == ([files] if files else [])
+        assert [run.files for run in own] == ([tests] if tests else [])
+        for run in own + earlier:
+            assert run.ok and " passed" in run.summary, check.outputs
+            assert not re.search(r"\d+ (failed|error)", run.summary)
+            assert run.collection and len(run.collection.selected) == _selected(run.summary), run.summary
     for check in report.checks:
         for run in check.runs:  # every warning pytest counted is named in the PR text
             warned = re.search(r"(\d+) warnings?\b", run.summary)
@@ -148,6 +159,25 @@ def test_the_vllm_change_is_its_own_pr_with_tests_in_vllms_layout(exported):
             assert pr["title"] in text and _cites_the_tracker(text)
 
 
+def _accounts_for_every_collected_test(text: str, runs: list, where: str) -> None:
+    """Per scope, the Test Result's "In all" line names every test the runs collected, its parts add
+    up, and each test no run selects is named under Not run."""
+    result, not_run = text.split("## Test Result", 1)[1].split("### Not run", 1)
+    totals = re.findall(r"^- In all, the (\d+) collected tests: (.*)\.$", result, re.MULTILINE)
+    scopes = [scope for scope in (prtext.OWN, prtext.EARLIER) if any(r.scope == scope for r in runs)]
+    assert len(totals) == len(scopes), where
+    for scope, (total, parts) in zip(scopes, totals):
+        scoped = [run for run in runs if run.scope == scope]
+        marks = {node: m for run in scoped for node, m in run.collection.tests.items()}
+        assert int(total) == len(marks), where
+        assert sum(int(n) for n in re.findall(r"(\d+) ", parts)) == len(marks), (where, parts)
+        ran = {node for run in scoped for node in run.collection.selected}
+        assert f"{len(ran)} selected by the runs" in parts, where
+        for node in set(marks) - ran:  # a unit level not run would select it, or Not run names it
+            unit = any(testmarks.expression_selects(lv, frozenset(marks[node])) for lv in prtext.UNIT_MARKS)
+            assert unit or f"`{node}`" in not_run, (where, node)
+
+
 def _cites_the_tracker(text: str) -> bool:
     """The tracker by its full reference and title, and no bare ``#7452`` beside it."""
     bare = re.sub(re.escape(conv.TRACKER_ISSUE), "", text)
@@ -185,10 +215,12 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         earlier.append(pr["title"])
         for run in check.runs:
             assert run.summary in text and run.environment in text
+            assert f"- `{run.command}`: `{run.summary}`" in text, where  # the files each run ran
             for reason in run.skipped:
                 assert reason in text
             for warning in run.warnings:
                 assert warning in text, where
+        _accounts_for_every_collected_test(text, check.runs, where)
         # a vLLM change an earlier PR needs holds this one back too, and its text says so
         needed = {v for p in manifest["prs"][: manifest["prs"].index(pr) + 1] for v in p["vllm"]}
         for vllm_pr in manifest["vllm_prs"]:

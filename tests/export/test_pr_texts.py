@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Test Result and Not run of the PR texts, from hand-made runs (no export, no checkout read):
+each run line gives the command it ran, a PR's own tests and the earlier PRs' tests on its tree are
+reported apart, and every collected test is accounted for (selected by a run, by a level not run,
+or by none, with why, and then named under Not run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from minicpmo_cg.export import prtext, pytestlog
+from minicpmo_cg.export.pytestlog import Collection
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+OWN_FILES = ["tests/m/test_path.py", "tests/e2e/online_serving/test_serve.py"]
+EARLIER_FILES = ["tests/m/test_first.py"]
+CPU, CUDA = prtext.UNIT_MARKS
+
+
+def _own_collection(deselect: str) -> Collection:
+    """Three CPU tests, two CUDA tests and two serving tests (``cuda`` and ``advanced_model``, no
+    ``core_model``): what ``-m deselect``'s run collected, the others deselected."""
+    tests = {f"tests/m/test_path.py::test_cpu_{i}": ["core_model", "cpu"] for i in range(3)}
+    tests |= {f"tests/m/test_path.py::test_gpu_{i}": ["core_model", "cuda", "skipif"] for i in range(2)}
+    tests |= {f"tests/e2e/online_serving/test_serve.py::test_answers[{a}]": ["advanced_model", "cuda"]
+              for a in ("sdpa", "eager")}  # fmt: skip
+    keep = {CPU: "cpu", CUDA: "cuda"}[deselect]
+    return Collection(tests, [n for n, m in tests.items() if keep not in m or "core_model" not in m])
+
+
+def _inputs(runs: list[prtext.PytestRun]) -> prtext.PrInputs:
+    return prtext.PrInputs(
+        "image-call", 2, "[Model] T", [], ["c"], "0.30.0", "0.30.0", test_files=list(OWN_FILES),
+        unit_marks=(CPU, CUDA), earlier=[("[Bugfix] First", "01-first")], earlier_test_files=EARLIER_FILES,
+        earlier_marks=(CPU,), total=2, runs=runs,
+    )  # fmt: skip
+
+
+def _cpu_run(scope: str = prtext.OWN) -> prtext.PytestRun:
+    if scope == prtext.EARLIER:
+        tests = {"tests/m/test_first.py::test_a": ["core_model", "cpu"]}
+        return prtext.PytestRun(CPU, "1 passed", environment="Python 3.11, no GPU", files=EARLIER_FILES,
+                                scope=scope, collection=Collection(tests, []))  # fmt: skip
+    return prtext.PytestRun(CPU, "3 passed, 4 deselected", environment="Python 3.11, no GPU", files=OWN_FILES,
+                            collection=_own_collection(CPU))  # fmt: skip
+
+
+def test_each_run_line_gives_the_command_with_the_files_it_ran():
+    [line] = prtext.run_lines([_cpu_run()])
+    assert line.startswith(f'- `pytest -m "{CPU}" {" ".join(OWN_FILES)}`: `3 passed, 4 deselected`')
+    vllm = prtext.PytestRun("", "2 passed", files=["tests/v1/test_x.py"])
+    assert prtext.run_lines([vllm])[0].startswith("- `pytest tests/v1/test_x.py`: `2 passed`")
+
+
+def test_every_collected_test_is_accounted_for_and_the_unselected_ones_are_named_under_not_run():
+    text = prtext.omni_pr(_inputs([_cpu_run(), _cpu_run(prtext.EARLIER)]))
+    result = text.split("## Test Result", 1)[1].split("### Not run", 1)[0]
+    own, earlier = result.split("The earlier PRs' tests on this tree", 1)
+    assert "This PR's tests (the test files it adds or changes); they collect 7 tests:" in own
+    assert f'-m "{CUDA}"` selects 2 of them: not run for this text.' in own
+    assert (
+        "No run selects 2 tests of `tests/e2e/online_serving/test_serve.py`: marked `advanced_model`, `cuda`, "
+        "not `core_model`, which each unit level requires; the serving end to end tests" in own
+    )
+    assert (
+        "In all, the 7 collected tests: 3 selected by the runs, 2 only by a level not run, 2 by none." in own
+    )
+    assert (
+        "they collect 1 test:" in earlier
+        and f'`pytest -m "{CPU}" tests/m/test_first.py`: `1 passed`' in earlier
+    )
+    assert "In all, the 1 collected tests: 1 selected by the runs." in earlier
+    not_run = text.split("### Not run", 1)[1]
+    assert f'This PR\'s tests with `-m "{CUDA}"` from its own tree.' in not_run
+    named = next(line for line in not_run.splitlines() if "no `-m` expression of Test Result selects" in line)
+    assert named.startswith("- This PR's 2 tests that")
+    assert all(f"`{node}`" in named for node in _own_collection(CPU).tests if "e2e" in node)
+    # the earlier PRs' tests ran at their only level: nothing of theirs is missing
+    assert "The earlier PRs' tests with" not in not_run
+
+
+def test_a_gpu_run_closes_the_account_of_its_level():
+    gpu = prtext.PytestRun(CUDA, "2 passed, 5 deselected", environment="on an offline GPU host",
+                           files=OWN_FILES, collection=_own_collection(CUDA))  # fmt: skip
+    text = prtext.omni_pr(_inputs([_cpu_run(), gpu]))
+    assert "In all, the 7 collected tests: 5 selected by the runs, 2 by none." in text
+    assert "not run for this text" not in text and f'with `-m "{CUDA}"` from its own tree' not in text
+
+
+def test_without_a_record_of_the_collection_the_levels_not_run_are_still_named():
+    run = prtext.PytestRun(CPU, "3 passed, 4 deselected", files=OWN_FILES)
+    text = prtext.omni_pr(_inputs([run]))
+    assert "they collect" not in text and "In all" not in text
+    assert f'Deselected: the collected tests that `-m "{CPU}"` does not select' in text
+    not_run = text.split("### Not run", 1)[1]
+    assert f'This PR\'s tests with `-m "{CUDA}"` from its own tree.' in not_run
+    assert f'The earlier PRs\' tests with `-m "{CPU}"` on this tree.' in not_run
+
+
+def test_the_earlier_test_files_are_those_of_earlier_prs_this_one_leaves_as_they_are():
+    prs = [{"tests": ["tests/a/conftest.py", "tests/a/test_one.py", "tests/a/test_two.py"]},
+           {"tests": ["tests/a/test_two.py", "tests/a/test_three.py", "tests/a/helper.py"]}]  # fmt: skip
+    assert pytestlog.earlier_test_files(prs, 0) == []
+    # test_two.py grows in the second PR: its own, not an earlier PR's
+    assert pytestlog.earlier_test_files(prs, 1) == ["tests/a/test_one.py"]
+
+
+def test_the_collection_plugin_records_every_collected_test_with_its_marks_and_the_deselected(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_marks.py").write_text(textwrap.dedent("""\
+        import pytest
+        pytestmark = pytest.mark.core_model
+
+        @pytest.mark.cpu
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_cpu(n):
+            pass
+
+        @pytest.mark.cuda
+        def test_gpu():
+            pass
+        """))  # fmt: skip
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    core_model: x\n    cpu: x\n    cuda: x\n")
+    plugin = pytestlog.write_collect_plugin(tmp_path / "plugins")
+    out = tmp_path / "collected.json"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "plugins"), pytestlog.COLLECT_OUT: str(out)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", plugin, "-p", "no:cacheprovider", "-m", "core_model and cpu",
+         "tests/test_marks.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = pytestlog.read_collection(out)
+    assert found.tests == {
+        "tests/test_marks.py::test_cpu[1]": ["core_model", "cpu", "parametrize"],
+        "tests/test_marks.py::test_cpu[2]": ["core_model", "cpu", "parametrize"],
+        "tests/test_marks.py::test_gpu": ["core_model", "cuda"],
+    }
+    assert found.deselected == ["tests/test_marks.py::test_gpu"] and len(found.selected) == 2
+    assert pytestlog.summary(proc.stdout) == "2 passed, 1 deselected"
+    assert json.loads(out.read_text())["deselected"] == found.deselected
+    assert pytestlog.read_collection(tmp_path / "none.json") is None
