@@ -61,6 +61,8 @@ class ExportOptions:
     author: Identity
     lane: str = "current"
     site_packages: Path | None = None
+    #: a vLLM git checkout (of ``main``) each vLLM PR's series is checked against (:mod:`.vllm_main`)
+    vllm_checkout: Path | None = None
 
 
 @dataclass
@@ -419,6 +421,21 @@ def _vllm_prs(cs: ChangeSet, st: stack.Stack, work: Path, opts: ExportOptions) -
     return out
 
 
+def _check_against_main(vllm_prs: list[PrResult], checkout: Path | None) -> list[str]:
+    """Check each vLLM PR's series against the vLLM checkout (``--vllm-checkout``), for its text;
+    a warning per series that does not apply there."""
+    if checkout is None:
+        return []
+    from minicpmo_cg.export import vllm_main
+
+    warnings = []
+    for pr in vllm_prs:
+        pr.inputs.main_check = check = vllm_main.check_series(checkout, pr.series)
+        if not check.applies:
+            warnings.append(f"{pr.folder}: the series does not apply to {check.where}: {check.detail}")
+    return warnings
+
+
 def _requirements() -> dict[str, list[str]]:
     """The installed vLLM's and vllm-omni's requirements (``Requires-Dist``, ``Requires-Python``)."""
     out = {}
@@ -462,6 +479,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         texts = {rel: (builder.repo.root / rel).read_text(encoding="utf-8") for pr in prs for rel in pr.files
                  if (builder.repo.root / rel).is_file()}  # fmt: skip
         vllm_prs = _vllm_prs(cs, st, work, opts)
+        main_warnings = _check_against_main(vllm_prs, opts.vllm_checkout)
         # a commit body is wrapped at 72 columns: checked with each paragraph on one line, so a word pair
         # the wrap splits is still found
         messages = {
@@ -473,6 +491,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         omni_commit = builder.omni_commit
     result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs, identity_problem=placeholder)
     result.warnings += [placeholder] if placeholder else []
+    result.warnings += main_warnings
     _link(result, st, cs)
     _write_texts(cs, st, result)
     _write_manifest(cs, result, wheel, omni_commit)

@@ -75,6 +75,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "for the series that ran)",
     )
     parser.add_argument(
+        "--vllm-checkout",
+        type=Path,
+        metavar="DIR",
+        help="a git checkout of vllm-project/vllm (its main branch): check that each vLLM PR's series applies "
+        "there (git apply --check, nothing written) and say so, with its commit, in the PR text; without it "
+        "the text says this was not checked",
+    )
+    parser.add_argument(
         "--checkout",
         type=Path,
         metavar="DIR",
@@ -206,8 +214,17 @@ def run(args: argparse.Namespace) -> int:
     # the checks run git in scratch trees: a relative --out would name nothing there
     args.out = args.out.resolve()
     identity = _identity(args, repo)
+    if args.vllm_checkout is not None:
+        from minicpmo_cg.export import vllm_main
+
+        vllm_main.checkout_commit(args.vllm_checkout)  # a bad --vllm-checkout fails before the export
     opts = build.ExportOptions(
-        repo=repo, out=args.out, author=identity, lane=args.lane, site_packages=args.site_packages
+        repo=repo,
+        out=args.out,
+        author=identity,
+        lane=args.lane,
+        site_packages=args.site_packages,
+        vllm_checkout=args.vllm_checkout,
     )
     result = build.export(opts)
     extra: list[str] = []

@@ -93,6 +93,7 @@ def _pytest_run(doc: dict, entry: dict, run: dict) -> PytestRun:
         scope=EARLIER if run.get("scope") == "earlier" else OWN,
         collection=collection,
         warnings_unknown=warned and run.get("warnings") is None,
+        on_gpu=bool(doc.get("device")),
     )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export import testmarks, transform
 from minicpmo_cg.export.pytestlog import Collection
+from minicpmo_cg.export.vllm_main import MainCheck
 from minicpmo_cg.patchtool.series import Patch
 
 __all__ = [
@@ -185,6 +186,7 @@ class PytestRun:
         collection: the tests the run collected with their marks and those ``-m`` deselected
             (:mod:`.pytestlog`); None where the run did not record them.
         warnings_unknown: the run's summary counts warnings that its record does not itemise.
+        on_gpu: it ran where CUDA had a device (its CUDA tests could run).
     """
 
     marks: str
@@ -197,6 +199,7 @@ class PytestRun:
     scope: str = OWN
     collection: Collection | None = None
     warnings_unknown: bool = False
+    on_gpu: bool = False
 
     @property
     def command(self) -> str:
@@ -258,6 +261,8 @@ class PrInputs:
     lanes: tuple[str, ...] = ("current",)
     runs: list[PytestRun] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: a vLLM PR's series checked against a vLLM checkout (``export --vllm-checkout``); None: not checked
+    main_check: MainCheck | None = None
 
 
 UNIT_MARKS = ("core_model and cpu", "core_model and cuda")
@@ -783,7 +788,9 @@ def omni_pr(inp: PrInputs) -> str:
 
 
 def vllm_pr(inp: PrInputs) -> str:
-    """The vLLM pull request body for the vLLM patches of one PR (from their headers)."""
+    """The vLLM pull request body for the vLLM patches of one PR (from their headers): Purpose, Test
+    Plan, Test Result (its runs and, when checked, whether it applies to vLLM's ``main``) and Not
+    run (what no run of this text covered, vLLM ``main`` first)."""
     out = ["## Purpose", ""]
     out += [p for patch in inp.patches for p in (patch.why, "")]
     if inp.needed_by:
@@ -795,10 +802,55 @@ def vllm_pr(inp: PrInputs) -> str:
         out += ["```bash", f"pytest -sv {' '.join(inp.test_files)}", "```", ""]
     out += ["## Test Result", ""]
     if inp.runs:
-        out += [f"Against vLLM {inp.vllm_version} with this change applied:", ""] + run_lines(inp.runs)
+        count = collected_count(inp.runs)
+        collected = (
+            f" (the tests collect {count} test{'s' if count != 1 else ''})" if count is not None else ""
+        )
+        out += [f"Against vLLM {inp.vllm_version} with this change applied{collected}:", ""]
+        out += run_lines(inp.runs) + accounting_lines(inp.runs, ()) + [""]
     else:
-        out.append("Not run for this description.")
+        out += ["No test run is recorded for this description.", ""]
+    check = inp.main_check
+    if check and check.applies:
+        out += [f"The series applies to {check.where} (`git apply --check`).", ""]
+    elif check:
+        out += [f"The series does not apply to {check.where} (`git apply --check`): {check.detail}", ""]
+    out += ["## Not run", ""] + [f"- {item}" for item in _vllm_not_run(inp)]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
+
+
+def _vllm_not_run(inp: PrInputs) -> list[str]:
+    """What the vLLM PR's Test Result does not cover: vLLM ``main`` (its tests, and whether the
+    series applies there unless checked), the CUDA tests where no run had a GPU, vLLM's compiled
+    kernels where the GPU run lacked them, and vLLM's own checks."""
+    tested = f"vLLM {inp.vllm_version} with this change applied" if inp.runs else "no vLLM"
+    main = f"vLLM `main`: the tests ran against {tested}, not against `main`"
+    check = inp.main_check
+    if check is None:
+        main += "; whether the series applies to `main` was not checked for this description."
+    elif check.applies:
+        main += f" (the series applies to {check.where}, but its tests did not run there)."
+    else:
+        main += f"; the series does not apply to {check.where}, so it needs a rebase first."
+    items = [main]
+    if not inp.runs and inp.test_files:
+        items.append(f"This change's tests (`pytest -sv {' '.join(inp.test_files)}`).")
+    skipped = {r: n for run in inp.runs for r, n in run.skipped.items() if re.search(r"CUDA|GPU", r)}
+    if inp.runs and not any(run.on_gpu for run in inp.runs) and skipped:
+        reasons = "; ".join(f"{n} × {r}" for r, n in sorted(skipped.items()))
+        items.append(
+            f"The tests that need a GPU: no run of Test Result had one, so they skipped ({reasons})."
+        )
+    if any(run.on_gpu and "without its compiled kernels" in run.environment for run in inp.runs):
+        items.append(
+            "vLLM with its compiled kernels installed: the GPU run of Test Result imported vLLM's Python "
+            "code only."
+        )
+    items.append(
+        "vLLM's pre-commit hooks and its CI (Buildkite) on this change: the tests of Test Result ran with "
+        "pytest outside them."
+    )
+    return items
 
 
 def _runs_cell(pr) -> str:

@@ -201,6 +201,13 @@ def run_exported_tests(
     return proc.returncode, proc.stdout + proc.stderr, pytestlog.read_collection(collected)
 
 
+def gpu_available() -> bool:
+    """Whether CUDA has a device here (a run's CUDA tests can run, rather than skip)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def environment() -> str:
     """Where the tests run: Python, torch and transformers versions, and the GPU or its absence."""
     parts = [f"Python {platform.python_version()}"]
@@ -437,4 +444,8 @@ def verify(
             report.checks.append(
                 _check_vllm(pr, out, repo, manifest["lane"], committer, work, run_tests, env)
             )
+    on_gpu = run_tests and gpu_available()
+    for check in report.checks:
+        for run in check.runs:
+            run.on_gpu = on_gpu
     return report

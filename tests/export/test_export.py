@@ -152,6 +152,12 @@ def test_the_vllm_change_is_its_own_pr_with_tests_in_vllms_layout(exported):
         body = (out / pr["folder"] / "PR.md").read_text()
         assert all(patch.why in body for patch in resolved.patches)
         assert " passed" in body  # its tests ran against the installed vLLM with the change
+        # what did not run, vLLM main first: this export had no vLLM checkout to check the series against
+        not_run = body.split("## Not run\n", 1)[1]
+        assert not_run.startswith(
+            f"\n- vLLM `main`: the tests ran against vLLM {manifest['vllm']} with this change"
+        )
+        assert "whether the series applies to `main` was not checked" in not_run
         needing = [p for p in manifest["prs"] if pr["folder"] in p["vllm"]]
         assert needing, "no vllm-omni PR depends on the vLLM PR"
         for omni in needing:

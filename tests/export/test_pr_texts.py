@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +148,97 @@ def test_the_collection_plugin_records_every_collected_test_with_its_marks_and_t
     assert pytestlog.summary(proc.stdout) == "2 passed, 1 deselected"
     assert json.loads(out.read_text())["deselected"] == found.deselected
     assert pytestlog.read_collection(tmp_path / "none.json") is None
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@x", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(cwd)}  # fmt: skip
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout
+
+
+def _vllm_checkout(root: Path, text: str) -> Path:
+    """A git checkout on branch ``main`` holding ``vllm/v1/worker/encoder_cudagraph.py`` = ``text``."""
+    (root / "vllm/v1/worker").mkdir(parents=True)
+    (root / "vllm/v1/worker/encoder_cudagraph.py").write_text(text)
+    _git(root, "init", "-q", "-b", "main")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "base")
+    return root
+
+
+def _series(tmp_path: Path) -> list[Path]:
+    """A one-commit ``git format-patch`` series changing the second line of the file."""
+    repo = _vllm_checkout(tmp_path / "author", "a = 1\nb = 2\nc = 3\n")
+    (repo / "vllm/v1/worker/encoder_cudagraph.py").write_text("a = 1\nb = 20\nc = 3\n")
+    _git(repo, "commit", "-q", "-am", "[Core] change b")
+    return [repo / name for name in _git(repo, "format-patch", "-1", "-o", str(repo)).split()]
+
+
+def _vllm_inputs(runs: list[prtext.PytestRun], check=None) -> prtext.PrInputs:
+    return prtext.PrInputs("capture-error-mode", 0, "[Core] T", [], ["c"], "0.30.0", "0.30.0",
+                           test_files=["tests/v1/test_x.py"], runs=runs, main_check=check)  # fmt: skip
+
+
+def test_the_vllm_pr_says_what_did_not_run_vllm_main_first():
+    cpu = prtext.PytestRun("", "1 passed, 1 skipped", {"requires a CUDA device": 1}, "Python 3.11, no GPU",
+                           files=["tests/v1/test_x.py"])  # fmt: skip
+    text = prtext.vllm_pr(_vllm_inputs([cpu]))
+    not_run = text.split("## Not run\n", 1)[1]
+    items = [line for line in not_run.splitlines() if line.startswith("- ")]
+    assert items[0] == (
+        "- vLLM `main`: the tests ran against vLLM 0.30.0 with this change applied, not against `main`; "
+        "whether the series applies to `main` was not checked for this description."
+    )
+    assert (
+        "- The tests that need a GPU: no run of Test Result had one, so they skipped (1 × requires a CUDA device)."
+        in items
+    )
+    assert any("pre-commit" in item and "Buildkite" in item for item in items)
+    # a GPU run (without vLLM's compiled kernels) closes the GPU item and names what it lacked
+    gpu = prtext.PytestRun("", "2 passed", environment="on an offline GPU host; vLLM 0.30.0's Python code "
+                           "without its compiled kernels", files=["tests/v1/test_x.py"], on_gpu=True)  # fmt: skip
+    not_run = prtext.vllm_pr(_vllm_inputs([cpu, gpu])).split("## Not run\n", 1)[1]
+    assert "no run of Test Result had one" not in not_run and "compiled kernels installed" in not_run
+    # no run at all: the tests themselves are named
+    assert "This change's tests (`pytest -sv tests/v1/test_x.py`)." in prtext.vllm_pr(_vllm_inputs([]))
+
+
+def test_the_series_is_checked_against_a_vllm_checkout_and_the_text_names_its_commit(tmp_path):
+    from minicpmo_cg.export import vllm_main
+
+    series = _series(tmp_path)
+    same = _vllm_checkout(tmp_path / "main", "a = 1\nb = 2\nc = 3\n")
+    check = vllm_main.check_series(same, series)
+    head = _git(same, "rev-parse", "HEAD").strip()
+    assert (check.applies, check.commit, check.branch) == (True, head, "main")
+    assert _git(same, "status", "--porcelain") == ""  # nothing written there
+    text = prtext.vllm_pr(_vllm_inputs([], check))
+    assert f"The series applies to vLLM `main` at commit {head[:12]} (`git apply --check`)." in text
+    assert (
+        f"(the series applies to vLLM `main` at commit {head[:12]}, but its tests did not run there)" in text
+    )
+    moved = _vllm_checkout(tmp_path / "moved", "a = 1\nb = 5\nc = 3\n")
+    check = vllm_main.check_series(moved, series)
+    assert not check.applies and "encoder_cudagraph.py" in check.detail
+    text = prtext.vllm_pr(_vllm_inputs([], check))
+    assert "The series does not apply to vLLM `main` at commit" in text and "needs a rebase first" in text
+
+
+def test_a_vllm_checkout_that_is_no_git_checkout_is_refused_naming_the_option(tmp_path, capsys):
+    from minicpmo_cg.export import vllm_main
+    from minicpmo_cg.patchtool import run
+
+    with pytest.raises(ValueError, match="--vllm-checkout"):
+        vllm_main.checkout_commit(tmp_path)
+    argv = [
+        "export",
+        "--out",
+        str(tmp_path / "pr"),
+        "--author",
+        "A B <a@b.org>",
+        "--vllm-checkout",
+        str(tmp_path),
+    ]
+    assert run(argv) == 2
+    assert f"--vllm-checkout {tmp_path}: not a git checkout" in capsys.readouterr().err
+    assert not (tmp_path / "pr").exists()
