@@ -50,6 +50,8 @@ __all__ = ["ExportOptions", "ExportResult", "PrResult", "export", "rewrite_prs"]
 
 MANIFEST = "export.json"
 STACK_FILE = "STACK.md"
+#: the prefix of the branches ``--checkout`` makes (``PREFIX-NN-key``), which the texts name
+DEFAULT_BRANCH = "minicpmo45-encoder-cuda-graphs"
 
 
 @dataclass
@@ -63,6 +65,10 @@ class ExportOptions:
     site_packages: Path | None = None
     #: a vLLM git checkout (of ``main``) each vLLM PR's series is checked against (:mod:`.vllm_main`)
     vllm_checkout: Path | None = None
+    #: ``(KEY, N)`` of ``--pr-number``: PR KEY (a key or folder of the stack) is opened as number N
+    pr_numbers: list[tuple[str, int]] = field(default_factory=list)
+    #: the prefix of the branches ``--checkout`` makes, by which the texts name unopened PRs
+    branch: str = DEFAULT_BRANCH
 
 
 @dataclass
@@ -84,6 +90,9 @@ class PrResult:
     page: str | None = None
     inputs: prtext.PrInputs | None = None
     messages: list[str] = field(default_factory=list)
+    #: its number once opened (``--pr-number``) and the branch ``--checkout`` makes for it (None: a vLLM PR)
+    number: int | None = None
+    branch: str | None = None
 
     def manifest(self) -> dict:
         return {
@@ -99,6 +108,8 @@ class PrResult:
             "depends": self.depends,
             "vllm": self.vllm,
             "page": self.page,
+            "number": self.number,
+            "branch": self.branch,
             "lint": {"problems": self.lint.problems, "notes": self.lint.notes},
         }
 
@@ -470,6 +481,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
             f"not targeting vllm-omni {cs.lane.vllm_omni}), so the owned files are not installed either"
         )
     st = stack.resolve(cs, table)
+    numbers = pr_numbers(opts.pr_numbers, st)  # a bad --pr-number fails before anything is written
     _prepare_out(opts.out)
     ruff = fetch.ruff_binary(conv.RUFF_VERSION)
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-export-") as tmp:
@@ -493,11 +505,69 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
     result.warnings += [placeholder] if placeholder else []
     result.warnings += main_warnings
     _link(result, st, cs)
+    _reference(result, numbers, opts.branch)
     _write_texts(cs, st, result)
     _write_manifest(cs, result, wheel, omni_commit)
     # the files as they end up, the commit messages, and every PR's series as written (each diff of each PR)
     _refuse_foreign_text(texts | messages | _series_messages(prs + vllm_prs), opts.out, result)
     return result
+
+
+def pr_numbers(given: list[tuple[str, int]], st: stack.Stack) -> dict[str, int]:
+    """``--pr-number KEY=N`` resolved: folder -> number. KEY is a PR's key or folder, vllm-omni's
+    (``siglip-attention``, ``01-siglip-attention``) or vLLM's (``capture-error-mode``,
+    ``vllm-capture-error-mode``).
+
+    Raises:
+        ValueError: a KEY names no PR of the stack, a PR is given two numbers, or two PRs of one
+            repository the same number (each message names the option and the value).
+    """
+    folders = {pr.key: pr.folder for pr in st.omni} | {pr.folder: pr.folder for pr in st.omni}
+    folders |= {pr.key: pr.folder for pr in st.vllm} | {pr.folder: pr.folder for pr in st.vllm}
+    out: dict[str, int] = {}
+    for key, number in given:
+        folder = folders.get(key)
+        if folder is None:
+            known = ", ".join([pr.key for pr in st.omni] + [pr.key for pr in st.vllm])
+            raise ValueError(
+                f"--pr-number {key}={number}: no PR of the stack has the key {key!r} (keys: {known})"
+            )
+        if out.get(folder, number) != number:
+            raise ValueError(f"--pr-number {key}={number}: {folder} is already given #{out[folder]}")
+        out[folder] = number
+    for repo, group in (("vllm-omni", st.omni), ("vllm", st.vllm)):
+        taken: dict[int, str] = {}
+        for pr in group:
+            if pr.folder in out and out[pr.folder] in taken:
+                raise ValueError(
+                    f"--pr-number: {taken[out[pr.folder]]} and {pr.folder} are both given "
+                    f"vllm-project/{repo}#{out[pr.folder]}"
+                )
+            taken.update({out[pr.folder]: pr.folder} if pr.folder in out else {})
+    return out
+
+
+def _reference(result: ExportResult, numbers: dict[str, int], branch: str) -> None:
+    """Give every PR its number (when opened) and branch, and every text the references to them
+    (:class:`.prtext.PrRef`); a warning while some are not numbered."""
+    total = len(result.prs)
+    refs = {}
+    for k, pr in enumerate(result.prs, 1):
+        pr.number, pr.branch = numbers.get(pr.folder), f"{branch}-{pr.folder}"
+        refs[pr.folder] = prtext.PrRef(
+            pr.title, pr.folder, prtext.OMNI_REPO, pr.number, (k, total), pr.branch
+        )
+    for pr in result.vllm_prs:
+        pr.number = numbers.get(pr.folder)
+        refs[pr.folder] = prtext.PrRef(pr.title, pr.folder, prtext.VLLM_REPO, pr.number)
+    for pr in result.prs + result.vllm_prs:
+        pr.inputs.refs = refs
+    unnumbered = [pr.folder for pr in result.prs + result.vllm_prs if pr.number is None]
+    if unnumbered and len(unnumbered) < len(refs):
+        result.warnings.append(
+            f"not numbered: {', '.join(unnumbered)}; the texts name them by title, place in the stack and branch: "
+            "once opened, re-export with --pr-number KEY=N for each"
+        )
 
 
 def _series_messages(prs: list[PrResult]) -> dict[str, str]:

@@ -70,9 +70,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=Path,
         action="append",
         metavar="FILE",
-        help="the summary of each PR's own tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
-        "stack-LANE.json; repeatable, the last file naming a PR counts): each PR's Test Result gets its run (only "
-        "for the series that ran)",
+        help="the summary of each PR's tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
+        "stack-LANE.json, versions 1 and 2; repeatable, the last file naming a PR counts): each PR's Test Result "
+        "gets its runs, its own tests and the earlier PRs' tests on its tree apart (only for the series that ran)",
     )
     parser.add_argument(
         "--vllm-checkout",
@@ -90,9 +90,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "(BRANCH-NN-key, each on the one before) with each PR's Buildkite and docs-nav edits as commits",
     )
     parser.add_argument(
-        "--branch", default="minicpmo45-encoder-cuda-graphs", help="prefix of the branches made in --checkout"
+        "--branch",
+        default=build.DEFAULT_BRANCH,
+        help="prefix of the branches made in --checkout (BRANCH-NN-key), by which the PR texts name the PRs "
+        "not opened yet (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pr-number",
+        type=_pr_number,
+        action="append",
+        default=[],
+        metavar="KEY=N",
+        help="PR KEY (a key or folder of the stack: siglip-attention, 01-siglip-attention, capture-error-mode) "
+        "is opened as number N: the texts name it vllm-project/vllm-omni#N (vllm-project/vllm#N for a vLLM "
+        "PR); repeatable",
     )
     return parser
+
+
+def _pr_number(text: str) -> tuple[str, int]:
+    """``KEY=N`` of ``--pr-number`` (argparse reports the error with the option's name)."""
+    key, sep, number = text.partition("=")
+    if not sep or not key.strip() or not number.strip().isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=N (a PR's key or folder, then its number on GitHub, e.g. siglip-attention=1234)"
+        )
+    return key.strip(), int(number)
 
 
 def git_identity(cwd: Path) -> Identity:
@@ -158,7 +181,7 @@ def _to_checkout(args: argparse.Namespace, result: build.ExportResult, identity:
     start = base = _user_git(checkout, "rev-parse", "HEAD").strip()
     lines = []
     for pr in result.prs:
-        branch = f"{args.branch}-{pr.folder}"
+        branch = pr.branch or f"{args.branch}-{pr.folder}"  # the branch the texts name
         _user_git(checkout, "checkout", "-q", "-b", branch)
         _user_git(checkout, "am", "-q", "--keep-non-patch", *map(str, pr.series), env=identity.env())
         for rel, text in upstream_edits.apply_to_checkout(checkout, pr.files, pr.page).items():
@@ -225,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         lane=args.lane,
         site_packages=args.site_packages,
         vllm_checkout=args.vllm_checkout,
+        pr_numbers=args.pr_number,
+        branch=args.branch,
     )
     result = build.export(opts)
     extra: list[str] = []

@@ -208,6 +208,50 @@ class PytestRun:
         return f"pytest{marks} {' '.join(self.files)}".rstrip()
 
 
+#: The repositories the PRs go to
+OMNI_REPO, VLLM_REPO = "vllm-project/vllm-omni", "vllm-project/vllm"
+
+
+@dataclass(frozen=True)
+class PrRef:
+    """How one PR's text names another PR of the export: by its number once it is opened
+    (``export --pr-number KEY=N``), before that by what a reader can follow, its place in the stack
+    (as ``STACK.md`` lists it) and the branch ``export --checkout`` makes for it.
+
+    Attributes:
+        title: the PR's title.
+        folder: its folder in the export (``NN-key``, ``vllm-key``).
+        repo: :data:`OMNI_REPO` or :data:`VLLM_REPO`.
+        number: its number in ``repo`` once opened, else None.
+        position: ``(k, n)``: PR k of the n vllm-omni PRs of the stack; None for a vLLM PR.
+        branch: the branch ``--checkout`` makes for it (``PREFIX-NN-key``); None for a vLLM PR.
+    """
+
+    title: str
+    folder: str
+    repo: str
+    number: int | None = None
+    position: tuple[int, int] | None = None
+    branch: str | None = None
+
+    @property
+    def link(self) -> str | None:
+        """``vllm-project/vllm#123`` once the PR has a number, else None."""
+        return f"{self.repo}#{self.number}" if self.number else None
+
+    def text(self) -> str:
+        """``vllm-project/vllm-omni#123: TITLE``, or before it is opened ``TITLE (not opened yet:
+        PR 2 of the 6 of the stack, branch `prefix-02-key`)``."""
+        if self.link:
+            return f"{self.link}: {self.title}"
+        if self.position:
+            k, n = self.position
+            where = f"PR {k} of the {n} of the stack, branch `{self.branch}`"
+        else:
+            where = f"the vLLM pull request `{self.folder}` of the stack"
+        return f"{self.title} (not opened yet: {where})"
+
+
 @dataclass
 class PrInputs:
     """What one PR's description is made from (all read at export time)."""
@@ -263,6 +307,13 @@ class PrInputs:
     notes: list[str] = field(default_factory=list)
     #: a vLLM PR's series checked against a vLLM checkout (``export --vllm-checkout``); None: not checked
     main_check: MainCheck | None = None
+    #: folder -> how this text names that PR (every PR of the export)
+    refs: dict[str, PrRef] = field(default_factory=dict)
+
+    def ref(self, title: str, folder: str) -> str:
+        """How this text names the PR ``folder`` (:class:`PrRef`); its title where none is known."""
+        found = self.refs.get(folder)
+        return found.text() if found else title
 
 
 UNIT_MARKS = ("core_model and cpu", "core_model and cuda")
@@ -372,14 +423,14 @@ def plain_links_keep_anchors(text: str) -> str:
     )
 
 
-def _vllm_changes(changes: list[tuple[str, str]], vllm_version: str, needs: str, merge: str) -> list[str]:
+def _vllm_changes(inp: PrInputs, changes: list[tuple[str, str]], needs: str, merge: str) -> list[str]:
     """The paragraph of :func:`_depends_on` on vLLM changes (the PR's own, or its earlier PRs')."""
     count = "a change" if len(changes) == 1 else f"{len(changes)} changes"
     return [
-        f"{needs} {count} to vLLM that vLLM {vllm_version} does not have, proposed to vllm-project/vllm as its "
-        "own pull request:",
+        f"{needs} {count} to vLLM that vLLM {inp.vllm_version} does not have, proposed to vllm-project/vllm as "
+        "its own pull request:",
         "",
-        *(f"- {title}" for title, _ in changes),
+        *(f"- {inp.ref(title, folder)}" for title, folder in changes),
         "",
         f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}.",
         "",
@@ -391,14 +442,14 @@ def _depends_on(inp: PrInputs) -> list[str]:
     if inp.earlier:
         out.append("The earlier pull requests of the stack, in this order (this one applies on top of them):")
         out.append("")
-        out += [f"{i}. {title}" for i, (title, _) in enumerate(inp.earlier, 1)]
+        out += [f"{i}. {inp.ref(title, folder)}" for i, (title, folder) in enumerate(inp.earlier, 1)]
         out.append("")
     if inp.vllm_deps:
-        out += _vllm_changes(inp.vllm_deps, inp.vllm_version, "It needs", "So it can merge only once")
+        out += _vllm_changes(inp, inp.vllm_deps, "It needs", "So it can merge only once")
     if inp.vllm_via:
         out += _vllm_changes(
+            inp,
             inp.vllm_via,
-            inp.vllm_version,
             "Through the earlier pull requests it also needs",
             "So it can merge only after them, once",
         )
@@ -426,9 +477,11 @@ def vllm_changes_needed(inp: PrInputs) -> str:
     """What the PR's tree needs on top of the vLLM release, for its Test Plan's vLLM line: the vLLM
     PRs it depends on itself or through an earlier PR of the stack, named by their stack keys
     (`` with the vLLM change (capture error mode)``); ``""`` when it needs none."""
-    names = list(
-        dict.fromkeys(f.removeprefix("vllm-").replace("-", " ") for _, f in inp.vllm_deps + inp.vllm_via)
-    )
+    folders = list(dict.fromkeys(f for _, f in inp.vllm_deps + inp.vllm_via))
+    links = {f: inp.refs[f].link for f in folders if f in inp.refs and inp.refs[f].link}
+    names = [
+        f.removeprefix("vllm-").replace("-", " ") + (f", {links[f]}" if f in links else "") for f in folders
+    ]
     if not names:
         return ""
     return f" with the vLLM change{'s' if len(names) > 1 else ''} ({', '.join(names)})"
@@ -796,7 +849,7 @@ def vllm_pr(inp: PrInputs) -> str:
     if inp.needed_by:
         out.append("The vllm-omni pull request(s) that need it:")
         out.append("")
-        out += [f"- {title}" for title, _ in inp.needed_by] + [""]
+        out += [f"- {inp.ref(title, folder)}" for title, folder in inp.needed_by] + [""]
     out += ["## Test Plan", "", f"vLLM {inp.vllm_version} with this change:", ""]
     if inp.test_files:
         out += ["```bash", f"pytest -sv {' '.join(inp.test_files)}", "```", ""]
@@ -859,20 +912,29 @@ def _runs_cell(pr) -> str:
     return "; ".join(f"{scopes[run.scope]} {run.marks or 'all'}: {run.summary}" for run in runs) or "not run"
 
 
+def _ref_cell(ref: PrRef | None) -> str:
+    return (ref.link if ref else None) or "not opened yet"
+
+
 def stack_overview(prs: list, vllm_prs: list) -> str:
     """``STACK.md``: the stack in merge order, each PR's size, dependencies and test runs (for the author)."""
     lines = [
         "# The pull requests of this export",
         "",
-        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied.",
+        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied. "
+        "Each PR's text names the others by number once they are opened (re-export with `--pr-number KEY=N`), "
+        "before that by their place in this order and the branch `--checkout` makes for them.",
         "",
-        "| # | folder | title | commits | files | + / − lines | series bytes | needs vLLM PR | tests from its tree |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| # | folder | title | PR | branch | commits | files | + / − lines | series bytes | needs vLLM PR | "
+        "tests from its tree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, pr in enumerate(prs, 1):
         size = pr.size
+        ref = pr.inputs.refs.get(pr.folder) if pr.inputs else None
         lines.append(
-            f"| {i} | `{pr.folder}` | {pr.title} | {len(pr.commits)} | {size.get('files', 0)} | "
+            f"| {i} | `{pr.folder}` | {pr.title} | {_ref_cell(ref)} | "
+            f"{f'`{ref.branch}`' if ref and ref.branch else '—'} | {len(pr.commits)} | {size.get('files', 0)} | "
             f"+{size.get('insertions', 0)} / −{size.get('deletions', 0)} | {size.get('bytes', 0)} | "
             f"{', '.join(f'`{v}`' for v in pr.vllm) or '—'} | {_runs_cell(pr)} |"
         )
@@ -881,13 +943,14 @@ def stack_overview(prs: list, vllm_prs: list) -> str:
             "",
             "vLLM PRs (vllm-project/vllm):",
             "",
-            "| folder | title | commits | + / − lines | series bytes | tests |",
-            "|---|---|---|---|---|---|",
+            "| folder | title | PR | commits | + / − lines | series bytes | tests |",
+            "|---|---|---|---|---|---|---|",
         ]
         for pr in vllm_prs:
             size = pr.size
+            ref = pr.inputs.refs.get(pr.folder) if pr.inputs else None
             lines.append(
-                f"| `{pr.folder}` | {pr.title} | {len(pr.commits)} | +{size.get('insertions', 0)} / "
+                f"| `{pr.folder}` | {pr.title} | {_ref_cell(ref)} | {len(pr.commits)} | +{size.get('insertions', 0)} / "
                 f"−{size.get('deletions', 0)} | {size.get('bytes', 0)} | {_runs_cell(pr)} |"
             )
     return "\n".join(lines) + "\n"

@@ -216,6 +216,10 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         assert (out / pr["folder"] / "PR-title.txt").read_text().strip() == pr["title"]
         assert pr["title"].startswith("[") and conv.MODEL_TITLE in pr["title"]
         assert all(title in text for title in earlier), where
+        # not opened yet (no --pr-number): each earlier PR by its place in the stack and its branch
+        for k, before in enumerate(manifest["prs"][: len(earlier)], 1):
+            place = f"PR {k} of the {len(manifest['prs'])} of the stack, branch `{before['branch']}`"
+            assert f"{k}. {before['title']} (not opened yet: {place})" in text, where
         if not earlier and not pr["vllm"]:
             assert "it can merge on the current vLLM pin" in text
         earlier.append(pr["title"])

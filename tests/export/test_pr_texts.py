@@ -242,3 +242,113 @@ def test_a_vllm_checkout_that_is_no_git_checkout_is_refused_naming_the_option(tm
     assert run(argv) == 2
     assert f"--vllm-checkout {tmp_path}: not a git checkout" in capsys.readouterr().err
     assert not (tmp_path / "pr").exists()
+
+
+def test_a_pr_is_named_by_its_number_once_opened_else_by_its_place_and_branch():
+    opened = prtext.PrRef("[Bugfix] First", "01-first", prtext.OMNI_REPO, 101, (1, 2), "cg-01-first")
+    vllm = prtext.PrRef("[Core] Mode", "vllm-mode", prtext.VLLM_REPO)
+    assert opened.text() == "vllm-project/vllm-omni#101: [Bugfix] First"
+    assert vllm.text() == "[Core] Mode (not opened yet: the vLLM pull request `vllm-mode` of the stack)"
+    waiting = prtext.PrRef("[Model] T", "02-image-call", prtext.OMNI_REPO, None, (2, 2), "cg-02-image-call")
+    assert (
+        waiting.text() == "[Model] T (not opened yet: PR 2 of the 2 of the stack, branch `cg-02-image-call`)"
+    )
+    inp = _inputs([])
+    inp.vllm_deps = [("[Core] Mode", "vllm-mode")]
+    inp.refs = {
+        "01-first": opened,
+        "vllm-mode": prtext.PrRef("[Core] Mode", "vllm-mode", prtext.VLLM_REPO, 202),
+    }
+    text = prtext.omni_pr(inp)
+    assert "1. vllm-project/vllm-omni#101: [Bugfix] First\n" in text
+    assert "- vllm-project/vllm#202: [Core] Mode\n" in text
+    assert "**vLLM Version:** 0.30.0 with the vLLM change (mode, vllm-project/vllm#202)" in text
+    vllm_text = prtext.vllm_pr(
+        prtext.PrInputs(
+            "mode",
+            0,
+            "[Core] Mode",
+            [],
+            ["c"],
+            "0.30.0",
+            "0.30.0",
+            needed_by=[("[Model] T", "02-image-call")],
+            refs={"02-image-call": waiting},
+        )  # fmt: skip
+    )
+    assert f"- {waiting.text()}\n" in vllm_text
+
+
+def _stack_of(omni: list[str], vllm: list[str]):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        omni=[SimpleNamespace(key=k, folder=f"{i:02d}-{k}") for i, k in enumerate(omni, 1)],
+        vllm=[SimpleNamespace(key=k, folder=f"vllm-{k}") for k in vllm],
+    )
+
+
+def test_pr_numbers_are_resolved_by_key_or_folder_and_bad_ones_refused_naming_the_option():
+    from minicpmo_cg.export import build
+
+    st = _stack_of(["first", "second"], ["mode"])
+    given = [("first", 101), ("02-second", 102), ("vllm-mode", 101)]  # vLLM's #101 is another repository's
+    assert build.pr_numbers(given, st) == {"01-first": 101, "02-second": 102, "vllm-mode": 101}
+    with pytest.raises(
+        ValueError,
+        match=r"--pr-number thrid=3: no PR of the stack has the key 'thrid' \(keys: first, second, mode\)",
+    ):
+        build.pr_numbers([("thrid", 3)], st)
+    with pytest.raises(ValueError, match="--pr-number first=2: 01-first is already given #1"):
+        build.pr_numbers([("first", 1), ("first", 2)], st)
+    with pytest.raises(ValueError, match="01-first and 02-second are both given vllm-project/vllm-omni#7"):
+        build.pr_numbers([("first", 7), ("second", 7)], st)
+
+
+def test_a_malformed_pr_number_is_refused_by_the_command_line_naming_the_option(tmp_path, capsys):
+    from minicpmo_cg.patchtool import run
+
+    for bad in ("first", "first=x", "first=0", "=5"):
+        with pytest.raises(SystemExit) as info:
+            run(["export", "--out", str(tmp_path / "pr"), "--pr-number", bad])
+        assert info.value.code == 2
+        assert f"argument --pr-number: {bad!r} is not KEY=N" in capsys.readouterr().err
+    assert not (tmp_path / "pr").exists()
+
+
+def test_the_export_names_each_opened_pr_by_number_and_the_others_by_place_and_branch(
+    tmp_path, current_lane_only
+):
+    from exportkit import AUTHOR, REPO
+
+    from minicpmo_cg.export import build
+    from minicpmo_cg.export.gitseries import Identity
+
+    opts = build.ExportOptions(repo=REPO, out=tmp_path / "pr", author=Identity(AUTHOR), branch="cg",
+                               pr_numbers=[("01-siglip-attention", 101), ("capture-error-mode", 202)])  # fmt: skip
+    result = build.export(opts)
+    first, second = result.prs[:2]
+    [vllm] = result.vllm_prs
+    text = (opts.out / second.folder / "PR.md").read_text()
+    assert f"1. vllm-project/vllm-omni#101: {first.title}\n" in text
+    assert f"- vllm-project/vllm#202: {vllm.title}\n" in text
+    assert "with the vLLM change (capture error mode, vllm-project/vllm#202)" in text
+    vllm_text = (opts.out / vllm.folder / "PR.md").read_text()
+    assert (
+        f"- {second.title} (not opened yet: PR 2 of the {len(result.prs)} of the stack, branch `cg-{second.folder}`)"
+        in vllm_text
+    )
+    overview = (opts.out / "STACK.md").read_text()
+    assert (
+        f"| `{first.folder}` | {first.title} | vllm-project/vllm-omni#101 | `cg-{first.folder}` |" in overview
+    )
+    assert f"| `{second.folder}` | {second.title} | not opened yet | `cg-{second.folder}` |" in overview
+    assert f"| `{vllm.folder}` | {vllm.title} | vllm-project/vllm#202 |" in overview
+    manifest = json.loads((opts.out / "export.json").read_text())
+    assert [(p["number"], p["branch"]) for p in manifest["prs"][:2]] == [
+        (101, f"cg-{first.folder}"),
+        (None, f"cg-{second.folder}"),
+    ]
+    assert any(
+        w.startswith(f"not numbered: {second.folder}") and "--pr-number KEY=N" in w for w in result.warnings
+    )
