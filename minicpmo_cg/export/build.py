@@ -281,7 +281,8 @@ class _StackBuilder:
         """Commit the PR's owned files, and the parts of earlier PRs' owned files tagged for it (an
         ``--hf-overrides`` key with the PR whose code reads it); return ``(module name, docstring)``
         of each new module (a package of owned files is one module, ``name/``, introduced by its
-        ``__init__``)."""
+        ``__init__``). The title says what the commit does: ``add X`` for new modules only, ``add X
+        and extend Y for it`` (``them``) when it also changes modules an earlier PR added."""
         upto = self.stack.upto(pr.key)
         earlier = {
             rel: path
@@ -317,7 +318,9 @@ class _StackBuilder:
                 body.append(
                     f"The parts of this change in {grown_names}, which an earlier PR of the stack added."
                 )
-            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}"
+            # a commit that also changes modules an earlier PR added says so: "add X" alone would hide it
+            extend = f" and extend {grown_names} for {'it' if len(modules) == 1 else 'them'}" if grown else ""
+            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}{extend}"
         else:
             body = [f"The parts of this change in {grown_names}, which an earlier PR of the stack added."]
             title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {grown_names} for {_title_topic(pr.spec.title)}"

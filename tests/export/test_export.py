@@ -128,6 +128,16 @@ def test_layout_follows_vllm_omni(exported):
         assert any(t.startswith(conv.TITLE_PREFIX_MODEL) and "add " in t for t in titles) == bool(
             resolved.owned
         )
+        # a commit that adds modules and also changes ones an earlier PR added names those in its title
+        before = {f for p in manifest["prs"][: manifest["prs"].index(pr)] for f in p["files"]}
+        for commit in pr["commits"]:
+            changed = [
+                Path(f).name for f in sorted(commit["files"]) if f in before and f.startswith("vllm_omni/")
+            ]
+            if ": add " in commit["title"] and changed:
+                assert re.search(
+                    rf" and extend {re.escape(', '.join(changed))} for (it|them)$", commit["title"]
+                ), commit
         for rel in files:
             if rel.endswith(".py") and rel not in modified:
                 head = (created_file(out / pr["folder"], rel) or "").splitlines()[:2]
