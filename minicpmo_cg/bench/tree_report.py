@@ -10,7 +10,8 @@ tree and ``compare.json``). Every number of the sections comes from those files;
 Columns: the eager call (``encoder_cuda_graph`` false) before and with the PR; the call as served by
 default (graphed where the tree wires the encoder graphs, whose adapters then decide what to
 capture; eager where it does not) before and with the PR, with the replays among its timed calls;
-the default path's speed-up; how the PR's default output compares with the output before it
+the default path's speed-up, divided from the two medians as the table shows them (two decimals),
+so that it agrees with them; how the PR's default output compares with the output before it
 (``max |after - before| / max |before|``; "bitwise" for 0); and, on a tree with graphs, how its
 graphed output compares with its eager one.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from minicpmo_cg.bench.tree_figures import CALLS, DUPLEX
 
-__all__ = ["main", "pr_section", "sections", "setup_line"]
+__all__ = ["main", "pr_section", "sections", "setup_line", "speed_up"]
 
 FIGURES = "figures"
 #: the heading every PR's section starts with (the export's ``results`` entry of each PR)
@@ -61,6 +62,16 @@ def _default(tree: dict, call: str) -> tuple[str, dict | None]:
 
 def _ms(row: dict | None, field: str = "median") -> str:
     return "—" if row is None or row.get(field) is None else f"{row[field]:.2f}"
+
+
+def speed_up(before: dict | None, after: dict | None) -> str:
+    """``before``'s median over ``after``'s, computed from the two values as the table shows them
+    (:func:`_ms`, two decimals): a reader who divides the displayed medians gets the displayed
+    speed-up. ``"—"`` when either is missing or the shown ``after`` is zero."""
+    shown_b, shown_a = _ms(before), _ms(after)
+    if "—" in (shown_b, shown_a) or float(shown_a) == 0.0:
+        return "—"
+    return f"{float(shown_b) / float(shown_a):.2f}×"
 
 
 def _rel(value: float | None) -> str:
@@ -120,9 +131,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
                      _duplex_cell(kind_a, row_a)]  # fmt: skip
         else:
             cells = [_ms(eb), _ms(ea), _ms(row_b), _ms(row_a)]
-        speed = (
-            f"{row_b['median'] / row_a['median']:.2f}×" if row_a and row_b and row_a.get("median") else "—"
-        )
+        speed = speed_up(row_b, row_a)
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)

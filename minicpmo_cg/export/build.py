@@ -30,7 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import docsplit, fetch, lint, prtext, stack, testmarks, transform, upstream_edits
+from minicpmo_cg.export import (
+    docsplit,
+    fetch,
+    lint,
+    prtext,
+    pytestlog,
+    stack,
+    testmarks,
+    transform,
+    upstream_edits,
+)
 from minicpmo_cg.export import identity
 from minicpmo_cg.export.changeset import RESULTS_PAGE, ChangeSet, owned_module, read_change_set
 from minicpmo_cg.export.gitseries import Identity, SeriesRepo, wrap_body
@@ -40,6 +50,8 @@ __all__ = ["ExportOptions", "ExportResult", "PrResult", "export", "rewrite_prs"]
 
 MANIFEST = "export.json"
 STACK_FILE = "STACK.md"
+#: the prefix of the branches ``--checkout`` makes (``PREFIX-NN-key``), which the texts name
+DEFAULT_BRANCH = "minicpmo45-encoder-cuda-graphs"
 
 
 @dataclass
@@ -51,6 +63,12 @@ class ExportOptions:
     author: Identity
     lane: str = "current"
     site_packages: Path | None = None
+    #: a vLLM git checkout (of ``main``) each vLLM PR's series is checked against (:mod:`.vllm_main`)
+    vllm_checkout: Path | None = None
+    #: ``(KEY, N)`` of ``--pr-number``: PR KEY (a key or folder of the stack) is opened as number N
+    pr_numbers: list[tuple[str, int]] = field(default_factory=list)
+    #: the prefix of the branches ``--checkout`` makes, by which the texts name unopened PRs
+    branch: str = DEFAULT_BRANCH
 
 
 @dataclass
@@ -72,6 +90,9 @@ class PrResult:
     page: str | None = None
     inputs: prtext.PrInputs | None = None
     messages: list[str] = field(default_factory=list)
+    #: its number once opened (``--pr-number``) and the branch ``--checkout`` makes for it (None: a vLLM PR)
+    number: int | None = None
+    branch: str | None = None
 
     def manifest(self) -> dict:
         return {
@@ -87,6 +108,8 @@ class PrResult:
             "depends": self.depends,
             "vllm": self.vllm,
             "page": self.page,
+            "number": self.number,
+            "branch": self.branch,
             "lint": {"problems": self.lint.problems, "notes": self.lint.notes},
         }
 
@@ -178,6 +201,7 @@ class _StackBuilder:
             str, str
         ] = {}  # owned file -> its last version in the tree (before formatting)
         self.tests_exported: dict[str, str] = {}  # test file -> its text as exported (before formatting)
+        self.built: list[PrResult] = []  # the PRs built so far, in stack order
         self.known = set(cs.design_pages) | {
             p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts
         }
@@ -243,6 +267,16 @@ class _StackBuilder:
                 "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8") for path in pr.tests.values()
             ),
         )
+        # the earlier PRs' test files this PR leaves as they are: its tree runs them too
+        earlier = pytestlog.earlier_test_files(
+            [{"tests": p.tests} for p in [*self.built, result]], len(self.built)
+        )
+        result.inputs.earlier_test_files = earlier
+        result.inputs.earlier_marks = testmarks.levels_with_tests(
+            prtext.UNIT_MARKS,
+            [self.tests_exported[rel] for rel in earlier if not rel.startswith("tests/e2e/")],
+        )
+        self.built.append(result)
         return result
 
     def _version(self, text: str, rel: str, upto: list[str]) -> str:
@@ -253,7 +287,9 @@ class _StackBuilder:
         """Commit the PR's owned files, and the parts of earlier PRs' owned files tagged for it (an
         ``--hf-overrides`` key with the PR whose code reads it); return ``(module name, docstring)``
         of each new module (a package of owned files is one module, ``name/``, introduced by its
-        ``__init__``; a module added to the package of an earlier PR is ``name/module.py``)."""
+        ``__init__``; a module added to the package of an earlier PR is ``name/module.py``). The title
+        says what the commit does: ``add X`` for new modules only, ``add X and extend Y for it``
+        (``them``) when it also changes modules an earlier PR added."""
         upto = self.stack.upto(pr.key)
         earlier = {
             rel: path
@@ -294,7 +330,9 @@ class _StackBuilder:
                 body.append(
                     f"The parts of this change in {grown_names}, which an earlier PR of the stack added."
                 )
-            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}"
+            # a commit that also changes modules an earlier PR added says so: "add X" alone would hide it
+            extend = f" and extend {grown_names} for {'it' if len(modules) == 1 else 'them'}" if grown else ""
+            title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}{extend}"
         else:
             body = [f"The parts of this change in {grown_names}, which an earlier PR of the stack added."]
             title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {grown_names} for {_title_topic(pr.spec.title)}"
@@ -409,6 +447,21 @@ def _vllm_prs(cs: ChangeSet, st: stack.Stack, work: Path, opts: ExportOptions) -
     return out
 
 
+def _check_against_main(vllm_prs: list[PrResult], checkout: Path | None) -> list[str]:
+    """Check each vLLM PR's series against the vLLM checkout (``--vllm-checkout``), for its text;
+    a warning per series that does not apply there."""
+    if checkout is None:
+        return []
+    from minicpmo_cg.export import vllm_main
+
+    warnings = []
+    for pr in vllm_prs:
+        pr.inputs.main_check = check = vllm_main.check_series(checkout, pr.series)
+        if not check.applies:
+            warnings.append(f"{pr.folder}: the series does not apply to {check.where}: {check.detail}")
+    return warnings
+
+
 def _requirements() -> dict[str, list[str]]:
     """The installed vLLM's and vllm-omni's requirements (``Requires-Dist``, ``Requires-Python``)."""
     out = {}
@@ -443,6 +496,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
             f"not targeting vllm-omni {cs.lane.vllm_omni}), so the owned files are not installed either"
         )
     st = stack.resolve(cs, table)
+    numbers = pr_numbers(opts.pr_numbers, st)  # a bad --pr-number fails before anything is written
     _prepare_out(opts.out)
     ruff = fetch.ruff_binary(conv.RUFF_VERSION)
     with tempfile.TemporaryDirectory(prefix="minicpmo-cg-export-") as tmp:
@@ -452,6 +506,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         texts = {rel: (builder.repo.root / rel).read_text(encoding="utf-8") for pr in prs for rel in pr.files
                  if (builder.repo.root / rel).is_file()}  # fmt: skip
         vllm_prs = _vllm_prs(cs, st, work, opts)
+        main_warnings = _check_against_main(vllm_prs, opts.vllm_checkout)
         # a commit body is wrapped at 72 columns: checked with each paragraph on one line, so a word pair
         # the wrap splits is still found
         messages = {
@@ -463,12 +518,71 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
         omni_commit = builder.omni_commit
     result = ExportResult(out=opts.out, prs=prs, vllm_prs=vllm_prs, identity_problem=placeholder)
     result.warnings += [placeholder] if placeholder else []
+    result.warnings += main_warnings
     _link(result, st, cs)
+    _reference(result, numbers, opts.branch)
     _write_texts(cs, st, result)
     _write_manifest(cs, result, wheel, omni_commit)
     # the files as they end up, the commit messages, and every PR's series as written (each diff of each PR)
     _refuse_foreign_text(texts | messages | _series_messages(prs + vllm_prs), opts.out, result)
     return result
+
+
+def pr_numbers(given: list[tuple[str, int]], st: stack.Stack) -> dict[str, int]:
+    """``--pr-number KEY=N`` resolved: folder -> number. KEY is a PR's key or folder, vllm-omni's
+    (``siglip-attention``, ``01-siglip-attention``) or vLLM's (``capture-error-mode``,
+    ``vllm-capture-error-mode``).
+
+    Raises:
+        ValueError: a KEY names no PR of the stack, a PR is given two numbers, or two PRs of one
+            repository the same number (each message names the option and the value).
+    """
+    folders = {pr.key: pr.folder for pr in st.omni} | {pr.folder: pr.folder for pr in st.omni}
+    folders |= {pr.key: pr.folder for pr in st.vllm} | {pr.folder: pr.folder for pr in st.vllm}
+    out: dict[str, int] = {}
+    for key, number in given:
+        folder = folders.get(key)
+        if folder is None:
+            known = ", ".join([pr.key for pr in st.omni] + [pr.key for pr in st.vllm])
+            raise ValueError(
+                f"--pr-number {key}={number}: no PR of the stack has the key {key!r} (keys: {known})"
+            )
+        if out.get(folder, number) != number:
+            raise ValueError(f"--pr-number {key}={number}: {folder} is already given #{out[folder]}")
+        out[folder] = number
+    for repo, group in (("vllm-omni", st.omni), ("vllm", st.vllm)):
+        taken: dict[int, str] = {}
+        for pr in group:
+            if pr.folder in out and out[pr.folder] in taken:
+                raise ValueError(
+                    f"--pr-number: {taken[out[pr.folder]]} and {pr.folder} are both given "
+                    f"vllm-project/{repo}#{out[pr.folder]}"
+                )
+            taken.update({out[pr.folder]: pr.folder} if pr.folder in out else {})
+    return out
+
+
+def _reference(result: ExportResult, numbers: dict[str, int], branch: str) -> None:
+    """Give every PR its number (when opened) and branch, and every text the references to them
+    (:class:`.prtext.PrRef`); a warning while some are not numbered."""
+    total = len(result.prs)
+    refs = {}
+    for k, pr in enumerate(result.prs, 1):
+        pr.number, pr.branch = numbers.get(pr.folder), f"{branch}-{pr.folder}"
+        refs[pr.folder] = prtext.PrRef(
+            pr.title, pr.folder, prtext.OMNI_REPO, pr.number, (k, total), pr.branch
+        )
+    for pr in result.vllm_prs:
+        pr.number = numbers.get(pr.folder)
+        refs[pr.folder] = prtext.PrRef(pr.title, pr.folder, prtext.VLLM_REPO, pr.number)
+    for pr in result.prs + result.vllm_prs:
+        pr.inputs.refs = refs
+    unnumbered = [pr.folder for pr in result.prs + result.vllm_prs if pr.number is None]
+    if unnumbered and len(unnumbered) < len(refs):
+        result.warnings.append(
+            f"not numbered: {', '.join(unnumbered)}; the texts name them by title, place in the stack and branch: "
+            "once opened, re-export with --pr-number KEY=N for each"
+        )
 
 
 def _series_messages(prs: list[PrResult]) -> dict[str, str]:

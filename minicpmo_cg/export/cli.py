@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from minicpmo_cg import resources
-from minicpmo_cg.export import build, verify
+from minicpmo_cg.export import build, prtext, verify
 from minicpmo_cg.export.gitseries import Identity
 
 __all__ = ["HELP", "add_parser", "git_identity", "run"]
@@ -56,7 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument(
         "--run-tests",
         action="store_true",
-        help="with --verify: also run each PR's tests from its tree (and the vLLM PR's against the installed vLLM)",
+        help="with --verify: also run each PR's tests from its tree, and there the earlier PRs' tests apart from "
+        "its own (and the vLLM PR's tests against the installed vLLM)",
     )
     parser.add_argument(
         "--marks",
@@ -70,9 +71,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=Path,
         action="append",
         metavar="FILE",
-        help="the summary of each PR's own tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
-        "stack-LANE.json; repeatable, the last file naming a PR counts): each PR's Test Result gets its run (only "
-        "for the series that ran)",
+        help="the summary of each PR's tests on a GPU host (`python3 -m minicpmo_cg.offline_gpu stack-run`'s "
+        "stack-LANE.json, versions 1 and 2; repeatable, the last file naming a PR counts): each PR's Test Result "
+        "gets its runs, its own tests and the earlier PRs' tests on its tree apart (only for the series that ran)",
+    )
+    parser.add_argument(
+        "--vllm-checkout",
+        type=Path,
+        metavar="DIR",
+        help="a git checkout of vllm-project/vllm (its main branch): check that each vLLM PR's series applies "
+        "there (git apply --check, nothing written) and say so, with its commit, in the PR text; without it "
+        "the text says this was not checked",
     )
     parser.add_argument(
         "--checkout",
@@ -82,9 +91,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "(BRANCH-NN-key, each on the one before) with each PR's Buildkite and docs-nav edits as commits",
     )
     parser.add_argument(
-        "--branch", default="minicpmo45-encoder-cuda-graphs", help="prefix of the branches made in --checkout"
+        "--branch",
+        default=build.DEFAULT_BRANCH,
+        help="prefix of the branches made in --checkout (BRANCH-NN-key), by which the PR texts name the PRs "
+        "not opened yet (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pr-number",
+        type=_pr_number,
+        action="append",
+        default=[],
+        metavar="KEY=N",
+        help="PR KEY (a key or folder of the stack: siglip-attention, 01-siglip-attention, capture-error-mode) "
+        "is opened as number N: the texts name it vllm-project/vllm-omni#N (vllm-project/vllm#N for a vLLM "
+        "PR); repeatable",
     )
     return parser
+
+
+def _pr_number(text: str) -> tuple[str, int]:
+    """``KEY=N`` of ``--pr-number`` (argparse reports the error with the option's name)."""
+    key, sep, number = text.partition("=")
+    if not sep or not key.strip() or not number.strip().isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=N (a PR's key or folder, then its number on GitHub, e.g. siglip-attention=1234)"
+        )
+    return key.strip(), int(number)
 
 
 def git_identity(cwd: Path) -> Identity:
@@ -150,7 +182,7 @@ def _to_checkout(args: argparse.Namespace, result: build.ExportResult, identity:
     start = base = _user_git(checkout, "rev-parse", "HEAD").strip()
     lines = []
     for pr in result.prs:
-        branch = f"{args.branch}-{pr.folder}"
+        branch = pr.branch or f"{args.branch}-{pr.folder}"  # the branch the texts name
         _user_git(checkout, "checkout", "-q", "-b", branch)
         _user_git(checkout, "am", "-q", "--keep-non-patch", *map(str, pr.series), env=identity.env())
         for rel, text in upstream_edits.apply_to_checkout(checkout, pr.files, pr.page).items():
@@ -186,9 +218,9 @@ def _print_summary(result: build.ExportResult, report: verify.VerifyReport | Non
         check = next((c for c in report.checks if c.folder == pr.folder), None) if report else None
         if check:
             for run in check.runs:
-                print(
-                    f"    tests -m {run.marks!r}: {run.summary}" if run.marks else f"    tests: {run.summary}"
-                )
+                which = "" if run.scope == prtext.OWN else " (the earlier PRs' tests on this tree)"
+                marks = f" -m {run.marks!r}" if run.marks else ""
+                print(f"    tests{marks}{which}: {run.summary}")
             for problem in check.problems:
                 print(f"    verify: {problem}")
             for note in check.lint_notes:
@@ -206,8 +238,19 @@ def run(args: argparse.Namespace) -> int:
     # the checks run git in scratch trees: a relative --out would name nothing there
     args.out = args.out.resolve()
     identity = _identity(args, repo)
+    if args.vllm_checkout is not None:
+        from minicpmo_cg.export import vllm_main
+
+        vllm_main.checkout_commit(args.vllm_checkout)  # a bad --vllm-checkout fails before the export
     opts = build.ExportOptions(
-        repo=repo, out=args.out, author=identity, lane=args.lane, site_packages=args.site_packages
+        repo=repo,
+        out=args.out,
+        author=identity,
+        lane=args.lane,
+        site_packages=args.site_packages,
+        vllm_checkout=args.vllm_checkout,
+        pr_numbers=args.pr_number,
+        branch=args.branch,
     )
     result = build.export(opts)
     extra: list[str] = []

@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass, field
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import transform
+from minicpmo_cg.export import testmarks, transform
+from minicpmo_cg.export.pytestlog import Collection
+from minicpmo_cg.export.vllm_main import MainCheck
 from minicpmo_cg.patchtool.series import Patch
 
 __all__ = [
@@ -160,18 +162,31 @@ def heading_for_upstream(heading: str) -> str:
     return re.sub(r"\s*\(([^()]*)\)", keep, heading)
 
 
+#: :attr:`PytestRun.scope` of a run of the PR's own test files (those it adds or changes)
+OWN = "own"
+#: :attr:`PytestRun.scope` of a run of the earlier PRs' test files on the PR's tree
+EARLIER = "earlier"
+
+
 @dataclass
 class PytestRun:
     """One pytest run of a PR's tests from its vllm-omni (or vLLM) tree.
 
     Attributes:
-        marks: the ``-m`` expression.
+        marks: the ``-m`` expression ('' for none: every collected test runs).
         summary: pytest's summary line without its duration (``12 passed, 3 deselected``), or None.
         skipped: skip reason -> number of tests skipped for it.
         environment: where it ran (``Python 3.11.9, torch 2.13.0+cu130, transformers 5.14.1``).
         ok: pytest's exit status was 0 (or 5: no test of ``marks``).
         warnings: warning (category, where it is raised, its first sentence) -> how many times
             pytest's warnings summary counts it; the counts add up to the summary's ``N warnings``.
+        files: the test files the run named, relative to the tree's root (the command runs them).
+        scope: :data:`OWN` (the PR's own test files) or :data:`EARLIER` (the earlier PRs' test files
+            that the PR leaves as they are, run on the PR's tree).
+        collection: the tests the run collected with their marks and those ``-m`` deselected
+            (:mod:`.pytestlog`); None where the run did not record them.
+        warnings_unknown: the run's summary counts warnings that its record does not itemise.
+        on_gpu: it ran where CUDA had a device (its CUDA tests could run).
     """
 
     marks: str
@@ -180,6 +195,61 @@ class PytestRun:
     environment: str = ""
     ok: bool = True
     warnings: dict[str, int] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    scope: str = OWN
+    collection: Collection | None = None
+    warnings_unknown: bool = False
+    on_gpu: bool = False
+
+    @property
+    def command(self) -> str:
+        """The pytest command line of the run, from the tree's root (``pytest -m "..." FILES``)."""
+        marks = f' -m "{self.marks}"' if self.marks else ""
+        return f"pytest{marks} {' '.join(self.files)}".rstrip()
+
+
+#: The repositories the PRs go to
+OMNI_REPO, VLLM_REPO = "vllm-project/vllm-omni", "vllm-project/vllm"
+
+
+@dataclass(frozen=True)
+class PrRef:
+    """How one PR's text names another PR of the export: by its number once it is opened
+    (``export --pr-number KEY=N``), before that by what a reader can follow, its place in the stack
+    (as ``STACK.md`` lists it) and the branch ``export --checkout`` makes for it.
+
+    Attributes:
+        title: the PR's title.
+        folder: its folder in the export (``NN-key``, ``vllm-key``).
+        repo: :data:`OMNI_REPO` or :data:`VLLM_REPO`.
+        number: its number in ``repo`` once opened, else None.
+        position: ``(k, n)``: PR k of the n vllm-omni PRs of the stack; None for a vLLM PR.
+        branch: the branch ``--checkout`` makes for it (``PREFIX-NN-key``); None for a vLLM PR.
+    """
+
+    title: str
+    folder: str
+    repo: str
+    number: int | None = None
+    position: tuple[int, int] | None = None
+    branch: str | None = None
+
+    @property
+    def link(self) -> str | None:
+        """``vllm-project/vllm#123`` once the PR has a number, else None."""
+        return f"{self.repo}#{self.number}" if self.number else None
+
+    def text(self) -> str:
+        """``vllm-project/vllm-omni#123: TITLE``, or before it is opened ``TITLE (not opened yet:
+        PR 2 of the 6 of the stack, branch `prefix-02-key`)``."""
+        if self.link:
+            return f"{self.link}: {self.title}"
+        if self.position:
+            k, n = self.position
+            where = f"PR {k} of the {n} of the stack, branch `{self.branch}`"
+        else:
+            where = f"the vLLM pull request `{self.folder}` of the stack"
+        return f"{self.title} (not opened yet: {where})"
 
 
 @dataclass
@@ -210,6 +280,10 @@ class PrInputs:
     #: the ``-m`` expressions of :data:`UNIT_MARKS` that select at least one of the unit tests
     #: (:func:`minicpmo_cg.export.testmarks.levels_with_tests`); a level without tests is not listed
     unit_marks: tuple[str, ...] = ()
+    #: the earlier PRs' test files this PR leaves as they are (:func:`.pytestlog.earlier_test_files`),
+    #: which its tree runs too, and the levels of :data:`UNIT_MARKS` that select some of their tests
+    earlier_test_files: list[str] = field(default_factory=list)
+    earlier_marks: tuple[str, ...] = ()
     multi_gpu: bool = False
     #: (title, folder) of the earlier PRs of the stack, of the vLLM PRs it needs, of the PRs needing it
     earlier: list[tuple[str, str]] = field(default_factory=list)
@@ -231,6 +305,15 @@ class PrInputs:
     lanes: tuple[str, ...] = ("current",)
     runs: list[PytestRun] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: a vLLM PR's series checked against a vLLM checkout (``export --vllm-checkout``); None: not checked
+    main_check: MainCheck | None = None
+    #: folder -> how this text names that PR (every PR of the export)
+    refs: dict[str, PrRef] = field(default_factory=dict)
+
+    def ref(self, title: str, folder: str) -> str:
+        """How this text names the PR ``folder`` (:class:`PrRef`); its title where none is known."""
+        found = self.refs.get(folder)
+        return found.text() if found else title
 
 
 UNIT_MARKS = ("core_model and cpu", "core_model and cuda")
@@ -340,14 +423,14 @@ def plain_links_keep_anchors(text: str) -> str:
     )
 
 
-def _vllm_changes(changes: list[tuple[str, str]], vllm_version: str, needs: str, merge: str) -> list[str]:
+def _vllm_changes(inp: PrInputs, changes: list[tuple[str, str]], needs: str, merge: str) -> list[str]:
     """The paragraph of :func:`_depends_on` on vLLM changes (the PR's own, or its earlier PRs')."""
     count = "a change" if len(changes) == 1 else f"{len(changes)} changes"
     return [
-        f"{needs} {count} to vLLM that vLLM {vllm_version} does not have, proposed to vllm-project/vllm as its "
-        "own pull request:",
+        f"{needs} {count} to vLLM that vLLM {inp.vllm_version} does not have, proposed to vllm-project/vllm as "
+        "its own pull request:",
         "",
-        *(f"- {title}" for title, _ in changes),
+        *(f"- {inp.ref(title, folder)}" for title, folder in changes),
         "",
         f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}.",
         "",
@@ -359,14 +442,14 @@ def _depends_on(inp: PrInputs) -> list[str]:
     if inp.earlier:
         out.append("The earlier pull requests of the stack, in this order (this one applies on top of them):")
         out.append("")
-        out += [f"{i}. {title}" for i, (title, _) in enumerate(inp.earlier, 1)]
+        out += [f"{i}. {inp.ref(title, folder)}" for i, (title, folder) in enumerate(inp.earlier, 1)]
         out.append("")
     if inp.vllm_deps:
-        out += _vllm_changes(inp.vllm_deps, inp.vllm_version, "It needs", "So it can merge only once")
+        out += _vllm_changes(inp, inp.vllm_deps, "It needs", "So it can merge only once")
     if inp.vllm_via:
         out += _vllm_changes(
+            inp,
             inp.vllm_via,
-            inp.vllm_version,
             "Through the earlier pull requests it also needs",
             "So it can merge only after them, once",
         )
@@ -394,9 +477,11 @@ def vllm_changes_needed(inp: PrInputs) -> str:
     """What the PR's tree needs on top of the vLLM release, for its Test Plan's vLLM line: the vLLM
     PRs it depends on itself or through an earlier PR of the stack, named by their stack keys
     (`` with the vLLM change (capture error mode)``); ``""`` when it needs none."""
-    names = list(
-        dict.fromkeys(f.removeprefix("vllm-").replace("-", " ") for _, f in inp.vllm_deps + inp.vllm_via)
-    )
+    folders = list(dict.fromkeys(f for _, f in inp.vllm_deps + inp.vllm_via))
+    links = {f: inp.refs[f].link for f in folders if f in inp.refs and inp.refs[f].link}
+    names = [
+        f.removeprefix("vllm-").replace("-", " ") + (f", {links[f]}" if f in links else "") for f in folders
+    ]
     if not names:
         return ""
     return f" with the vLLM change{'s' if len(names) > 1 else ''} ({', '.join(names)})"
@@ -422,11 +507,11 @@ def _test_plan(inp: PrInputs) -> list[str]:
 
 
 def run_lines(runs: list[PytestRun]) -> list[str]:
-    """One bullet per run: command, pytest's summary, where it ran, why tests skipped and what warned."""
+    """One bullet per run: its command (the test files it named), pytest's summary, where it ran,
+    why tests skipped and what warned (category, where raised, how many times)."""
     out = []
     for run in runs:
-        command = f'pytest -m "{run.marks}"' if run.marks else "pytest"
-        line = f"- `{command}`: `{run.summary or 'no summary'}`"
+        line = f"- `{run.command}`: `{run.summary or 'no summary'}`"
         line += f", {run.environment}" if run.environment else ""
         if run.skipped:
             reasons = "; ".join(f"{n} × {reason}" for reason, n in sorted(run.skipped.items()))
@@ -434,10 +519,116 @@ def run_lines(runs: list[PytestRun]) -> list[str]:
         if run.warnings:
             found = "; ".join(f"{n} × {warning}" for warning, n in sorted(run.warnings.items()))
             line += f". Warnings: {found}"
-        if run.summary and "deselected" in run.summary:
-            line += ". Deselected: the tests of the other hardware level"
+        elif run.warnings_unknown:
+            line += ". Warnings: counted by pytest, not itemised in the record of this run"
+        if run.summary and "deselected" in run.summary and run.collection is None:
+            line += f'. Deselected: the collected tests that `-m "{run.marks}"` does not select'
         out.append(line if line.endswith((".", "!", "?")) else line + ".")
     return out
+
+
+@dataclass
+class Accounting:
+    """Where each test that some runs of one scope collected went (:func:`account`).
+
+    Attributes:
+        tests: every collected test (node id) -> its mark names, over the runs' collections.
+        selected: per run (in the order given), the tests it selected.
+        unrun: per unit level no run used (``-m`` expression), the tests it would select.
+        unselected: the tests no run and no unrun level selects.
+    """
+
+    tests: dict[str, list[str]]
+    selected: list[list[str]]
+    unrun: list[tuple[str, list[str]]]
+    unselected: list[str]
+
+
+def _selects(expression: str, marks: list[str]) -> bool:
+    return not expression or testmarks.expression_selects(expression, frozenset(marks))
+
+
+def account(runs: list[PytestRun], levels: tuple[str, ...] = UNIT_MARKS) -> Accounting | None:
+    """Account for every test the runs of one scope collected: which each run selected, which a
+    unit level of ``levels`` that no run used would select, and which none selects. None when no
+    run recorded its collection."""
+    tests: dict[str, list[str]] = {}
+    for run in runs:
+        tests.update(run.collection.tests if run.collection else {})
+    if not tests:
+        return None
+    selected = []
+    for run in runs:
+        if run.collection is not None:
+            selected.append(run.collection.selected)
+            continue
+        try:  # no record of its own: its expression on the others' marks
+            selected.append([n for n, marks in tests.items() if _selects(run.marks, marks)])
+        except ValueError:  # not a conjunction of marks: which tests it selected is not known
+            return None
+    ran = {run.marks for run in runs}
+    unrun = []
+    for level in levels:
+        would = [n for n, marks in tests.items() if _selects(level, marks)]
+        if level not in ran and would:
+            unrun.append((level, would))
+    taken = {n for group in selected for n in group} | {n for _, group in unrun for n in group}
+    return Accounting(tests, selected, unrun, [n for n in tests if n not in taken])
+
+
+#: pytest's own marks: they say how a test runs, not which level selects it
+_PYTEST_MARKS = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
+
+
+def _why_unselected(marks: list[str], levels: list[str]) -> str:
+    shown = ", ".join(f"`{m}`" for m in marks) or "no marks"
+    if "core_model" not in marks:
+        return f"marked {shown}, not `core_model`, which each unit level requires"
+    return f"marked {shown}, which none of {', '.join(f'`{lv}`' for lv in levels)} selects"
+
+
+def _unselected_groups(acc: Accounting, levels: list[str]) -> list[tuple[str, list[str], str]]:
+    """``(file, node ids, why)`` of the tests no run selects, grouped by file and marks."""
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for node in acc.unselected:
+        marks = tuple(m for m in acc.tests[node] if m not in _PYTEST_MARKS)
+        groups.setdefault((node.split("::", 1)[0], marks), []).append(node)
+    out = []
+    for (path, marks), nodes in groups.items():
+        why = _why_unselected(list(marks), levels)
+        if path.startswith("tests/e2e/"):
+            why += "; the serving end to end tests (an 80 GB GPU and the MiniCPM-o 4.5 checkpoint)"
+        out.append((path, nodes, why))
+    return out
+
+
+def accounting_lines(runs: list[PytestRun], levels: tuple[str, ...] = UNIT_MARKS) -> list[str]:
+    """The bullets that account for the tests the runs (of one scope) collected, after their run
+    lines: how many each unit level that no run used would select, and which tests no run selects
+    and why. ``[]`` when no run recorded its collection."""
+    acc = account(runs, levels)
+    if acc is None:
+        return []
+    used = list(dict.fromkeys([r.marks for r in runs if r.marks] + [lv for lv, _ in acc.unrun]))
+    out = [
+        f'- `-m "{level}"` selects {len(nodes)} of them: not run for this text.' for level, nodes in acc.unrun
+    ]
+    for path, nodes, why in _unselected_groups(acc, used):
+        count = "1 test" if len(nodes) == 1 else f"{len(nodes)} tests"
+        out.append(f"- No run selects {count} of `{path}`: {why}.")
+    by_runs = {n for group in acc.selected for n in group}
+    by_levels = {n for _, group in acc.unrun for n in group} - by_runs
+    parts = [f"{len(by_runs)} selected by the runs"]
+    parts += [f"{len(by_levels)} only by a level not run"] if by_levels else []
+    parts += [f"{len(acc.unselected)} by none"] if acc.unselected else []
+    out.append(f"- In all, the {len(acc.tests)} collected tests: {', '.join(parts)}.")
+    return out
+
+
+def collected_count(runs: list[PytestRun]) -> int | None:
+    """How many tests the runs (of one scope) collected together; None when none recorded it."""
+    acc = account(runs)
+    return len(acc.tests) if acc else None
 
 
 def _versions_in(text: str) -> dict[str, str]:
@@ -540,8 +731,8 @@ def _test_result(inp: PrInputs) -> list[str]:
         where = (
             f"the v{inp.omni_version} release wheel's `vllm_omni/` with this PR{stacked} applied by `git am`"
         )
-        out += ["### Unit tests", "", f"Run from this PR's tree ({where}):", ""]
-        out += run_lines(inp.runs) + [""]
+        out += ["### Unit tests", "", f"Run from this PR's tree ({where}).", ""]
+        out += _scope_lines(inp, OWN) + _scope_lines(inp, EARLIER)
     if inp.results_text:
         setup = section(inp.results_text, "Setup")
         if setup:
@@ -569,6 +760,53 @@ def _test_result(inp: PrInputs) -> list[str]:
     return out
 
 
+def _scope_lines(inp: PrInputs, scope: str) -> list[str]:
+    """The runs of one scope of the Test Result, under a sentence saying which files and how many
+    tests they collected, then the accounting of those tests (:func:`accounting_lines`)."""
+    runs = [run for run in inp.runs if run.scope == scope]
+    if not runs:
+        return []
+    count = collected_count(runs)
+    collected = f"; they collect {count} test{'s' if count != 1 else ''}" if count is not None else ""
+    if scope == OWN:
+        intro = f"This PR's tests (the test files it adds or changes){collected}:"
+    else:
+        intro = (
+            "The earlier PRs' tests on this tree (the test files of the earlier PRs of the stack that this "
+            f"PR leaves as they are){collected}:"
+        )
+    return [intro, "", *run_lines(runs), *accounting_lines(runs, _levels(inp, scope)), ""]
+
+
+def _levels(inp: PrInputs, scope: str) -> tuple[str, ...]:
+    return inp.unit_marks if scope == OWN else inp.earlier_marks
+
+
+def _scope_not_run(inp: PrInputs, scope: str) -> list[str]:
+    """Not run items of one scope: the unit levels no run used (those that select some of its
+    tests), and the tests that no run of Test Result selects, each named."""
+    runs = [run for run in inp.runs if run.scope == scope]
+    whose, where = (
+        ("This PR's", "from its own tree") if scope == OWN else ("The earlier PRs'", "on this tree")
+    )
+    acc = account(runs, _levels(inp, scope)) if runs else None
+    if acc is None:  # nothing recorded what the runs collected: the levels without a run
+        files = inp.test_files if scope == OWN else inp.earlier_test_files
+        units = [f for f in files if not f.startswith("tests/e2e/")]
+        ran = {run.marks for run in runs}
+        levels = [lv for lv in _levels(inp, scope) if lv not in ran] if units and inp.number else []
+    else:
+        levels = [lv for lv, _ in acc.unrun]
+    items = [f'{whose} tests with `-m "{level}"` {where}.' for level in levels]
+    if acc and acc.unselected:
+        names = ", ".join(f"`{node}`" for node in acc.unselected)
+        count = "test" if len(acc.unselected) == 1 else f"{len(acc.unselected)} tests"
+        items.append(
+            f"{whose} {count} that no `-m` expression of Test Result selects (why: Test Result): {names}."
+        )
+    return items
+
+
 def _not_run(inp: PrInputs) -> list[str]:
     items = []
     e2e = [f for f in inp.test_files if f.startswith("tests/e2e/")]
@@ -586,11 +824,7 @@ def _not_run(inp: PrInputs) -> list[str]:
             f"{conv.PR_NO_MEASUREMENTS}: no GPU measurement of them is recorded for this PR; the "
             "measurements of the earlier PRs of the stack cover the paths those add."
         )
-    ran = {run.marks for run in inp.runs}
-    units = [f for f in inp.test_files if not f.startswith("tests/e2e/")]
-    for marks in inp.unit_marks if units and inp.number else ():
-        if marks not in ran:
-            items.append(f'This PR\'s unit tests with `-m "{marks}"` from its own tree.')
+    items += _scope_not_run(inp, OWN) + _scope_not_run(inp, EARLIER)
     items += inp.not_run
     items.append(
         "vllm-omni's Buildkite pipelines on its agents (L1 `core_model and cpu`, L2 `core_model and cuda`): the "
@@ -607,27 +841,79 @@ def omni_pr(inp: PrInputs) -> str:
 
 
 def vllm_pr(inp: PrInputs) -> str:
-    """The vLLM pull request body for the vLLM patches of one PR (from their headers)."""
+    """The vLLM pull request body for the vLLM patches of one PR (from their headers): Purpose, Test
+    Plan, Test Result (its runs and, when checked, whether it applies to vLLM's ``main``) and Not
+    run (what no run of this text covered, vLLM ``main`` first)."""
     out = ["## Purpose", ""]
     out += [p for patch in inp.patches for p in (patch.why, "")]
     if inp.needed_by:
         out.append("The vllm-omni pull request(s) that need it:")
         out.append("")
-        out += [f"- {title}" for title, _ in inp.needed_by] + [""]
+        out += [f"- {inp.ref(title, folder)}" for title, folder in inp.needed_by] + [""]
     out += ["## Test Plan", "", f"vLLM {inp.vllm_version} with this change:", ""]
     if inp.test_files:
         out += ["```bash", f"pytest -sv {' '.join(inp.test_files)}", "```", ""]
     out += ["## Test Result", ""]
     if inp.runs:
-        out += [f"Against vLLM {inp.vllm_version} with this change applied:", ""] + run_lines(inp.runs)
+        count = collected_count(inp.runs)
+        collected = (
+            f" (the tests collect {count} test{'s' if count != 1 else ''})" if count is not None else ""
+        )
+        out += [f"Against vLLM {inp.vllm_version} with this change applied{collected}:", ""]
+        out += run_lines(inp.runs) + accounting_lines(inp.runs, ()) + [""]
     else:
-        out.append("Not run for this description.")
+        out += ["No test run is recorded for this description.", ""]
+    check = inp.main_check
+    if check and check.applies:
+        out += [f"The series applies to {check.where} (`git apply --check`).", ""]
+    elif check:
+        out += [f"The series does not apply to {check.where} (`git apply --check`): {check.detail}", ""]
+    out += ["## Not run", ""] + [f"- {item}" for item in _vllm_not_run(inp)]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
+
+
+def _vllm_not_run(inp: PrInputs) -> list[str]:
+    """What the vLLM PR's Test Result does not cover: vLLM ``main`` (its tests, and whether the
+    series applies there unless checked), the CUDA tests where no run had a GPU, vLLM's compiled
+    kernels where the GPU run lacked them, and vLLM's own checks."""
+    tested = f"vLLM {inp.vllm_version} with this change applied" if inp.runs else "no vLLM"
+    main = f"vLLM `main`: the tests ran against {tested}, not against `main`"
+    check = inp.main_check
+    if check is None:
+        main += "; whether the series applies to `main` was not checked for this description."
+    elif check.applies:
+        main += f" (the series applies to {check.where}, but its tests did not run there)."
+    else:
+        main += f"; the series does not apply to {check.where}, so it needs a rebase first."
+    items = [main]
+    if not inp.runs and inp.test_files:
+        items.append(f"This change's tests (`pytest -sv {' '.join(inp.test_files)}`).")
+    skipped = {r: n for run in inp.runs for r, n in run.skipped.items() if re.search(r"CUDA|GPU", r)}
+    if inp.runs and not any(run.on_gpu for run in inp.runs) and skipped:
+        reasons = "; ".join(f"{n} × {r}" for r, n in sorted(skipped.items()))
+        items.append(
+            f"The tests that need a GPU: no run of Test Result had one, so they skipped ({reasons})."
+        )
+    if any(run.on_gpu and "without its compiled kernels" in run.environment for run in inp.runs):
+        items.append(
+            "vLLM with its compiled kernels installed: the GPU run of Test Result imported vLLM's Python "
+            "code only."
+        )
+    items.append(
+        "vLLM's pre-commit hooks and its CI (Buildkite) on this change: the tests of Test Result ran with "
+        "pytest outside them."
+    )
+    return items
 
 
 def _runs_cell(pr) -> str:
     runs = pr.inputs.runs if pr.inputs else []
-    return "; ".join(f"{run.marks or 'all'}: {run.summary}" for run in runs) or "not run"
+    scopes = {OWN: "own", EARLIER: "earlier PRs'"}
+    return "; ".join(f"{scopes[run.scope]} {run.marks or 'all'}: {run.summary}" for run in runs) or "not run"
+
+
+def _ref_cell(ref: PrRef | None) -> str:
+    return (ref.link if ref else None) or "not opened yet"
 
 
 def stack_overview(prs: list, vllm_prs: list) -> str:
@@ -635,15 +921,20 @@ def stack_overview(prs: list, vllm_prs: list) -> str:
     lines = [
         "# The pull requests of this export",
         "",
-        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied.",
+        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied. "
+        "Each PR's text names the others by number once they are opened (re-export with `--pr-number KEY=N`), "
+        "before that by their place in this order and the branch `--checkout` makes for them.",
         "",
-        "| # | folder | title | commits | files | + / − lines | series bytes | needs vLLM PR | tests from its tree |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| # | folder | title | PR | branch | commits | files | + / − lines | series bytes | needs vLLM PR | "
+        "tests from its tree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, pr in enumerate(prs, 1):
         size = pr.size
+        ref = pr.inputs.refs.get(pr.folder) if pr.inputs else None
         lines.append(
-            f"| {i} | `{pr.folder}` | {pr.title} | {len(pr.commits)} | {size.get('files', 0)} | "
+            f"| {i} | `{pr.folder}` | {pr.title} | {_ref_cell(ref)} | "
+            f"{f'`{ref.branch}`' if ref and ref.branch else '—'} | {len(pr.commits)} | {size.get('files', 0)} | "
             f"+{size.get('insertions', 0)} / −{size.get('deletions', 0)} | {size.get('bytes', 0)} | "
             f"{', '.join(f'`{v}`' for v in pr.vllm) or '—'} | {_runs_cell(pr)} |"
         )
@@ -652,13 +943,14 @@ def stack_overview(prs: list, vllm_prs: list) -> str:
             "",
             "vLLM PRs (vllm-project/vllm):",
             "",
-            "| folder | title | commits | + / − lines | series bytes | tests |",
-            "|---|---|---|---|---|---|",
+            "| folder | title | PR | commits | + / − lines | series bytes | tests |",
+            "|---|---|---|---|---|---|---|",
         ]
         for pr in vllm_prs:
             size = pr.size
+            ref = pr.inputs.refs.get(pr.folder) if pr.inputs else None
             lines.append(
-                f"| `{pr.folder}` | {pr.title} | {len(pr.commits)} | +{size.get('insertions', 0)} / "
+                f"| `{pr.folder}` | {pr.title} | {_ref_cell(ref)} | {len(pr.commits)} | +{size.get('insertions', 0)} / "
                 f"−{size.get('deletions', 0)} | {size.get('bytes', 0)} | {_runs_cell(pr)} |"
             )
     return "\n".join(lines) + "\n"

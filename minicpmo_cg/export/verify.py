@@ -12,7 +12,12 @@ release wheel (the one whose sha256 the manifest names):
   a PR adds has a user in its tree (:mod:`.forward`);
 - optionally, its tests pass with pytest run from that tree (its ``vllm_omni`` first on
   ``sys.path``, vLLM from the lane), with this project's ``minicpmo_cg`` made unimportable, under
-  vllm-omni's registered markers and ``--strict-markers``, once per ``-m`` expression.
+  vllm-omni's registered markers and ``--strict-markers``, once per ``-m`` expression; and so do
+  the earlier PRs' tests on that tree (the test files of the PRs before it that it leaves as they
+  are, :func:`.pytestlog.earlier_test_files`), run apart from its own, since a later PR can break
+  what an earlier one tested. A failure of either is a problem of this PR. Each run records the
+  test files it named, what it collected with their marks and what ``-m`` deselected
+  (:mod:`.pytestlog`), so that the PR text accounts for every collected test.
 
 Each vLLM PR's series applies with ``git am`` to the lane's pristine vLLM files, and optionally
 its tests (in vLLM's layout) pass against the installed vLLM once that carries the change.
@@ -41,11 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from minicpmo_cg.export import conventions as conv
-from minicpmo_cg.export import fetch, forward, lint
+from minicpmo_cg.export import fetch, forward, lint, pytestlog
 from minicpmo_cg.export.changeset import read_change_set
 from minicpmo_cg.export.gitseries import Identity, git
 from minicpmo_cg.export.identity import placeholder_problem
-from minicpmo_cg.export.prtext import PytestRun
+from minicpmo_cg.export.prtext import EARLIER, OWN, PytestRun
 
 __all__ = [
     "PrCheck",
@@ -178,56 +183,31 @@ def _pytest_ini(path: Path) -> Path:
     return path
 
 
-def run_exported_tests(tree: Path, tests: list[str], marks: str, work: Path) -> tuple[int, str]:
-    """pytest on ``tests`` from ``tree`` with ``-m marks`` (all tests when empty); ``(exit code, output)``."""
+def run_exported_tests(
+    tree: Path, tests: list[str], marks: str, work: Path
+) -> tuple[int, str, pytestlog.Collection | None]:
+    """pytest on ``tests`` from ``tree`` with ``-m marks`` (all tests when empty);
+    ``(exit code, output, what it collected)``."""
     blocker = work / "blocker" / "minicpmo_cg"
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text(_BLOCKER, encoding="utf-8")
+    plugin = pytestlog.write_collect_plugin(blocker.parent)
+    collected = work / "collected.json"
+    collected.unlink(missing_ok=True)
     ini = _pytest_ini(work / "pytest.ini")
-    env = {**os.environ, "PYTHONPATH": str(blocker.parent), "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-rs"]
+    env = {**os.environ, "PYTHONPATH": str(blocker.parent), "PYTHONDONTWRITEBYTECODE": "1",
+           pytestlog.COLLECT_OUT: str(collected)}  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-rs", "-p", plugin]
     cmd += ["-m", marks] if marks else []
     proc = subprocess.run([*cmd, *tests], cwd=tree, env=env, capture_output=True, text=True, check=False)
-    return proc.returncode, proc.stdout + proc.stderr
+    return proc.returncode, proc.stdout + proc.stderr, pytestlog.read_collection(collected)
 
 
-def _summary(output: str) -> str | None:
-    pattern = r"\d+ (passed|failed|errors?|skipped|deselected)|no tests ran"
-    lines = [line.strip("= ").strip() for line in output.splitlines() if re.search(pattern, line)]
-    return re.sub(r"\s+in [\d.]+s.*$", "", lines[-1]) if lines else None
+def gpu_available() -> bool:
+    """Whether CUDA has a device here (a run's CUDA tests can run, rather than skip)."""
+    import torch
 
-
-def _skip_reasons(output: str) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^\n]*?:\d+: (.*)$", output, re.MULTILINE):
-        found[reason.strip()] = found.get(reason.strip(), 0) + int(count)
-    return found
-
-
-def _warnings(output: str, tree: Path) -> dict[str, int]:
-    """The warnings of pytest's warnings summary: ``"FutureWarning (transformers/x.py:202): The ...
-    is deprecated."`` -> how many times it was raised.
-
-    pytest lists each warning under the tests that raised it (one line each) or under its location
-    with a count (``path:365: 14 warnings``), then the warning indented. Paths are cut to the
-    installed package (after ``site-packages/``) or to ``tree``; the message to its first sentence.
-    """
-    m = re.search(r"^=+ warnings summary =+$(.*?)^-- Docs: ", output, re.MULTILINE | re.DOTALL)
-    found: dict[str, int] = {}
-    for group in re.split(r"\n\s*\n", m.group(1).strip("\n")) if m else []:
-        lines = group.splitlines()
-        heads = [line for line in lines if line and not line[0].isspace()]
-        warned = next((w for line in lines if (w := re.match(r"^\s+(\S+?):(\d+): (\w+): (.*)$", line))), None)
-        if warned is None:
-            continue
-        path, lineno, category, message = warned.groups()
-        path = re.sub(r"^.*/site-packages/", "", path).removeprefix(f"{tree}/")
-        path = PurePosixPath(path).name if path.startswith("/") else path
-        sentence = re.match(r"^(.*?[.!?])(?:\s|$)", message.strip())
-        key = f"{category} ({path}:{lineno}): {sentence.group(1) if sentence else message.strip()}"
-        counts = [re.search(r": (\d+) warnings?$", head) for head in heads]
-        found[key] = found.get(key, 0) + sum(int(c.group(1)) if c else 1 for c in counts)
-    return found
+    return torch.cuda.is_available()
 
 
 def environment() -> str:
@@ -244,15 +224,25 @@ def environment() -> str:
     return ", ".join(parts)
 
 
-def _run(tree: Path, tests: list[str], marks: str, work: Path, check: PrCheck, env: str) -> None:
-    code, output = run_exported_tests(tree, tests, marks, work)
-    summary = _summary(output)
+def _run(tree: Path, tests: list[str], marks: str, work: Path, check: PrCheck, env: str,
+         scope: str = OWN) -> None:  # fmt: skip
+    code, output, collection = run_exported_tests(tree, tests, marks, work)
+    summary = pytestlog.summary(output)
     ok = code in (0, 5)  # 5: no test of these marks in the files
-    run = PytestRun(marks, summary or "no tests ran", _skip_reasons(output), env, ok, _warnings(output, tree))
+    run = PytestRun(marks, summary or "no tests ran", pytestlog.skip_reasons(output), env, ok,
+                    pytestlog.warnings(output, tree), files=list(tests), scope=scope, collection=collection)  # fmt: skip
     check.runs.append(run)
     check.outputs.append(output)
-    if not ok:
-        check.problems.append(f"tests (-m {marks!r}) failed, pytest exit {code}: {summary}")
+    if ok:
+        return
+    expression = f" (-m {marks!r})" if marks else ""
+    if scope == EARLIER:
+        check.problems.append(
+            f"the earlier PRs' tests{expression} failed on this PR's tree, pytest exit {code}: {summary} "
+            f"({', '.join(tests)})"
+        )
+    else:
+        check.problems.append(f"tests{expression} failed, pytest exit {code}: {summary}")
 
 
 # -- imports ---------------------------------------------------------------------------------------
@@ -449,8 +439,12 @@ def verify(
             check.problems += [f"imports: {p}" for p in unresolved_imports(tree, touched, beside_tests)]
             snapshots.append(forward.Snapshot.read(tree, pr["folder"], touched))
             tests = [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")]
-            for expression in marks if run_tests and tests else ():
-                _run(tree, tests, expression, work / f"{pr['folder']}-pytest", check, env)
+            earlier = pytestlog.earlier_test_files(manifest["prs"], manifest["prs"].index(pr))
+            for expression in marks if run_tests else ():
+                if tests:
+                    _run(tree, tests, expression, work / f"{pr['folder']}-pytest", check, env)
+                if earlier:
+                    _run(tree, earlier, expression, work / f"{pr['folder']}-pytest", check, env, EARLIER)
         if not broken:
             for folder, found in forward.problems(release, snapshots).items():
                 report.check(folder).problems += [f"stack order: {p}" for p in found]
@@ -458,4 +452,8 @@ def verify(
             report.checks.append(
                 _check_vllm(pr, out, repo, manifest["lane"], committer, work, run_tests, env)
             )
+    on_gpu = run_tests and gpu_available()
+    for check in report.checks:
+        for run in check.runs:
+            run.on_gpu = on_gpu
     return report

@@ -172,7 +172,25 @@ def _stack_run_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, help="output folder (default: out/gpu-stack-LANE in the checkout)")
     _add_seconds(p, "--budget", stackrun.DEFAULT_BUDGET_S, "seconds for the whole run")
-    _add_seconds(p, "--timeout", stackrun.DEFAULT_PR_TIMEOUT_S, "time limit of one PR's tests")
+    _add_seconds(p, "--timeout", stackrun.DEFAULT_PR_TIMEOUT_S, "time limit of one PR's own tests")
+    _add_seconds(
+        p,
+        "--earlier-timeout",
+        stackrun.DEFAULT_EARLIER_TIMEOUT_S,
+        "time limit of one tree's run of the earlier PRs' tests",
+    )
+    p.add_argument(
+        "--own-only",
+        action="store_true",
+        help="run each PR's own tests only, not also the earlier PRs' tests on its tree",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=stackrun.DEFAULT_JOBS,
+        metavar="N",
+        help=f"pytest processes at once, all on the one GPU (default: {stackrun.DEFAULT_JOBS})",
+    )
     p.add_argument(
         "--markers", help="pytest -m expression for every PR (default: each PR's own, see STACK.json)"
     )
@@ -219,7 +237,7 @@ COMMANDS = {
         _stack_parser,
     ),
     "stack-run": (
-        "run each exported PR's own tests from its own tree against the bundle (GPU host)",
+        "run each exported PR's tests and the earlier PRs' tests from its own tree against the bundle (GPU host)",
         _stack_run_parser,
     ),  # fmt: skip
 }
@@ -324,8 +342,10 @@ def cmd_stack_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         prs = stackrun.select(stack, args.prs)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.budget <= 0 or args.timeout <= 0:
-        ap.error("--budget and --timeout must be positive numbers of seconds")
+    if args.budget <= 0 or args.timeout <= 0 or args.earlier_timeout <= 0:
+        ap.error("--budget, --timeout and --earlier-timeout must be positive numbers of seconds")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: must be at least 1 (pytest processes at once)")
     plan = stackrun.StackPlan(
         lane=args.lane.name,
         prs=prs,
@@ -339,6 +359,9 @@ def cmd_stack_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         figures=args.figures,
         figures_timeout_s=args.figures_timeout,
         figures_cpu=args.figures_cpu,
+        earlier=not args.own_only,
+        earlier_timeout_s=args.earlier_timeout,
+        jobs=args.jobs,
     )
     if not plan.tests and not plan.figures:
         ap.error("--no-tests without --figures runs nothing")

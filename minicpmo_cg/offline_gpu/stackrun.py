@@ -1,13 +1,22 @@
-"""``stack-run LANE [PR...]``: each exported PR's own tests from its own tree, on the GPU host.
+"""``stack-run LANE [PR...]``: each exported PR's tests from its own tree, on the GPU host.
 
 For each PR of ``<bundle dir>/stack-LANE/STACK.json`` (:mod:`.stackbuild`): a copy of the unpacked
 bundle's ``vllm_omni`` package (and, for a PR that needs no vLLM PR, of ``vllm``) made of hard
 links, with the PR's overlay written over it; a check that every file of the copied package is the
-PR tree's (the overlay's bytes, else the release wheel's); the PR tree's ``tests/``; then pytest on
-the PR's own test files from that tree, ``-m`` the PR's marks, ``PYTHONPATH`` = a folder that makes
-``minicpmo_cg`` unimportable, the copies, the bundle's site (never the checkout), under a time
-limit. Output folder, flat: ``stack-LANE.json`` (the summary), ``stack-LANE.log`` (everything
-printed), and per PR ``tests-PR.log`` and ``junit-PR.xml``.
+PR tree's (the overlay's bytes, else the release wheel's); the PR tree's ``tests/``; then, from that
+tree, two pytest processes: one on the PR's own test files, and one on the earlier PRs' test files
+that the PR leaves as they are (:func:`minicpmo_cg.export.pytestlog.earlier_test_files`, the same
+split as the export's checks: a later PR can break what an earlier one tested), each ``-m`` the
+PR's marks, ``PYTHONPATH`` = a folder that makes ``minicpmo_cg`` unimportable, the copies, the
+bundle's site (never the checkout), each under its time limit. ``--jobs N`` runs up to N of these
+pytest processes at once (on one GPU; the trees are separate folders, so only the device is
+shared). Output folder, flat: ``stack-LANE.json`` (the summary, :data:`SUMMARY_VERSION`),
+``stack-LANE.log`` (everything printed), and per PR ``tests-PR.log``, ``junit-PR.xml`` and, for
+the earlier PRs' tests, ``tests-PR-earlier.log``, ``junit-PR-earlier.xml``.
+
+Each run's record says which test files it named, what pytest collected (node id -> marks) and
+deselected, and which warnings it counted (category, where raised, how many: the log's warnings
+summary), so that the export's PR texts can state and account for them (:mod:`minicpmo_cg.export.gpuresults`).
 
 With ``--figures`` (``--no-tests`` for figures alone) the release's tree and each vllm-omni PR's
 tree then get their call-site figures (:mod:`minicpmo_cg.bench.tree_figures`), in stack order, with
@@ -26,17 +35,29 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minicpmo_cg.export import pytestlog
 from minicpmo_cg.offline_gpu import hostenv, payload, runner
 
 STACK_FILE = "STACK.json"
 BLOBS = "blobs.tar.xz"
+#: The format of ``stack-LANE.json``: 2 gives each PR entry its ``runs`` (own and earlier PRs'
+#: tests, each with files, collection and warnings); version 1 (no ``version`` field) had one run
+#: per PR in the entry itself. The export's reader checks it.
+SUMMARY_VERSION = 2
+#: :attr:`StackPlan` scopes of a PR's runs, as the summary names them
+OWN, EARLIER = "own", "earlier"
 DEFAULT_PR_TIMEOUT_S = 150
+#: the time limit of one tree's run of the earlier PRs' tests (they are several PRs' tests)
+DEFAULT_EARLIER_TIMEOUT_S = 300
+DEFAULT_JOBS = 1
 DEFAULT_FIGURES_TIMEOUT_S = 150
 FIGURES = "figures"
 #: the CPU core each tree's figures process runs on (where the host has it)
@@ -84,6 +105,11 @@ class StackPlan:
     figures_timeout_s: int = DEFAULT_FIGURES_TIMEOUT_S
     #: the figures' CPU logic check (``tree_figures --allow-cpu``), for a machine without CUDA
     figures_cpu: bool = False
+    #: on each tree, also the earlier PRs' tests (apart from its own); their time limit
+    earlier: bool = True
+    earlier_timeout_s: int = DEFAULT_EARLIER_TIMEOUT_S
+    #: how many pytest processes run at once
+    jobs: int = DEFAULT_JOBS
 
 
 def select(stack: dict, wanted: list[str]) -> list[str]:
@@ -105,11 +131,35 @@ def select(stack: dict, wanted: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def pytest_command(plan: StackPlan, pr: dict, ini: Path, tree: Path) -> list[str]:
+def earlier_files(stack: dict, folder: str) -> list[str]:
+    """The earlier PRs' test files that PR ``folder`` leaves as they are (none for a vLLM PR)."""
+    omni = [pr for pr in stack["prs"] if pr["kind"] == "vllm-omni"]
+    at = next((i for i, pr in enumerate(omni) if pr["folder"] == folder), None)
+    return [] if at is None else pytestlog.earlier_test_files(omni, at, key="run")
+
+
+def units(plan: StackPlan, stack: dict, folder: str) -> list[tuple[str, list[str]]]:
+    """``(scope, test files)`` of the pytest processes of one PR's tree: its own tests, then (unless
+    ``--own-only``) the earlier PRs' ones."""
+    pr = next(p for p in stack["prs"] if p["folder"] == folder)
+    out = [(OWN, list(pr["run"]))] if pr["run"] else []
+    earlier = earlier_files(stack, folder) if plan.earlier else []
+    return out + ([(EARLIER, earlier)] if earlier else [])
+
+
+def unit_name(folder: str, scope: str) -> str:
+    """The stem of a run's files: ``PR`` for its own tests, ``PR-earlier`` for the earlier PRs'."""
+    return folder if scope == OWN else f"{folder}-earlier"
+
+
+def pytest_command(plan: StackPlan, pr: dict, ini: Path, tree: Path, scope: str = OWN,
+                   files: list[str] | None = None) -> list[str]:  # fmt: skip
     marks = pr["marks"] if plan.markers is None else plan.markers
     argv = [plan.python, "-m", "pytest", "-c", str(ini), "--rootdir", str(tree), "-q", "-rs"]
+    argv += ["-p", pytestlog.COLLECT_PLUGIN]
     argv += ["-m", marks] if marks else []
-    argv += [f"--junitxml={plan.out / ('junit-' + pr['folder'] + '.xml')}", *plan.extra, *pr["run"]]
+    junit = plan.out / f"junit-{unit_name(pr['folder'], scope)}.xml"
+    argv += [f"--junitxml={junit}", *plan.extra, *(pr["run"] if files is None else files)]
     return argv
 
 
@@ -267,25 +317,32 @@ def host_facts(python: str, site: Path, work: Path) -> dict:
 
 def describe(plan: StackPlan, stack: dict, site: Path) -> str:
     """The plan as text: unpack step, then per PR its overlay and its pytest command."""
+    earlier = (
+        f", the earlier PRs' tests {plan.earlier_timeout_s} s per tree"
+        if plan.earlier
+        else ", own tests only"
+    )
     lines = [
         f"# per-PR runs: lane {plan.lane}, PRs {' '.join(plan.prs)}, budget {plan.budget_s} s, "
-        f"{plan.pr_timeout_s} s per PR",
+        f"{plan.pr_timeout_s} s per PR's own tests{earlier}, {plan.jobs} pytest process(es) at once",
         f"install: unpack the lane's site.tar.xz into {site}; blobs.tar.xz into a temporary folder",
     ]
     by_folder = {pr["folder"]: pr for pr in stack["prs"]}
+    files = []
     for folder in plan.prs:
         pr = by_folder[folder]
         vllm = (
             "pristine vLLM files" if any(r.startswith("vllm/") for r in pr["overlay"]) else "vLLM as bundled"
         )
-        argv = pytest_command(plan, pr, Path("TREE/pytest.ini"), Path("TREE"))
-        lines.append(
-            f"[{folder}] overlay {len(pr['overlay'])} files ({vllm}), {len(pr['tests'])} test files: "
-            f"{' '.join(argv)} > {plan.out}/tests-{folder}.log"
-        )
+        lines.append(f"[{folder}] overlay {len(pr['overlay'])} files ({vllm}), {len(pr['tests'])} test files")
+        for scope, tests in units(plan, stack, folder):
+            name = unit_name(folder, scope)
+            argv = pytest_command(plan, pr, Path("TREE/pytest.ini"), Path("TREE"), scope, tests)
+            lines.append(f"  {scope}: {' '.join(argv)} > {plan.out}/tests-{name}.log")
+            files.append(f"tests-{name}.log junit-{name}.xml")
     if not plan.tests:
         lines = lines[:2] + ["tests: not run (--no-tests)"]
-    files = [f"tests-{f}.log junit-{f}.xml" for f in plan.prs] if plan.tests else []
+        files = []
     if plan.figures:
         trees = figure_trees(plan, stack)
         lines.append(
@@ -392,13 +449,27 @@ def _result(folder: str, title: str, status: str, **extra) -> dict:
     return {"folder": folder, "title": title, "status": status, **extra}
 
 
-def run_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, work: Path, limit: int) -> dict:
-    """Overlay, check, write the tree and run one PR's tests; its entry of the summary."""
+@dataclass
+class Tree:
+    """One PR's tree, ready for its pytest processes (:func:`prepare_pr`)."""
+
+    pr: dict
+    tree: Path
+    ini: Path
+    env: dict[str, str]
+    #: the entry fields of the summary that do not depend on a run
+    base: dict
+
+
+def prepare_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, work: Path) -> Tree | dict:
+    """Overlay, check and write one PR's tree; its :class:`Tree`, or its summary entry with status
+    ``error`` when the overlaid package is not the PR's tree."""
     dest, tree = work / pr["folder"] / "pkgs", work / pr["folder"] / "tree"
     packages = overlay_packages(site, pr, blobs, dest)
     problems, stripped = check_package(stack, pr, site, dest)
     base = {"kind": pr["kind"], "vllm_prs": pr["vllm_prs"], "series_fingerprint": pr["series_fingerprint"],
-            "packages_overlaid": packages, "stripped_files": stripped}  # fmt: skip
+            "packages_overlaid": packages, "stripped_files": stripped,
+            "marks": pr["marks"] if plan.markers is None else plan.markers}  # fmt: skip
     if problems:
         return _result(pr["folder"], pr["title"], "error", problems=problems, **base)
     write_tree(pr, blobs, tree)
@@ -408,24 +479,104 @@ def run_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, work
     blocker = work / pr["folder"] / "blocker"
     (blocker / "minicpmo_cg").mkdir(parents=True, exist_ok=True)
     (blocker / "minicpmo_cg" / "__init__.py").write_text(_BLOCKER, encoding="utf-8")
+    pytestlog.write_collect_plugin(blocker)
     ini = _pytest_ini(work / pr["folder"] / "pytest.ini", stack["markers"])
     env = {**os.environ, **hostenv.FIXED_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(dest), str(site)])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    argv = pytest_command(plan, pr, ini, tree)
-    log = plan.out / f"tests-{pr['folder']}.log"
-    junit = plan.out / f"junit-{pr['folder']}.xml"
+    return Tree(pr, tree, ini, env, base)
+
+
+def run_unit(plan: StackPlan, ready: Tree, scope: str, files: list[str], limit: int) -> dict:
+    """One pytest process of a prepared tree (its own tests, or the earlier PRs'); its record."""
+    name = unit_name(ready.pr["folder"], scope)
+    argv = pytest_command(plan, ready.pr, ready.ini, ready.tree, scope, files)
+    log, junit = plan.out / f"tests-{name}.log", plan.out / f"junit-{name}.xml"
+    collected = ready.ini.parent / f"collected-{scope}.json"
     junit.unlink(missing_ok=True)
+    collected.unlink(missing_ok=True)
+    env = {**ready.env, pytestlog.COLLECT_OUT: str(collected)}
     t0 = time.monotonic()
-    rc, timed_out = runner.run_limited(argv, log, env, tree, limit)
+    rc, timed_out = runner.run_limited(argv, log, env, ready.tree, limit)
     seconds = round(time.monotonic() - t0, 1)
     counts, reasons = junit_counts(junit)
-    status = "timeout" if timed_out else ("ok" if rc in (0, 5) else "failed")
-    return _result(
-        pr["folder"], pr["title"], status, returncode=rc, seconds=seconds, time_limit_s=limit,
-        marks=pr["marks"] if plan.markers is None else plan.markers, summary=pytest_summary(log),
-        counts=counts, skip_reasons=reasons, junit=junit.name, log=log.name, command=argv, **base,
-    )  # fmt: skip
+    output = log.read_text(errors="replace") if log.is_file() else ""
+    collection = pytestlog.read_collection(collected)
+    return {
+        "scope": scope, "files": files, "marks": ready.base["marks"],
+        "status": "timeout" if timed_out else ("ok" if rc in (0, 5) else "failed"),
+        "returncode": rc, "seconds": seconds, "time_limit_s": limit, "summary": pytest_summary(log),
+        "counts": counts, "skip_reasons": reasons, "warnings": pytestlog.warnings(output, ready.tree),
+        "collected": collection.tests if collection else None,
+        "deselected": collection.deselected if collection else None,
+        "junit": junit.name, "log": log.name, "command": argv,
+    }  # fmt: skip
+
+
+#: how a PR's entry reads when its runs differ: the first of these that one of its runs has
+_WORST = ("failed", "timeout", "skipped")
+
+
+def pr_entry(ready: Tree, runs: list[dict]) -> dict:
+    """A PR's summary entry from its runs: the worst run's status, the own run's summary."""
+    statuses = {run["status"] for run in runs}
+    status = next((s for s in _WORST if s in statuses), "ok")
+    own = next((run for run in runs if run["scope"] == OWN), runs[0] if runs else {})
+    return _result(ready.pr["folder"], ready.pr["title"], status, summary=own.get("summary"), runs=runs,
+                   **ready.base)  # fmt: skip
+
+
+def _tests(plan: StackPlan, stack: dict, site: Path, blobs: Path, work: Path, started: float,
+           say: Any) -> list[dict]:  # fmt: skip
+    """Prepare each PR's tree in stack order, then run the pytest processes of every tree, up to
+    ``plan.jobs`` at once, each under its time limit and what the budget has left when it starts;
+    the summary entries in stack order."""
+    by_folder = {pr["folder"]: pr for pr in stack["prs"]}
+    lock = threading.Lock()
+
+    def tell(text: str) -> None:
+        with lock:
+            say(text)
+
+    trees: dict[str, Tree | dict] = {}
+    for folder in plan.prs:
+        ready = prepare_pr(plan, stack, by_folder[folder], site, blobs, work)
+        trees[folder] = ready
+        if isinstance(ready, dict):
+            tell(
+                f"[{folder}] ERROR: the overlaid package is not the PR's tree:\n  "
+                + "\n  ".join(ready["problems"])
+            )
+
+    def one(folder: str, scope: str, files: list[str]) -> dict:
+        ready = trees[folder]
+        left = plan.budget_s - (time.monotonic() - started)
+        timeout = plan.pr_timeout_s if scope == OWN else plan.earlier_timeout_s
+        name = f"{folder} {scope}"
+        if left < min(runner.MIN_PART_S, timeout):
+            tell(f"[{name}] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
+            return {"scope": scope, "files": files, "marks": ready.base["marks"], "status": "skipped",
+                    "reason": "budget spent"}  # fmt: skip
+        run = run_unit(plan, ready, scope, files, int(min(timeout, left)))
+        tell("=" * 100 + f"\n[{name}] {' '.join(run['command'])}   (time limit {run['time_limit_s']} s)")
+        tell(runner.log_excerpt(plan.out / run["log"], 8))
+        tell(
+            f"[{name}] {run['status']} (exit {run['returncode']}) in {run['seconds']:.0f} s: {run['summary']}"
+        )
+        return run
+
+    jobs = [(folder, scope, files) for folder in plan.prs if not isinstance(trees[folder], dict)
+            for scope, files in units(plan, stack, folder)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=max(1, plan.jobs)) as pool:
+        done = list(pool.map(lambda job: one(*job), jobs))
+    entries = []
+    for folder in plan.prs:
+        ready = trees[folder]
+        if isinstance(ready, dict):
+            entries.append(ready)
+            continue
+        entries.append(pr_entry(ready, [run for job, run in zip(jobs, done) if job[0] == folder]))
+    return entries
 
 
 def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, repo: Path,
@@ -442,7 +593,9 @@ def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, rep
     say = runner.Console(plan.out / f"stack-{plan.lane}.log")
     stack = read_stack(stack_folder)
     summary_path = plan.out / f"stack-{plan.lane}.json"
-    doc = {"lane": plan.lane, "budget_s": plan.budget_s, "pr_timeout_s": plan.pr_timeout_s,
+    doc = {"version": SUMMARY_VERSION, "lane": plan.lane, "budget_s": plan.budget_s,
+           "pr_timeout_s": plan.pr_timeout_s, "jobs": plan.jobs,
+           "earlier_timeout_s": plan.earlier_timeout_s if plan.earlier else None,
            "stack_built_at": stack.get("built_at"), "stack_commit": stack.get("commit"),
            "vllm": stack.get("vllm"), "vllm_omni": stack.get("vllm_omni"), "site": str(site), "prs": []}  # fmt: skip
     try:
@@ -471,28 +624,8 @@ def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, rep
         blobs = work / "blobs"
         doc.update(host_facts(plan.python, site, work))
         say(f"device: {doc['device']}\nsoftware: {doc['environment']}")
-        by_folder = {pr["folder"]: pr for pr in stack["prs"]}
-        for folder in plan.prs if plan.tests else []:
-            pr = by_folder[folder]
-            left = plan.budget_s - (time.monotonic() - started)
-            limit = int(min(plan.pr_timeout_s, left))
-            say("=" * 100)
-            if left < min(runner.MIN_PART_S, plan.pr_timeout_s):
-                say(f"[{folder}] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
-                doc["prs"].append(_result(folder, pr["title"], "skipped", reason="budget spent"))
-                continue
-            entry = run_pr(plan, stack, pr, site, blobs, work, limit)
-            doc["prs"].append(entry)
-            if entry["status"] == "error":
-                say(
-                    f"[{folder}] ERROR: the overlaid package is not the PR's tree:\n  "
-                    + "\n  ".join(entry["problems"])
-                )
-                continue
-            say(f"[{folder}] {' '.join(entry['command'])}   (time limit {limit} s)")
-            say(runner.log_excerpt(plan.out / entry["log"], 8))
-            say(f"[{folder}] {entry['status']} (exit {entry['returncode']}) in {entry['seconds']:.0f} s: "
-                f"{entry['summary']}")  # fmt: skip
+        if plan.tests:
+            doc["prs"] = _tests(plan, stack, site, blobs, work, started, say)
         if plan.figures:
             doc["figures"] = _figures(plan, stack, site, blobs, work, repo, started, say)
         shutil.rmtree(work, ignore_errors=True)
@@ -500,6 +633,9 @@ def execute(plan: StackPlan, stack_folder: Path, lane_dir: Path, site: Path, rep
         say(f"SUMMARY per-PR runs {plan.lane} (total {time.monotonic() - started:.0f} s):")
         for entry in doc["prs"]:
             say(f"  {entry['folder']:26s} {entry['status']:8s} {entry.get('summary') or ''}")
+            for run in entry.get("runs", []):
+                if run["scope"] == EARLIER:
+                    say(f"  {'  earlier PRs tests':26s} {run['status']:8s} {run.get('summary') or ''}")
         for entry in doc.get("figures", []):
             say(f"  figures {entry['folder']:18s} {entry['status']:8s}")
         runs = doc["prs"] + doc.get("figures", [])

@@ -111,6 +111,40 @@ def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -
     )
 
 
+def test_speed_up_is_divided_from_the_medians_as_shown() -> None:
+    """8.794 and 1.9249 show as 8.79 and 1.92: the speed-up is 8.79 / 1.92 = 4.578 -> 4.58×, not
+    the unrounded 4.569 -> 4.57×, which a reader dividing the shown figures could not reproduce."""
+    assert tree_report.speed_up({"median": 8.794}, {"median": 1.9249}) == "4.58×"
+    assert tree_report.speed_up({"median": 8.0}, {"median": 2.0}) == "4.00×"
+    assert tree_report.speed_up(None, {"median": 2.0}) == "—"
+    assert tree_report.speed_up({"median": 2.0}, {"median": 0.001}) == "—"  # shows as 0.00
+
+
+def _cell_ms(cell: str) -> float:
+    """The median of a results cell: ``8.95`` or ``2.17 (worst 2.39); first session ...``."""
+    return float(cell.strip().split(" ", 1)[0])
+
+
+def test_every_speed_up_of_the_stack_results_page_agrees_with_its_shown_medians() -> None:
+    """Each ``speed-up (default)`` cell of docs/results/stack.md equals the shown "default before"
+    over the shown "default with this PR", to the two decimals it is given with."""
+    repo = Path(__file__).resolve().parents[2]
+    page = (repo / "docs/results/stack.md").read_text(encoding="utf-8")
+    checked = 0
+    for table in re.findall(r"^\| call site \|.*?(?=\n\n|\Z)", page, re.MULTILINE | re.DOTALL):
+        header, _, *rows = table.splitlines()
+        names = [c.strip() for c in header.strip("|").split("|")]
+        before, after = names.index("default before"), names.index("default with this PR")
+        speed = names.index("speed-up (default)")
+        for row in rows:
+            cells = row.strip().strip("|").split("|")
+            shown = cells[speed].strip()
+            want = f"{round(_cell_ms(cells[before]), 2) / round(_cell_ms(cells[after]), 2):.2f}×"
+            assert shown == want, row
+            checked += 1
+    assert checked >= 6, "the page has no speed-up cells"
+
+
 def test_report_needs_a_run_summary(tmp_path: Path, capsys) -> None:
     assert tree_report.main([str(tmp_path)]) == 2
     assert "has no stack-LANE.json" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from exportkit import AUTHOR, REPO, created_file, no_git_identity, patch_texts, 
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import RESULTS_PAGE
-from minicpmo_cg.export import prtext, stack, transform
+from minicpmo_cg.export import prtext, pytestlog, stack, testmarks, transform
 from minicpmo_cg.export.changeset import read_change_set
 
 pytestmark = [pytest.mark.core_model]
@@ -31,6 +31,12 @@ RESULTS = RESULTS_PAGE
 
 def _folders(manifest: dict) -> list[str]:
     return [pr["folder"] for pr in manifest["prs"]]
+
+
+def _selected(summary: str) -> int:
+    """How many tests a pytest summary line says ran (every outcome but ``deselected``)."""
+    counts = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", summary)
+    return sum(int(n) for n, _ in counts)
 
 
 @pytest.mark.cpu
@@ -47,13 +53,18 @@ def test_each_pr_applies_on_the_previous_is_signed_off_lint_clean_and_its_tests_
         for text in texts:
             assert f"Signed-off-by: {AUTHOR}" in text
             assert re.search(r"^Subject: \[PATCH[^\]]*\] \[[A-Z][\w/]*\]", text, re.MULTILINE)
-    for check, pr in zip(report.checks, manifest["prs"]):
+    for index, (check, pr) in enumerate(zip(report.checks, manifest["prs"])):
         tests = [t for t in pr["tests"] if Path(t).name.startswith("test_")]
-        if not tests:
-            continue
-        [run] = check.runs  # one per --marks expression
-        assert run.ok and " passed" in run.summary, check.outputs
-        assert not re.search(r"\d+ (failed|error)", run.summary)
+        own = [run for run in check.runs if run.scope == prtext.OWN]
+        earlier = [run for run in check.runs if run.scope == prtext.EARLIER]
+        # on each tree the earlier PRs' tests run too, apart from its own: one run each per --marks
+        files = pytestlog.earlier_test_files(manifest["prs"], index)
+        assert bool(files) == (index > 0) and [run.files for run in earlier] == ([files] if files else [])
+        assert [run.files for run in own] == ([tests] if tests else [])
+        for run in own + earlier:
+            assert run.ok and " passed" in run.summary, check.outputs
+            assert not re.search(r"\d+ (failed|error)", run.summary)
+            assert run.collection and len(run.collection.selected) == _selected(run.summary), run.summary
     for check in report.checks:
         for run in check.runs:  # every warning pytest counted is named in the PR text
             warned = re.search(r"(\d+) warnings?\b", run.summary)
@@ -117,6 +128,16 @@ def test_layout_follows_vllm_omni(exported):
         assert any(t.startswith(conv.TITLE_PREFIX_MODEL) and "add " in t for t in titles) == bool(
             resolved.owned
         )
+        # a commit that adds modules and also changes ones an earlier PR added names those in its title
+        before = {f for p in manifest["prs"][: manifest["prs"].index(pr)] for f in p["files"]}
+        for commit in pr["commits"]:
+            changed = [
+                Path(f).name for f in sorted(commit["files"]) if f in before and f.startswith("vllm_omni/")
+            ]
+            if ": add " in commit["title"] and changed:
+                assert re.search(
+                    rf" and extend {re.escape(', '.join(changed))} for (it|them)$", commit["title"]
+                ), commit
         for rel in files:
             if rel.endswith(".py") and rel not in modified:
                 head = (created_file(out / pr["folder"], rel) or "").splitlines()[:2]
@@ -141,11 +162,36 @@ def test_the_vllm_change_is_its_own_pr_with_tests_in_vllms_layout(exported):
         body = (out / pr["folder"] / "PR.md").read_text()
         assert all(patch.why in body for patch in resolved.patches)
         assert " passed" in body  # its tests ran against the installed vLLM with the change
+        # what did not run, vLLM main first: this export had no vLLM checkout to check the series against
+        not_run = body.split("## Not run\n", 1)[1]
+        assert not_run.startswith(
+            f"\n- vLLM `main`: the tests ran against vLLM {manifest['vllm']} with this change"
+        )
+        assert "whether the series applies to `main` was not checked" in not_run
         needing = [p for p in manifest["prs"] if pr["folder"] in p["vllm"]]
         assert needing, "no vllm-omni PR depends on the vLLM PR"
         for omni in needing:
             text = (out / omni["folder"] / "PR.md").read_text()
             assert pr["title"] in text and _cites_the_tracker(text)
+
+
+def _accounts_for_every_collected_test(text: str, runs: list, where: str) -> None:
+    """Per scope, the Test Result's "In all" line names every test the runs collected, its parts add
+    up, and each test no run selects is named under Not run."""
+    result, not_run = text.split("## Test Result", 1)[1].split("### Not run", 1)
+    totals = re.findall(r"^- In all, the (\d+) collected tests: (.*)\.$", result, re.MULTILINE)
+    scopes = [scope for scope in (prtext.OWN, prtext.EARLIER) if any(r.scope == scope for r in runs)]
+    assert len(totals) == len(scopes), where
+    for scope, (total, parts) in zip(scopes, totals):
+        scoped = [run for run in runs if run.scope == scope]
+        marks = {node: m for run in scoped for node, m in run.collection.tests.items()}
+        assert int(total) == len(marks), where
+        assert sum(int(n) for n in re.findall(r"(\d+) ", parts)) == len(marks), (where, parts)
+        ran = {node for run in scoped for node in run.collection.selected}
+        assert f"{len(ran)} selected by the runs" in parts, where
+        for node in set(marks) - ran:  # a unit level not run would select it, or Not run names it
+            unit = any(testmarks.expression_selects(lv, frozenset(marks[node])) for lv in prtext.UNIT_MARKS)
+            assert unit or f"`{node}`" in not_run, (where, node)
 
 
 def _cites_the_tracker(text: str) -> bool:
@@ -180,15 +226,21 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         assert (out / pr["folder"] / "PR-title.txt").read_text().strip() == pr["title"]
         assert pr["title"].startswith("[") and conv.MODEL_TITLE in pr["title"]
         assert all(title in text for title in earlier), where
+        # not opened yet (no --pr-number): each earlier PR by its place in the stack and its branch
+        for k, before in enumerate(manifest["prs"][: len(earlier)], 1):
+            place = f"PR {k} of the {len(manifest['prs'])} of the stack, branch `{before['branch']}`"
+            assert f"{k}. {before['title']} (not opened yet: {place})" in text, where
         if not earlier and not pr["vllm"]:
             assert "it can merge on the current vLLM pin" in text
         earlier.append(pr["title"])
         for run in check.runs:
             assert run.summary in text and run.environment in text
+            assert f"- `{run.command}`: `{run.summary}`" in text, where  # the files each run ran
             for reason in run.skipped:
                 assert reason in text
             for warning in run.warnings:
                 assert warning in text, where
+        _accounts_for_every_collected_test(text, check.runs, where)
         # a vLLM change an earlier PR needs holds this one back too, and its text says so
         needed = {v for p in manifest["prs"][: manifest["prs"].index(pr) + 1] for v in p["vllm"]}
         for vllm_pr in manifest["vllm_prs"]:

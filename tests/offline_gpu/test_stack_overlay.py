@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from minicpmo_cg.export import pytestlog
 from minicpmo_cg.offline_gpu import payload, stackrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,8 +166,9 @@ def test_junit_counts(tmp_path: Path) -> None:
 
 
 def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
-    """One PR's run through the command line: overlay, check, pytest, junit, summary; the export
-    then reads the summary into that PR's run (and refuses it for another series)."""
+    """One PR's runs through the command line: overlay, check, pytest on its own tests and on the
+    earlier PRs' tests of its tree, junit, summary; the export then reads the summary into that
+    PR's runs (and refuses them for another series)."""
     from minicpmo_cg.export.gitseries import series_fingerprint
     from minicpmo_cg.export.gpuresults import gpu_runs
     from minicpmo_cg.offline_gpu.cli import main
@@ -179,15 +181,23 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
     code = main(argv)
     printed = capsys.readouterr().out
     summary = json.loads((results / "stack-current.json").read_text())
-    assert [e["folder"] for e in summary["prs"]] == [folder]
+    assert [e["folder"] for e in summary["prs"]] == [folder] and summary["version"] == 2
     entry = summary["prs"][0]
     assert code == 0 and entry["status"] == "ok", printed
-    counts, reasons = stackrun.junit_counts(results / entry["junit"])
-    assert entry["counts"] == counts and entry["skip_reasons"] == reasons
-    ran = sum(counts.values())
-    assert ran > 0 and f"{counts['skipped']} skipped" in entry["summary"]
+    own, earlier = entry["runs"]
+    index = [pr["folder"] for pr in manifest["prs"]].index(folder)
+    assert (own["scope"], earlier["scope"]) == ("own", "earlier")
+    assert earlier["files"] == pytestlog.earlier_test_files(manifest["prs"], index) != []
+    for run in (own, earlier):
+        counts, reasons = stackrun.junit_counts(results / run["junit"])
+        assert run["counts"] == counts and run["skip_reasons"] == reasons
+        # every test pytest collected is in the record: the selected ones ran, the others were deselected
+        assert sum(counts.values()) == len(run["collected"]) - len(run["deselected"]) > 0
+    counts, reasons = own["counts"], own["skip_reasons"]
+    assert f"{counts['skipped']} skipped" in own["summary"] == entry["summary"]
     assert entry["marks"] == "core_model and cuda" and entry["packages_overlaid"] == ["vllm_omni"]
-    assert (results / f"tests-{folder}.log").is_file() and "SUMMARY per-PR runs" in printed
+    assert (results / f"tests-{folder}.log").is_file() and (results / f"tests-{folder}-earlier.log").is_file()
+    assert "SUMMARY per-PR runs" in printed
     assert "Python" in summary["environment"] and summary["date"]
 
     class Pr:
@@ -198,8 +208,9 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
     assert entry["series_fingerprint"] == series_fingerprint(prs[3].series)
     runs, notes = gpu_runs([results / "stack-current.json"], prs)
     assert list(runs) == [folder]
-    (run,) = runs[folder]
+    run, earlier_run = runs[folder]
     assert (run.marks, run.summary, run.skipped, run.ok) == (entry["marks"], entry["summary"], reasons, True)
+    assert (run.scope, earlier_run.scope) == ("own", "earlier") and earlier_run.files == earlier["files"]
     where = "on an offline GPU host" if summary["device"] else "on a machine without a GPU"
     assert where in run.environment and summary["date"] in run.environment
     assert (
