@@ -282,8 +282,8 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc="opt-in, for many concurrent duplex sessions: encode the audio chunks of every duplex session "
         "scheduled in one engine step in one batched call (one graph replay per step; each row bitwise "
         "equal to its session's own encode with the fused Whisper layers and the SDPA reference attention, "
-        "else within four bf16 steps; slower than the per-session graph for a single session); false = each session's chunk on its own, "
-        "bitwise equal to eager",
+        "else within four bf16 steps; slower than the per-session graph for a single session); "
+        "false = each session's chunk on its own, bitwise equal to eager",
     ),
     # /pr
     HfOverrideKey(
