@@ -506,24 +506,29 @@ def _test_plan(inp: PrInputs) -> list[str]:
     return out
 
 
-def run_lines(runs: list[PytestRun]) -> list[str]:
+def run_lines(runs: list[PytestRun], accounted: bool = False) -> list[str]:
     """One bullet per run: its command (the test files it named), pytest's summary, where it ran,
-    why tests skipped and what warned (category, where raised, how many times)."""
+    why tests skipped and what warned (category, where raised, how many times). ``accounted``: the
+    lines after these account for the collected tests (:func:`accounting_lines`), so a run's
+    deselected tests need no sentence of their own."""
     out = []
     for run in runs:
-        line = f"- `{run.command}`: `{run.summary or 'no summary'}`"
-        line += f", {run.environment}" if run.environment else ""
+        parts = [
+            f"`{run.command}`: `{run.summary or 'no summary'}`"
+            + (f", {run.environment}" if run.environment else "")
+        ]
         if run.skipped:
-            reasons = "; ".join(f"{n} × {reason}" for reason, n in sorted(run.skipped.items()))
-            line += f". Skipped: {reasons}"
+            parts.append(
+                "Skipped: " + "; ".join(f"{n} × {reason}" for reason, n in sorted(run.skipped.items()))
+            )
         if run.warnings:
-            found = "; ".join(f"{n} × {warning}" for warning, n in sorted(run.warnings.items()))
-            line += f". Warnings: {found}"
+            parts.append("Warnings: " + "; ".join(f"{n} × {w}" for w, n in sorted(run.warnings.items())))
         elif run.warnings_unknown:
-            line += ". Warnings: counted by pytest, not itemised in the record of this run"
-        if run.summary and "deselected" in run.summary and run.collection is None:
-            line += f'. Deselected: the collected tests that `-m "{run.marks}"` does not select'
-        out.append(line if line.endswith((".", "!", "?")) else line + ".")
+            parts.append("Warnings: counted by pytest, not itemised in the record of this run")
+        if run.summary and "deselected" in run.summary and run.collection is None and not accounted:
+            parts.append(f'Deselected: the collected tests that `-m "{run.marks}"` does not select')
+        # one sentence each: a part that ends a sentence of its own (a warning's message) gets no second stop
+        out.append("- " + " ".join(p if p.endswith((".", "!", "?")) else p + "." for p in parts))
     return out
 
 
@@ -775,7 +780,8 @@ def _scope_lines(inp: PrInputs, scope: str) -> list[str]:
             "The earlier PRs' tests on this tree (the test files of the earlier PRs of the stack that this "
             f"PR leaves as they are){collected}:"
         )
-    return [intro, "", *run_lines(runs), *accounting_lines(runs, _levels(inp, scope)), ""]
+    accounting = accounting_lines(runs, _levels(inp, scope))
+    return [intro, "", *run_lines(runs, accounted=bool(accounting)), *accounting, ""]
 
 
 def _levels(inp: PrInputs, scope: str) -> tuple[str, ...]:
@@ -860,7 +866,8 @@ def vllm_pr(inp: PrInputs) -> str:
             f" (the tests collect {count} test{'s' if count != 1 else ''})" if count is not None else ""
         )
         out += [f"Against vLLM {inp.vllm_version} with this change applied{collected}:", ""]
-        out += run_lines(inp.runs) + accounting_lines(inp.runs, ()) + [""]
+        accounting = accounting_lines(inp.runs, ())
+        out += run_lines(inp.runs, accounted=bool(accounting)) + accounting + [""]
     else:
         out += ["No test run is recorded for this description.", ""]
     check = inp.main_check

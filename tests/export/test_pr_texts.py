@@ -352,3 +352,18 @@ def test_the_export_names_each_opened_pr_by_number_and_the_others_by_place_and_b
     assert any(
         w.startswith(f"not numbered: {second.folder}") and "--pr-number KEY=N" in w for w in result.warnings
     )
+
+
+def test_a_warning_that_ends_a_sentence_gets_no_second_stop_and_accounted_runs_no_deselection_sentence():
+    run = prtext.PytestRun(CUDA, "2 passed, 5 deselected, 1 warning", files=OWN_FILES,
+                           warnings={"UserWarning (torch/cuda/graphs.py:126): The CUDA Graph is empty.": 1})  # fmt: skip
+    [line] = prtext.run_lines([run])
+    assert "The CUDA Graph is empty. Deselected: the collected tests that" in line and ".." not in line
+    [line] = prtext.run_lines([run], accounted=True)
+    assert line.endswith("The CUDA Graph is empty.") and "Deselected" not in line
+    # in a PR text, the CPU run's collection accounts for the GPU run's deselected tests too
+    text = prtext.omni_pr(_inputs([_cpu_run(), run]))
+    assert (
+        "Deselected:" not in text
+        and "In all, the 7 collected tests: 5 selected by the runs, 2 by none." in text
+    )

@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 # Answers `python -m pytest ...` as pytest would for one test per file named: a junit xml, the
 # collection plugin's JSON, a warnings summary. It also counts how many of its kind run at once:
-# each marks itself running in RUNNING, then waits (up to a bound) to see a second one; the most
-# it saw goes to SEEN. `-c` (the host facts) prints a software line.
+# each marks itself running in RUNNING and arrived in ARRIVED (for good), then, until WANT have
+# arrived, waits (WANT 1: not at all; at most 30 s, so that a run one at a time cannot hang); how
+# many were running then goes to SEEN. `-c` (the host facts) prints a software line.
 FAKE_PYTEST = """#!{python}
 import json, os, sys, time
 from pathlib import Path
@@ -36,8 +37,12 @@ running = Path({running!r})
 running.mkdir(exist_ok=True)
 me = running / str(os.getpid())
 me.write_text("")
-for _ in range(150):  # up to ~1.5 s for another process to start
-    if len(list(running.iterdir())) > 1:
+arrived = Path({seen!r} + ".arrived")
+arrived.mkdir(exist_ok=True)
+(arrived / str(os.getpid())).write_text("")
+want = int(Path({want!r}).read_text())
+for _ in range(3000):
+    if len(list(arrived.iterdir())) >= want:
         break
     time.sleep(0.01)
 with open({seen!r}, "a") as f:
@@ -94,12 +99,13 @@ def hand_stack(tmp_path: Path) -> tuple[Path, dict[str, list[Path]]]:
     return tmp_path / "bundles", series
 
 
-def _run(tmp_path: Path, bundles: Path, *extra: str) -> tuple[int, dict, list[int]]:
+def _run(tmp_path: Path, bundles: Path, *extra: str, want: int = 1) -> tuple[int, dict, list[int]]:
+    """``stack-run`` with the stand-in; each of its pytest processes waits to see ``want`` running."""
     fake = tmp_path / "fakepython"
     seen = tmp_path / f"seen-{len(list(tmp_path.glob('seen-*')))}"
-    fake.write_text(
-        FAKE_PYTEST.format(python=sys.executable, running=str(tmp_path / "running"), seen=str(seen))
-    )
+    (tmp_path / "want").write_text(str(want))
+    fake.write_text(FAKE_PYTEST.format(python=sys.executable, running=str(tmp_path / "running"), seen=str(seen),
+                                       want=str(tmp_path / "want")))  # fmt: skip
     fake.chmod(0o755)
     out = tmp_path / f"out-{seen.name}"
     argv = ["stack-run", "current", "--installed-site", str(tmp_path / "site"), "--python", str(fake),
@@ -136,9 +142,9 @@ def test_each_tree_runs_its_own_and_the_earlier_prs_tests_apart(tmp_path: Path, 
 
 def test_jobs_runs_several_pytest_processes_at_once(tmp_path: Path, hand_stack) -> None:
     bundles, _ = hand_stack
-    code, doc, seen = _run(tmp_path, bundles, "--jobs", "3")
+    code, doc, seen = _run(tmp_path, bundles, "--jobs", "3", want=2)
     assert code == 0 and doc["jobs"] == 3 and len(seen) == 5
-    assert max(seen) > 1  # a process saw another one running beside it
+    assert max(seen) >= 2  # processes waited for one another: one at a time, none would have seen two
     # the entries stay in stack order, each with its runs in scope order
     assert [e["folder"] for e in doc["prs"]] == ["01-first", "02-second", "03-third"]
     assert [[r["scope"] for r in e["runs"]] for e in doc["prs"]] == [
