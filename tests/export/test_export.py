@@ -129,15 +129,17 @@ def test_layout_follows_vllm_omni(exported):
             resolved.owned
         )
         # a commit that adds modules and also changes ones an earlier PR added names those in its title
+        # (by file name or by path in the model's folder: each changed file, once)
         before = {f for p in manifest["prs"][: manifest["prs"].index(pr)] for f in p["files"]}
         for commit in pr["commits"]:
-            changed = [
-                Path(f).name for f in sorted(commit["files"]) if f in before and f.startswith("vllm_omni/")
-            ]
-            if ": add " in commit["title"] and changed:
-                assert re.search(
-                    rf" and extend {re.escape(', '.join(changed))} for (it|them)$", commit["title"]
-                ), commit
+            changed = [f for f in commit["files"] if f in before and f.startswith("vllm_omni/")]
+            if ": add " not in commit["title"] or not changed:
+                continue
+            extended = re.search(r" and extend (.+) for (?:it|them)$", commit["title"])
+            assert extended, commit
+            named = extended.group(1).split(", ")
+            assert len(named) == len(changed), commit
+            assert all(sum(f.endswith(f"/{n}") for n in named) == 1 for f in changed), commit
         for rel in files:
             if rel.endswith(".py") and rel not in modified:
                 head = (created_file(out / pr["folder"], rel) or "").splitlines()[:2]
