@@ -562,15 +562,25 @@ _stream_capturing = getattr(
 )
 
 
-def _require_capture_error_mode() -> None:
-    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
+#: Why encoder graphs need more than the installed vLLM offers, when its manager lacks ``capture_error_mode``.
+NO_CAPTURE_ERROR_MODE = (
+    "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs would be captured "
+    "in global mode, which a CUDA call of any other thread breaks (the vLLM change 'encoder_cudagraph: let "
+    "the caller choose the capture error mode of encoder graphs' adds it)"
+)
+
+
+def manager_takes_capture_error_mode() -> bool:
+    """Whether vLLM's ``EncoderCudaGraphManager`` takes ``capture_error_mode`` (read off its signature)."""
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
 
-    if "capture_error_mode" not in inspect.signature(EncoderCudaGraphManager).parameters:
+    return "capture_error_mode" in inspect.signature(EncoderCudaGraphManager).parameters
+
+
+def _require_capture_error_mode() -> None:
+    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
+    if not manager_takes_capture_error_mode():
         raise RuntimeError(
-            "vLLM's EncoderCudaGraphManager takes no capture_error_mode, so encoder CUDA graphs "
-            "would be captured in global mode, which a CUDA call of any other thread breaks: use a vLLM "
-            "whose EncoderCudaGraphManager takes capture_error_mode (the vLLM change 'encoder_cudagraph: "
-            "let the caller choose the capture error mode of encoder graphs'), or run the encoders "
-            "eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
+            f"{NO_CAPTURE_ERROR_MODE}: use a vLLM whose EncoderCudaGraphManager takes capture_error_mode, "
+            "or run the encoders eagerly with --hf-overrides '{\"encoder_cuda_graph\": false}'."
         )

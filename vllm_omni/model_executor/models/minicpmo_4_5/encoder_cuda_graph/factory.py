@@ -7,9 +7,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from vllm.logger import init_logger
 
 from .adapter import EncoderCudaGraph
+from .backend import NO_CAPTURE_ERROR_MODE, manager_takes_capture_error_mode
 from .options import EncoderCudaGraphOptions
+
+logger = init_logger(__name__)
 
 __all__ = ["EncoderCudaGraphSetup", "lora_may_reach", "make_encoder_cuda_graph"]
 
@@ -68,10 +72,13 @@ def make_encoder_cuda_graph(
     """Build the adapter for one encoder, or None when encoder graphs are off for it.
 
     Off (no adapter) when ``options.enabled`` is False (``encoder_cuda_graph:
-    false``), under ``--enforce-eager`` (``model_config.enforce_eager``), or when
+    false``), under ``--enforce-eager`` (``model_config.enforce_eager``), when
     ``lora_reason`` (from :func:`lora_may_reach`) says LoRA may reach the
-    encoder. With ``max_graphs == 0`` the adapter is built (it counts the calls
-    as capacity misses) but the state is off.
+    encoder, or when vLLM's manager takes no ``capture_error_mode`` (a vLLM
+    without that change: the encoders run eagerly, with one WARNING naming it,
+    rather than the model failing to build; the adapter itself refuses to be
+    built there). With ``max_graphs == 0`` the adapter is built (it counts the
+    calls as capacity misses) but the state is off.
 
     Args:
         forward, vllm_config, name, static_args, captured_modules: see
@@ -91,6 +98,12 @@ def make_encoder_cuda_graph(
         return EncoderCudaGraphSetup(
             None, f"off ({lora_reason}; a replay would keep the weights live at capture)"
         )
+    if not manager_takes_capture_error_mode():
+        logger.warning_once(
+            "MiniCPM-o 4.5 encoder CUDA graphs are off and the encoders run eagerly: %s.",
+            NO_CAPTURE_ERROR_MODE,
+        )
+        return EncoderCudaGraphSetup(None, "off (vLLM's EncoderCudaGraphManager takes no capture_error_mode)")
     adapter = EncoderCudaGraph(
         forward,
         vllm_config,
