@@ -105,6 +105,19 @@ def test_without_a_record_of_the_collection_the_levels_not_run_are_still_named()
     assert f'The earlier PRs\' tests with `-m "{CPU}"` on this tree.' in not_run
 
 
+def test_the_buildkite_line_says_whether_any_test_ran_outside_the_pipelines():
+    """Not run always names vllm-omni's Buildkite pipelines; where Test Result holds runs they ran
+    outside them, and where it holds none the line must not point at runs that are not there."""
+
+    def buildkite(text: str) -> str:
+        return next(line for line in text.split("### Not run", 1)[1].splitlines() if "Buildkite" in line)
+
+    assert buildkite(prtext.omni_pr(_inputs([_cpu_run()]))).endswith(
+        "the tests of Test Result ran with pytest outside them."
+    )
+    assert buildkite(prtext.omni_pr(_inputs([]))).endswith("no test of this PR ran yet.")
+
+
 def test_the_earlier_test_files_are_those_of_earlier_prs_this_one_leaves_as_they_are():
     prs = [{"tests": ["tests/a/conftest.py", "tests/a/test_one.py", "tests/a/test_two.py"]},
            {"tests": ["tests/a/test_two.py", "tests/a/test_three.py", "tests/a/helper.py"]}]  # fmt: skip
