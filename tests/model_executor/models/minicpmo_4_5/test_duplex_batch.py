@@ -951,11 +951,12 @@ class RunnerModel:
 
     has_preprocess = True
 
-    def __init__(self, batch: bool):
+    def __init__(self, batch: bool, *, can_batch: bool = True):
         self.calls = []
         if batch:
             self.preprocess_append_batch = self._batch
-            self.can_batch_append = lambda infos: infos.get("append", False)
+            if can_batch:
+                self.can_batch_append = lambda infos: infos.get("append", False)
 
     def _result(self, input_ids, infos):
         index = int(infos["request_id"][1:])
@@ -1026,6 +1027,11 @@ def test_the_runner_preprocesses_the_appends_a_model_batches_in_one_call(monkeyp
     for g, w in zip(got, want, strict=True):  # ids, embeddings and buffer updates as one by one
         assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w
     assert got[0].tolist() == [100] * 3 + [101] * 2 + [102] * 4 + [103]
+    # a model with preprocess_append_batch but no can_batch_append is preprocessed request by request
+    half = RunnerModel(batch=True, can_batch=False)
+    for g, w in zip(run_runner_preprocess(half, monkeypatch), want, strict=True):
+        assert torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w
+    assert half.calls == alone.calls
 
 
 @pytest.mark.cpu
