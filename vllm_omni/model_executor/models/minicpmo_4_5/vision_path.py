@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """MiniCPM-o 4.5's image call without host reads, captured by the vision CUDA graph as a whole.
 
-Around SigLIP's encoder stack, every ``get_vision_hidden_states`` call used to run about 12 host syncs
-and ~55 eager kernels: the per-slice padding loop, ``max().item()`` on ``tgt_sizes``, a per-slice
+Around SigLIP's encoder stack, every ``get_vision_hidden_states`` call used to run host syncs and
+dozens of small eager kernels: the per-slice padding loop, ``max().item()`` on ``tgt_sizes``, a per-slice
 mask loop, position ids built on the CPU and copied from pageable memory, ``torch.any`` on the patch
 mask, and the resampler's per-slice host reads of ``tgt_sizes``, which also kept the resampler out of
 any graph (reading a tensor on the host invalidates a capture). Here everything that depends on the
