@@ -8,7 +8,6 @@ graphed output with the eager one imports it. Outputs are a tensor or a list of 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 #: Largest accepted ``max|graphed - eager|``, relative to ``max|eager|``, by dtype name.
@@ -50,10 +49,15 @@ def max_abs(out: Any) -> float:
     return max(float(t.detach().float().abs().max()) if t.numel() else 0.0 for t in _as_list(out))
 
 
+# project-only
 def all_finite(out: Any) -> bool:
+    """Whether every element of a tensor or a list of tensors is finite (the demo's check)."""
     import torch
 
     return all(bool(torch.isfinite(t).all()) for t in _as_list(out))
+
+
+# /project-only
 
 
 def max_abs_diff(eager: Any, graphed: Any) -> float:
@@ -75,7 +79,13 @@ def rel_diff(eager: Any, graphed: Any) -> float:
     return diff / scale if scale else diff
 
 
+# project-only
 def within_graph_tolerance(eager: Any, graphed: Any, dtype: Any) -> tuple[bool, float]:
     """``(ok, relative difference)`` of a graphed output against the eager one (:data:`GRAPH_REL_TOL`)."""
+    import math
+
     rel = rel_diff(eager, graphed)
     return math.isfinite(rel) and rel <= graph_rel_tol(dtype), rel
+
+
+# /project-only
