@@ -832,7 +832,9 @@ def _not_run(inp: PrInputs) -> list[str]:
         )
     items += _scope_not_run(inp, OWN) + _scope_not_run(inp, EARLIER)
     items += inp.not_run
-    where = "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
+    where = (
+        "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
+    )
     items.append(
         "vllm-omni's Buildkite pipelines on its agents (L1 `core_model and cpu`, L2 `core_model and cuda`): "
         f"{where}."

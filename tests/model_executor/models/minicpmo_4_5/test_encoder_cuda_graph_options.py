@@ -301,6 +301,19 @@ def test_misspelled_key_fails_with_the_closest_valid_key(ecg, typo, suggestion):
     assert info.value.problems == [f"{typo}=8: unknown key, did you mean {suggestion}?"]
 
 
+def test_names_of_the_model_config_itself_are_not_taken_for_misspellings(ecg):
+    """``attn_implementation`` (transformers' key, the unprefixed tail of ``vision_attn_implementation``)
+    and the attributes of the config's sub-configurations (Whisper's ``encoder_layers``, one edit from
+    ``encoder_fused_layers``) are the model's, at the top level too; a look-alike of a key still fails."""
+    from transformers import PretrainedConfig
+
+    audio = PretrainedConfig(encoder_layers=24)
+    config = types.SimpleNamespace(audio_config=audio, attn_implementation="sdpa", encoder_layers=24)
+    assert ecg.read_hf_overrides(config)["encoder_cuda_graph"] is True
+    with pytest.raises(ecg.HfOverridesError, match="did you mean encoder_cuda_graph[?]"):
+        ecg.read_hf_overrides(types.SimpleNamespace(audio_config=audio, encoder_cuda_graphs=False))
+
+
 def test_unknown_prefixed_key_without_a_close_match_lists_the_valid_keys(ecg):
     with pytest.raises(ecg.HfOverridesError) as info:
         ecg.read_hf_overrides(types.SimpleNamespace(encoder_cuda_graph_use_the_npu_graph_instead=True))

@@ -334,12 +334,36 @@ def _closest_key(name: str) -> str | None:
     return None
 
 
+def _model_config_names(hf_config: Any) -> set[str]:
+    """Names the model's configuration itself uses: the attributes of its sub-configurations
+    (``audio_config.encoder_layers``, ...), so that the same name at the top level (a checkpoint's
+    config, another ``--hf-overrides`` key) is never taken for a misspelling of one of ours."""
+    names: set[str] = set()
+    for value in getattr(hf_config, "__dict__", {}).values():
+        if callable(getattr(value, "to_dict", None)):
+            names.update(getattr(value, "__dict__", {}))
+    return names
+
+
+def _is_own_name(name: str) -> bool:
+    """Whether ``name`` is the unprefixed tail of a registered key: ``attn_implementation`` is
+    transformers' own key, not a misspelling of ``vision_attn_implementation``."""
+    return any(key.endswith("_" + name.lower()) for key in HF_OVERRIDE_KEYS)
+
+
 def _unknown_key_problems(hf_config: Any) -> list[str]:
-    """Unregistered attributes of ``hf_config`` that carry a project prefix or look like a key."""
+    """Unregistered attributes of ``hf_config`` that carry a project prefix or look like a key
+    (not a name the model's sub-configurations use, nor the unprefixed tail of a key)."""
     problems = []
+    model_names = None
     for name, value in getattr(hf_config, "__dict__", {}).items():
         if name in HF_OVERRIDE_KEYS or hasattr(type(hf_config), name):
             continue
+        if not name.lower().startswith(_PROJECT_PREFIXES):
+            if model_names is None:
+                model_names = _model_config_names(hf_config)
+            if name in model_names or _is_own_name(name):
+                continue
         closest = _closest_key(name)
         if closest is None and not name.lower().startswith(_PROJECT_PREFIXES):
             continue
