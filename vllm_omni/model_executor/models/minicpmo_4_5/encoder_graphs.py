@@ -12,9 +12,8 @@ What the model file's hooks call:
 - The captured regions, each behind a one-line method of the model file (the adapter checks the
   modules of the method's owner for hooks): :func:`encode_last_hidden_state` (SigLIP's encoder
   layers + post layernorm) and :func:`encode_audio_features` (Whisper -> projection -> pooling).
-- The routing: :func:`vision_graph_applies` (``SiglipVisionTransformer.forward``) and
-  :func:`encode_audio` (``get_audio_hidden_states``), which keep the eager paths where a graph
-  cannot replay the call.
+- The routing: :func:`encode_audio` (``get_audio_hidden_states``), which keeps the eager path where
+  the audio graph cannot replay the call; the model file routes the vision calls.
 
 A replay re-runs only the GPU work recorded at capture: Python side effects inside a captured region
 (attribute writes, counters, logging, forward hooks) happen on the eager warm-up calls and the
@@ -59,13 +58,15 @@ class VisionGraphRegion:
     needs: tuple[str, ...] = ()
 
 
-#: SigLIP's encoder layers + post layernorm, routed from ``SiglipVisionTransformer.forward``
-#: (:func:`vision_graph_applies`); the embeddings, the masks and the resampler stay eager.
-SIGLIP_STACK = VisionGraphRegion(
-    forward="vpm._encode_last_hidden_state",
-    captured_modules=("encoder", "post_layernorm"),
-    lora_prefixes=("vpm.encoder", "vpm.post_layernorm"),
-)
+# pr-before: image-call
+# #: SigLIP's encoder layers + post layernorm, routed from ``SiglipVisionTransformer.forward``
+# #: (:func:`vision_graph_applies`); the embeddings, the masks and the resampler stay eager.
+# SIGLIP_STACK = VisionGraphRegion(
+#     forward="vpm._encode_last_hidden_state",
+#     captured_modules=("encoder", "post_layernorm"),
+#     lora_prefixes=("vpm.encoder", "vpm.post_layernorm"),
+# )
+# /pr-before
 
 
 def validate_hf_overrides(hf_config: Any) -> EncoderCudaGraphOptions:
@@ -135,7 +136,7 @@ def encode_last_hidden_state(
     """SigLIP's encoder layers + post layernorm (``SiglipVisionTransformer._encode_last_hidden_state``).
 
     The one function through which every patched SigLIP path runs the layer stack: the vision
-    graph's region (:data:`SIGLIP_STACK`, or the whole image call) and its eager fallback.
+    graph's region (SigLIP's layer stack, or the whole image call) and its eager fallback.
 
     Args:
         vpm: the ``SiglipVisionTransformer``.
@@ -161,26 +162,28 @@ def encode_last_hidden_state(
     return vpm.post_layernorm(encoder_outputs.last_hidden_state)
 
 
-def vision_graph_applies(
-    vpm: nn.Module,
-    output_attentions: bool | None,
-    output_hidden_states: bool | None,
-    return_dict: bool | None,
-    attention_mask: torch.Tensor | None,
-) -> bool:
-    """Whether ``SiglipVisionTransformer.forward`` runs its stack through ``vpm._encoder_graph``.
-
-    Not without an adapter, when attentions or hidden states are asked for (they need the eager
-    stack), without ``return_dict``, nor for FA2 with a padding mask (unpadding reads lengths on
-    the host, which a CUDA graph cannot replay).
-    """
-    return (
-        vpm._encoder_graph is not None
-        and not output_attentions
-        and not output_hidden_states
-        and bool(return_dict)
-        and not (vpm._use_flash_attention_2 and attention_mask is not None)
-    )
+# pr-before: image-call
+# def vision_graph_applies(
+#     vpm: nn.Module,
+#     output_attentions: bool | None,
+#     output_hidden_states: bool | None,
+#     return_dict: bool | None,
+#     attention_mask: torch.Tensor | None,
+# ) -> bool:
+#     """Whether ``SiglipVisionTransformer.forward`` runs its stack through ``vpm._encoder_graph``.
+#
+#     Not without an adapter, when attentions or hidden states are asked for (they need the eager
+#     stack), without ``return_dict``, nor for FA2 with a padding mask (unpadding reads lengths on
+#     the host, which a CUDA graph cannot replay).
+#     """
+#     return (
+#         vpm._encoder_graph is not None
+#         and not output_attentions
+#         and not output_hidden_states
+#         and bool(return_dict)
+#         and not (vpm._use_flash_attention_2 and attention_mask is not None)
+#     )
+# /pr-before
 
 
 def encode_audio_features(
