@@ -355,15 +355,12 @@ def _unknown_key_problems(hf_config: Any) -> list[str]:
     """Unregistered attributes of ``hf_config`` that carry a project prefix or look like a key
     (not a name the model's sub-configurations use, nor the unprefixed tail of a key)."""
     problems = []
-    model_names = None
+    model_names = _model_config_names(hf_config)
     for name, value in getattr(hf_config, "__dict__", {}).items():
         if name in HF_OVERRIDE_KEYS or hasattr(type(hf_config), name):
             continue
-        if not name.lower().startswith(_PROJECT_PREFIXES):
-            if model_names is None:
-                model_names = _model_config_names(hf_config)
-            if name in model_names or _is_own_name(name):
-                continue
+        if not name.lower().startswith(_PROJECT_PREFIXES) and (name in model_names or _is_own_name(name)):
+            continue
         closest = _closest_key(name)
         if closest is None and not name.lower().startswith(_PROJECT_PREFIXES):
             continue
