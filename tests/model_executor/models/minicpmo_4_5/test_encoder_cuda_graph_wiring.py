@@ -14,6 +14,7 @@ sites reach an adapter, with which tensors, and that the routed result equals th
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -395,3 +396,65 @@ def test_hooks_in_a_captured_region_keep_that_encoder_eager(vllm_configs, cpu_ba
         f"module hooks in the captured region: {Model.__name__}.audio_projection_layer (forward_pre hook)"
     )
     assert vision.backend.captures == [] and audio.backend.captures == []
+
+
+# ---------------------------------------------------------------------------
+# vLLM's runner-managed encoder graphs (--compilation-config) do not reach this model
+# ---------------------------------------------------------------------------
+
+
+def _with_compilation(vllm_config, **fields):
+    import copy
+
+    vllm_config = copy.copy(vllm_config)
+    compilation_config = copy.copy(vllm_config.compilation_config)
+    for name, value in fields.items():
+        object.__setattr__(compilation_config, name, value)
+    object.__setattr__(vllm_config, "compilation_config", compilation_config)
+    return vllm_config
+
+
+def test_runner_managed_encoder_graphs_are_not_implemented_by_either_model_class():
+    """The fact the warning rests on: vLLM's runner builds its manager only for a model with
+    ``supports_encoder_cudagraph``, and neither MiniCPM-o 4.5 class (thinker, serving wrapper) has it."""
+    from vllm.model_executor.models.interfaces import supports_encoder_cudagraph
+
+    omni = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni")
+    for cls in (Model, omni.MiniCPMO45OmniForConditionalGeneration):
+        assert not getattr(cls, "supports_encoder_cudagraph", False)
+        assert not supports_encoder_cudagraph(cls)
+
+
+def test_cudagraph_mm_encoder_warns_that_it_does_not_apply(vllm_configs, log_records):
+    vllm_config = _with_compilation(
+        vllm_configs["graphs"], cudagraph_mm_encoder=True, encoder_cudagraph_token_budgets=[1024, 2048]
+    )
+    records = log_records(llm.encoder_graphs.logger)
+    model = bare_model(SimpleNamespace())
+    model._init_encoder_cuda_graphs(vllm_config)
+    assert isinstance(model.vpm._encoder_graph, adapter_mod.EncoderCudaGraph)  # the adapters still build
+    warnings = records.messages(logging.WARNING)
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "--compilation-config sets cudagraph_mm_encoder=true, encoder_cudagraph_token_budgets=[1024, 2048], "
+    )
+    assert "does not implement SupportsEncoderCudaGraph" in warnings[0]
+    assert "--hf-overrides (encoder_cuda_graph*)" in warnings[0]
+
+
+def test_default_compilation_config_gives_no_warning(vllm_configs, log_records):
+    records = log_records(llm.encoder_graphs.logger)
+    bare_model(SimpleNamespace())._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    assert records.messages(logging.WARNING) == []
+    assert llm.encoder_graphs.runner_encoder_graph_settings(Model, vllm_configs["graphs"]) == []
+
+
+def test_runner_settings_are_not_reported_for_a_model_that_implements_the_protocol(vllm_configs):
+    vllm_config = _with_compilation(vllm_configs["graphs"], cudagraph_mm_encoder=True)
+
+    class Implements(torch.nn.Module):
+        supports_encoder_cudagraph = True
+
+    settings = llm.encoder_graphs.runner_encoder_graph_settings
+    assert settings(Implements(), vllm_config) == []
+    assert settings(torch.nn.Module(), vllm_config) == ["cudagraph_mm_encoder=true"]

@@ -7,8 +7,9 @@ What the model file's hooks call:
   look-alike ``--hf-overrides`` key of the project, reported at once, before anything heavy is built.
 - :func:`init_encoder_cuda_graphs` from ``_init_encoder_cuda_graphs``: builds the vision adapter
   (``vpm._encoder_graph``, over the region the model class names in ``_vision_graph_region``) and the
-  stateless audio adapter (``_audio_encoder_graph``, over ``_encode_audio_features``), and logs one
-  line with each encoder's effective state.
+  stateless audio adapter (``_audio_encoder_graph``, over ``_encode_audio_features``), logs one
+  line with each encoder's effective state, and warns when ``--compilation-config`` sets vLLM's
+  runner-managed encoder graphs, which do not reach this model (:func:`runner_encoder_graph_settings`).
 - The captured regions, each behind a one-line method of the model file (the adapter checks the
   modules of the method's owner for hooks): :func:`encode_last_hidden_state` (SigLIP's encoder
   layers + post layernorm) and :func:`encode_audio_features` (Whisper -> projection -> pooling).
@@ -23,6 +24,7 @@ eager, when it finds hooks on the modules a region names.
 
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +90,8 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
     without ``apm``). An encoder gets no adapter when ``encoder_cuda_graph`` is false, under
     ``--enforce-eager``, or when the engine's LoRA config could put adapters on its modules (a
     replay would keep the weights live at capture). Logs one line with the effective state per
-    encoder and why it is off.
+    encoder and why it is off, and a WARNING naming the ``--compilation-config`` fields of vLLM's
+    runner-managed encoder graphs the user set (:func:`runner_encoder_graph_settings`).
 
     Returns:
         The validated options (the streaming audio wiring reads them too).
@@ -127,7 +130,49 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
         audio_state,
         options.describe(),
     )
+    ignored = runner_encoder_graph_settings(model, vllm_config)
+    if ignored:
+        logger.warning(
+            "--compilation-config sets %s, which configures vLLM's runner-managed encoder CUDA graphs; "
+            "MiniCPM-o 4.5 does not implement SupportsEncoderCudaGraph, so vLLM's model runner builds "
+            "none for it and these settings have no effect. Its encoder graphs are the exact-shape "
+            "adapters of the line above, set through --hf-overrides (encoder_cuda_graph*).",
+            ", ".join(ignored),
+        )
     return options
+
+
+#: vLLM's ``CompilationConfig`` fields of the runner-managed encoder CUDA graphs, with their defaults.
+RUNNER_ENCODER_GRAPH_FIELDS: dict[str, Any] = {
+    "cudagraph_mm_encoder": False,
+    "encoder_cudagraph_token_budgets": [],
+    "encoder_cudagraph_max_vision_items_per_batch": 0,
+    "encoder_cudagraph_max_frames_per_batch": None,
+}
+
+
+def runner_encoder_graph_settings(model: nn.Module, vllm_config: Any) -> list[str]:
+    """The runner-managed encoder graph settings the user changed that cannot reach ``model``.
+
+    vLLM's model runner builds its own ``EncoderCudaGraphManager`` when
+    ``compilation_config.cudagraph_mm_encoder`` is true and the model implements vLLM's
+    ``SupportsEncoderCudaGraph`` (``supports_encoder_cudagraph = True``); it silently builds none
+    otherwise, and the ``encoder_cudagraph_*`` fields then do nothing either.
+
+    Returns:
+        ``["cudagraph_mm_encoder=true", "encoder_cudagraph_token_budgets=[1024]", ...]``: each
+        field of :data:`RUNNER_ENCODER_GRAPH_FIELDS` set away from its default, in that order;
+        empty when none is, or when ``model``'s class implements the protocol.
+    """
+    if getattr(type(model), "supports_encoder_cudagraph", False):
+        return []
+    compilation_config = getattr(vllm_config, "compilation_config", None)
+    changed = []
+    for name, default in RUNNER_ENCODER_GRAPH_FIELDS.items():
+        value = getattr(compilation_config, name, default)
+        if value != default:
+            changed.append(f"{name}={json.dumps(value, default=str)}")
+    return changed
 
 
 def encode_last_hidden_state(
