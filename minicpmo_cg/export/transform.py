@@ -43,7 +43,7 @@ _BUILTIN_MARKS = frozenset(
 )
 #: Packages of this project the tests may import, and the folder their modules are read from.
 _VENDORED_PACKAGES = {"minicpmo_cg": "minicpmo_cg", "helpers": "tests/helpers"}
-_VENDOR_PREFIX = {"minicpmo_cg": "minicpmo45_cg_", "helpers": "minicpmo45_cg_helpers_"}
+_VENDOR_PREFIX = {"minicpmo_cg": "minicpmo45_", "helpers": "minicpmo45_helpers_"}
 _MENTION = re.compile("|".join(f"(?:{w})" for w in conv.PROJECT_WORDS), re.IGNORECASE)
 #: What vllm-omni does not have (this project's demo, benchmark and results page), for
 #: :func:`project_mentions` ``words``.
@@ -239,8 +239,8 @@ def vendor_tests(
 ) -> Vendored:
     """Export ``tests`` (relpath -> file) and copy every project module they need beside them.
 
-    A test folder that imports ``minicpmo_cg.x`` (or ``helpers.x``) gets ``minicpmo45_cg_x.py``
-    (``minicpmo45_cg_helpers_x.py``), itself exported the same way, transitively; pytest puts a
+    A test folder that imports ``minicpmo_cg.x`` (or ``helpers.x``) gets ``minicpmo45_x.py``
+    (``minicpmo45_helpers_x.py``), itself exported the same way, transitively; pytest puts a
     test's folder on ``sys.path``, so the vendored modules import as top-level modules there.
     ``version(text, relpath)`` gives each file as of the PR being exported (its parts of later PRs
     left out, :func:`.docsplit.source_version`) before it is exported.
@@ -267,9 +267,9 @@ def vendor_tests(
 def point_references_at_vendored(text: str, vendored: dict[str, str]) -> str:
     """References in prose to a vendored module name its copy; others stay as they are.
 
-    ``vendored`` maps each copy's relpath to its source's (``tests/x/minicpmo45_cg_inputs.py`` ->
+    ``vendored`` maps each copy's relpath to its source's (``tests/x/minicpmo45_inputs.py`` ->
     ``minicpmo_cg/inputs.py``): the source path becomes the copy's path, a dotted reference
-    (``minicpmo_cg.inputs.VisionInput``) the copy's module name (``minicpmo45_cg_inputs.VisionInput``).
+    (``minicpmo_cg.inputs.VisionInput``) the copy's module name (``minicpmo45_inputs.VisionInput``).
     """
     modules = {PurePosixPath(target).stem for target in vendored}
     for target, source in sorted(vendored.items()):

@@ -343,7 +343,7 @@ def test_imports_of_modules_or_names_a_later_pr_adds_are_found(tmp_path):
 
 
 #: A vendored helper module's name in an exported test folder (``transform.vendor_tests``).
-_VENDORED_PREFIX = "minicpmo45_cg_"
+_VENDORED_PREFIX = "minicpmo45_"
 #: An import of a vendored module on a line of a string (a script a test runs in a fresh interpreter).
 _SCRIPT_IMPORT = re.compile(
     rf"^\s*(?:from ({_VENDORED_PREFIX}\w+) import ([\w ,]+?)|import ({_VENDORED_PREFIX}\w+) as (\w+))\s*$",
@@ -398,7 +398,7 @@ def _scope(nodes: list[ast.AST]) -> _Scope:
 
 
 def _helper_modules_run(files: dict[str, str]) -> set[str]:
-    """The vendored helper modules (``minicpmo45_cg_*``) that the tests of one exported test folder
+    """The vendored helper modules (``minicpmo45_*``) that the tests of one exported test folder
     (``files``: file name -> text) import when they run (:func:`_units_run`)."""
     return {module for module, _ in _units_run(files) if module.startswith(_VENDORED_PREFIX)}
 
@@ -468,33 +468,33 @@ def _units_run(files: dict[str, str]) -> set[tuple[str, str | None]]:
 def test_the_helper_modules_a_test_runs_are_found_and_only_those():
     broad = (
         "import torch\n"
-        "from minicpmo45_cg_narrow import Session\n"
+        "from minicpmo45_narrow import Session\n"
         "__all__ = ['Session', 'speech']\n"
         "def speech():\n"
-        "    import minicpmo45_cg_inputs as inputs\n"
+        "    import minicpmo45_inputs as inputs\n"
         "    return inputs.load()\n"
-        "SCRIPT = 'import sys\\nfrom minicpmo45_cg_config import standalone_config\\n'\n"
+        "SCRIPT = 'import sys\\nfrom minicpmo45_config import standalone_config\\n'\n"
         "def run_script():\n"
         "    return SCRIPT\n"
     )
     files = {
-        "minicpmo45_cg_narrow.py": "class Session:\n    pass\n",
-        "minicpmo45_cg_broad.py": broad,
-        "minicpmo45_cg_inputs.py": "import minicpmo45_cg_builder as builder\n\ndef load():\n    return 1\n",
-        "minicpmo45_cg_builder.py": "",
-        "minicpmo45_cg_config.py": "",
-        "minicpmo45_cg_unused.py": "",
-        "test_a.py": "from minicpmo45_cg_broad import Session\n\ndef test_x():\n    assert Session\n",
+        "minicpmo45_narrow.py": "class Session:\n    pass\n",
+        "minicpmo45_broad.py": broad,
+        "minicpmo45_inputs.py": "import minicpmo45_builder as builder\n\ndef load():\n    return 1\n",
+        "minicpmo45_builder.py": "",
+        "minicpmo45_config.py": "",
+        "minicpmo45_unused.py": "",
+        "test_a.py": "from minicpmo45_broad import Session\n\ndef test_x():\n    assert Session\n",
     }
     # the session, re-exported by a module whose other functions load real inputs: those never run
-    assert _helper_modules_run(files) == {"minicpmo45_cg_broad", "minicpmo45_cg_narrow"}
-    files["test_a.py"] += "\ndef test_y():\n    import minicpmo45_cg_broad as broad\n    broad.speech()\n"
-    run = {"minicpmo45_cg_broad", "minicpmo45_cg_narrow", "minicpmo45_cg_inputs", "minicpmo45_cg_builder"}
+    assert _helper_modules_run(files) == {"minicpmo45_broad", "minicpmo45_narrow"}
+    files["test_a.py"] += "\ndef test_y():\n    import minicpmo45_broad as broad\n    broad.speech()\n"
+    run = {"minicpmo45_broad", "minicpmo45_narrow", "minicpmo45_inputs", "minicpmo45_builder"}
     assert _helper_modules_run(files) == run
     files["conftest.py"] = (
-        "from minicpmo45_cg_broad import run_script\n\ndef script():\n    return run_script()\n"
+        "from minicpmo45_broad import run_script\n\ndef script():\n    return run_script()\n"
     )
-    assert _helper_modules_run(files) == run | {"minicpmo45_cg_config"}
+    assert _helper_modules_run(files) == run | {"minicpmo45_config"}
 
 
 @pytest.mark.cpu
@@ -589,13 +589,13 @@ def test_a_helper_function_arrives_with_the_first_pr_whose_tests_run_it(st):
 @pytest.mark.cpu
 def test_the_units_a_test_runs_are_found_and_only_those():
     files = {
-        "minicpmo45_cg_config.py": "def standalone():\n    return 1\n\ndef duplex(base):\n    return base\n",
-        "test_a.py": "from minicpmo45_cg_config import standalone\n\ndef test_x():\n    assert standalone()\n",
+        "minicpmo45_config.py": "def standalone():\n    return 1\n\ndef duplex(base):\n    return base\n",
+        "test_a.py": "from minicpmo45_config import standalone\n\ndef test_x():\n    assert standalone()\n",
     }
     run = _units_run(files)
-    assert ("minicpmo45_cg_config", "standalone") in run and ("minicpmo45_cg_config", "duplex") not in run
-    files["test_b.py"] = "import minicpmo45_cg_config as config\n\ndef test_y():\n    config.duplex(1)\n"
-    assert ("minicpmo45_cg_config", "duplex") in _units_run(files)
+    assert ("minicpmo45_config", "standalone") in run and ("minicpmo45_config", "duplex") not in run
+    files["test_b.py"] = "import minicpmo45_config as config\n\ndef test_y():\n    config.duplex(1)\n"
+    assert ("minicpmo45_config", "duplex") in _units_run(files)
 
 
 # -- PR text pieces ---------------------------------------------------------------------------------

@@ -23,11 +23,11 @@ def test_imports_of_the_project_point_at_vendored_modules():
     )
     out, used = transform.rewrite_imports(text, "t.py")
     assert out.splitlines() == [
-        "from minicpmo45_cg_duplex import DuplexChunk",
-        "    import minicpmo45_cg_duplex as duplex",
-        "    import minicpmo45_cg_standalone as sa",
-        "import minicpmo45_cg_helpers_serve_smoke as smoke",
-        "import minicpmo45_cg_vllm_config as vc",
+        "from minicpmo45_duplex import DuplexChunk",
+        "    import minicpmo45_duplex as duplex",
+        "    import minicpmo45_standalone as sa",
+        "import minicpmo45_helpers_serve_smoke as smoke",
+        "import minicpmo45_vllm_config as vc",
     ]
     assert used == {("minicpmo_cg", "duplex"), ("minicpmo_cg", "standalone"), ("helpers", "serve_smoke"),
                     ("minicpmo_cg", "vllm_config")}  # fmt: skip
@@ -220,16 +220,16 @@ def test_names_with_the_project_prefix_are_renamed_whole():
 @pytest.mark.cpu
 def test_references_to_vendored_modules_name_the_copies():
     vendored = {
-        "tests/x/minicpmo45_cg_inputs.py": "minicpmo_cg/inputs.py",
-        "tests/x/minicpmo45_cg_helpers_serve_smoke.py": "tests/helpers/serve_smoke.py",
+        "tests/x/minicpmo45_inputs.py": "minicpmo_cg/inputs.py",
+        "tests/x/minicpmo45_helpers_serve_smoke.py": "tests/helpers/serve_smoke.py",
     }
     text = (
         ":class:`minicpmo_cg.inputs.VisionInput` (``minicpmo_cg/inputs.py``), "
         "``tests/helpers/serve_smoke.py``, :mod:`minicpmo_cg.bench`"
     )
     assert transform.point_references_at_vendored(text, vendored) == (
-        ":class:`minicpmo45_cg_inputs.VisionInput` (``tests/x/minicpmo45_cg_inputs.py``), "
-        "``tests/x/minicpmo45_cg_helpers_serve_smoke.py``, :mod:`minicpmo_cg.bench`"
+        ":class:`minicpmo45_inputs.VisionInput` (``tests/x/minicpmo45_inputs.py``), "
+        "``tests/x/minicpmo45_helpers_serve_smoke.py``, :mod:`minicpmo_cg.bench`"
     )
 
 
@@ -256,7 +256,7 @@ def test_the_word_list_finds_each_kind_of_mention(line):
 
 @pytest.mark.cpu
 def test_the_word_list_leaves_upstream_words_alone():
-    text = "the patch mask\nminicpmo45_cg_inputs\nthe legacy default stream\nplane, lanes_x\npatch 14\n"
+    text = "the patch mask\nminicpmo45_inputs\nthe legacy default stream\nplane, lanes_x\npatch 14\n"
     assert transform.project_mentions({"f.py": text}) == []
 
 
