@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -26,6 +27,20 @@ def model_module():
     from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm
 
     return minicpmo_4_5_omni_llm
+
+
+def wired_model(hook: str):
+    """``(model file, adapter package, thinker class)`` of the installed vllm-omni, for a test module.
+
+    Skips the module without vllm-omni or the adapter package; fails it, naming the model file, when
+    the thinker class lacks ``hook`` (the wiring the module tests, e.g. ``"_encode_images"``).
+    """
+    llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
+    adapter = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
+    model = llm.MiniCPMO45OmniLLMForConditionalGeneration
+    if not hasattr(model, hook):
+        pytest.fail(f"{llm.__file__} lacks the encoder CUDA graph wiring ({hook})", pytrace=False)
+    return llm, adapter, model
 
 
 class Recorder:

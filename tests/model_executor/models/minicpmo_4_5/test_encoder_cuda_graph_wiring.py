@@ -35,20 +35,12 @@ from helpers.wiring import (
     tiny_vision_model,
     tiny_vpm,
     vision_data,
+    wired_model,
 )
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-
-Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
-
-if not hasattr(Model, "_init_encoder_cuda_graphs"):
-    pytest.fail(
-        f"{llm.__file__} lacks the encoder CUDA graph wiring (_init_encoder_cuda_graphs)",
-        pytrace=False,
-    )
+llm, adapter_mod, Model = wired_model("_init_encoder_cuda_graphs")
 
 AUDIO_MODULES = ("apm", "audio_projection_layer", "audio_avg_pooler")
 SIDE = 4  # the tiny SigLIP's patches per side

@@ -30,21 +30,13 @@ from helpers.wiring import (
     tiny_vision_model,
     tiny_vpm,
     vision_data,
+    wired_model,
 )
 from torch import nn
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-
-Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
-
-if not hasattr(Model, "_encode_images"):
-    pytest.fail(
-        f"{llm.__file__} lacks the encoder CUDA graph wiring (_encode_images)",
-        pytrace=False,
-    )
+llm, adapter_mod, Model = wired_model("_encode_images")
 
 
 @pytest.fixture(scope="module")
