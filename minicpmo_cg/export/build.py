@@ -20,6 +20,7 @@ Writes into ``OUT``, one folder per pull request of the stack (:mod:`.stack`):
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.metadata
 import json
@@ -180,6 +181,21 @@ def _model_relative(rel: str) -> str:
     return path.relative_to(conv.MODEL_DIR).as_posix() if rel.startswith(conv.MODEL_DIR) else path.name
 
 
+def _growth_verb(changes: list[tuple[str, str]]) -> str:
+    """How a commit changes files an earlier PR added, from ``(before, after)`` texts, for its title.
+
+    ``"extend"`` when it only adds lines, ``"trim"`` when it only removes lines, ``"change"`` otherwise.
+    """
+    added = removed = False
+    for before, after in changes:
+        for line in difflib.ndiff(before.splitlines(), after.splitlines()):
+            added |= line.startswith("+ ")
+            removed |= line.startswith("- ")
+    if added and not removed:
+        return "extend"
+    return "trim" if removed and not added else "change"
+
+
 def _title_topic(title: str) -> str:
     return title.split(": ", 1)[1] if title.startswith(conv.MODEL_TITLE + ": ") else title
 
@@ -289,7 +305,8 @@ class _StackBuilder:
         of each new module (a package of owned files is one module, ``name/``, introduced by its
         ``__init__``; a module added to the package of an earlier PR is ``name/module.py``). The title
         says what the commit does: ``add X`` for new modules only, ``add X and extend Y for it``
-        (``them``) when it also changes modules an earlier PR added."""
+        (``them``) when it also adds lines to modules an earlier PR added (``trim`` when it only
+        removes lines from them, ``change`` when it does both)."""
         upto = self.stack.upto(pr.key)
         earlier = {
             rel: path
@@ -304,6 +321,7 @@ class _StackBuilder:
             for rel, path in {**earlier, **pr.owned}.items()
         }
         grown = sorted(rel for rel in earlier if files[rel] != self.owned_exported.get(rel))
+        previous = {rel: self.owned_exported.get(rel, "") for rel in grown}
         new = {rel: files[rel] for rel in pr.owned}
         changed = {**new, **{rel: files[rel] for rel in grown}}
         if not changed:
@@ -331,7 +349,8 @@ class _StackBuilder:
                     f"The parts of this change in {grown_names}, which an earlier PR of the stack added."
                 )
             # a commit that also changes modules an earlier PR added says so: "add X" alone would hide it
-            extend = f" and extend {grown_names} for {'it' if len(modules) == 1 else 'them'}" if grown else ""
+            verb = _growth_verb([(previous[rel], files[rel]) for rel in grown])
+            extend = f" and {verb} {grown_names} for {'it' if len(modules) == 1 else 'them'}" if grown else ""
             title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}{extend}"
         else:
             body = [f"The parts of this change in {grown_names}, which an earlier PR of the stack added."]

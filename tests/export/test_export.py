@@ -135,7 +135,7 @@ def test_layout_follows_vllm_omni(exported):
             changed = [f for f in commit["files"] if f in before and f.startswith("vllm_omni/")]
             if ": add " not in commit["title"] or not changed:
                 continue
-            extended = re.search(r" and extend (.+) for (?:it|them)$", commit["title"])
+            extended = re.search(r" and (?:extend|trim|change) (.+) for (?:it|them)$", commit["title"])
             assert extended, commit
             named = extended.group(1).split(", ")
             assert len(named) == len(changed), commit

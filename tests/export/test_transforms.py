@@ -336,3 +336,20 @@ def test_results_headings_lose_project_and_lane_parentheses():
     )
     assert prtext.heading_for_upstream("Benchmark (`minicpmo-cg-bench`)") == "Benchmark"
     assert prtext.heading_for_upstream("Tests (2 GPUs)") == "Tests (2 GPUs)"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    "changes, verb",
+    [
+        ([("a\nb\n", "a\nb\nc\n")], "extend"),
+        ([("a\nb\nc\n", "a\nc\n")], "trim"),
+        ([("a\nb\n", "a\nB\n")], "change"),
+        ([("a\n", "a\nb\n"), ("x\ny\n", "x\n")], "change"),  # one file grows, another shrinks
+    ],
+    ids=["only-added", "only-removed", "replaced", "mixed-files"],
+)
+def test_a_commit_title_says_how_it_changes_an_earlier_prs_files(changes, verb):
+    from minicpmo_cg.export.build import _growth_verb
+
+    assert _growth_verb(changes) == verb
