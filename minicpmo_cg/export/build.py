@@ -66,6 +66,8 @@ class ExportOptions:
     site_packages: Path | None = None
     #: a vLLM git checkout (of ``main``) each vLLM PR's series is checked against (:mod:`.vllm_main`)
     vllm_checkout: Path | None = None
+    #: a vllm-omni git checkout (of ``main``) the stack is applied to, PR by PR (:mod:`.vllm_main`)
+    omni_checkout: Path | None = None
     #: ``(KEY, N)`` of ``--pr-number``: PR KEY (a key or folder of the stack) is opened as number N
     pr_numbers: list[tuple[str, int]] = field(default_factory=list)
     #: the prefix of the branches ``--checkout`` makes, by which the texts name unopened PRs
@@ -481,6 +483,24 @@ def _check_against_main(vllm_prs: list[PrResult], checkout: Path | None) -> list
     return warnings
 
 
+def _check_stack_against_main(prs: list[PrResult], checkout: Path | None) -> list[str]:
+    """Apply the vllm-omni PRs in order to the vllm-omni checkout (``--vllm-omni-checkout``), for their
+    texts; a warning for the first series that does not apply there."""
+    if checkout is None:
+        return []
+    from minicpmo_cg.export import vllm_main
+
+    checks = vllm_main.check_stack(checkout, [pr.series for pr in prs])
+    warnings = []
+    for pr, check in zip(prs, checks):
+        pr.inputs.main_check = check
+        if not check.applies and not warnings:
+            warnings.append(
+                f"{pr.folder}: the series does not apply to {check.where} ({check.how}): {check.detail}"
+            )
+    return warnings
+
+
 def _requirements() -> dict[str, list[str]]:
     """The installed vLLM's and vllm-omni's requirements (``Requires-Dist``, ``Requires-Python``)."""
     out = {}
@@ -526,6 +546,7 @@ def export(opts: ExportOptions, table: tuple[stack.OmniPr, ...] = stack.STACK) -
                  if (builder.repo.root / rel).is_file()}  # fmt: skip
         vllm_prs = _vllm_prs(cs, st, work, opts)
         main_warnings = _check_against_main(vllm_prs, opts.vllm_checkout)
+        main_warnings += _check_stack_against_main(prs, opts.omni_checkout)
         # a commit body is wrapped at 72 columns: checked with each paragraph on one line, so a word pair
         # the wrap splits is still found
         messages = {

@@ -84,6 +84,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "the text says this was not checked",
     )
     parser.add_argument(
+        "--vllm-omni-checkout",
+        type=Path,
+        metavar="DIR",
+        help="a git checkout of vllm-project/vllm-omni (its main branch): apply the PRs' series there in stack "
+        "order (git am --3way in a scratch clone of its HEAD, nothing written in DIR) and say in each PR text "
+        "whether the stack up to it applies, with the commit; without it the texts say this was not checked",
+    )
+    parser.add_argument(
         "--checkout",
         type=Path,
         metavar="DIR",
@@ -242,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
         from minicpmo_cg.export import vllm_main
 
         vllm_main.checkout_commit(args.vllm_checkout)  # a bad --vllm-checkout fails before the export
+    if args.vllm_omni_checkout is not None:
+        from minicpmo_cg.export import vllm_main
+
+        vllm_main.checkout_commit(args.vllm_omni_checkout, vllm_main.OMNI)
     opts = build.ExportOptions(
         repo=repo,
         out=args.out,
@@ -249,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         lane=args.lane,
         site_packages=args.site_packages,
         vllm_checkout=args.vllm_checkout,
+        omni_checkout=args.vllm_omni_checkout,
         pr_numbers=args.pr_number,
         branch=args.branch,
     )

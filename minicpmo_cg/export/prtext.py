@@ -305,7 +305,8 @@ class PrInputs:
     lanes: tuple[str, ...] = ("current",)
     runs: list[PytestRun] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    #: a vLLM PR's series checked against a vLLM checkout (``export --vllm-checkout``); None: not checked
+    #: the series checked against an upstream ``main`` checkout (``export --vllm-checkout`` for a vLLM
+    #: PR, ``--vllm-omni-checkout`` for the stack up to a vllm-omni PR); None: not checked
     main_check: MainCheck | None = None
     #: folder -> how this text names that PR (every PR of the export)
     refs: dict[str, PrRef] = field(default_factory=dict)
@@ -832,6 +833,7 @@ def _not_run(inp: PrInputs) -> list[str]:
         )
     items += _scope_not_run(inp, OWN) + _scope_not_run(inp, EARLIER)
     items += inp.not_run
+    items.append(_omni_main(inp))
     where = (
         "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
     )
@@ -840,6 +842,25 @@ def _not_run(inp: PrInputs) -> list[str]:
         f"{where}."
     )
     return items
+
+
+def _omni_main(inp: PrInputs) -> str:
+    """The Not run item on vllm-omni ``main``: where the tests ran instead, and whether the stack up to
+    this PR applies there (``export --vllm-omni-checkout``) or that this was not checked."""
+    if inp.number <= 1:
+        subject, it, applies = "this PR is", "it", "applies"
+    else:
+        subject, it, applies = "this PR and the ones before it are", "they", "apply"
+    text = f"vllm-omni `main`: {subject} built and tested on the v{inp.omni_version} release"
+    check = inp.main_check
+    if check is None:
+        return text + f"; whether {it} {applies} to `main` was not checked for this description."
+    if check.applies:
+        return text + f"; {it} {applies} to {check.where} (`{check.how}`), but no test ran there."
+    negated = "does not apply" if it == "it" else "do not apply"
+    return (
+        text + f"; {it} {negated} to {check.where} (`{check.how}`: {check.detail}), so a rebase comes first."
+    )
 
 
 def omni_pr(inp: PrInputs) -> str:
@@ -875,9 +896,9 @@ def vllm_pr(inp: PrInputs) -> str:
         out += ["No test run is recorded for this description.", ""]
     check = inp.main_check
     if check and check.applies:
-        out += [f"The series applies to {check.where} (`git apply --check`).", ""]
+        out += [f"The series applies to {check.where} (`{check.how}`).", ""]
     elif check:
-        out += [f"The series does not apply to {check.where} (`git apply --check`): {check.detail}", ""]
+        out += [f"The series does not apply to {check.where} (`{check.how}`): {check.detail}", ""]
     out += ["## Not run", ""] + [f"- {item}" for item in _vllm_not_run(inp)]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
 

@@ -257,6 +257,76 @@ def test_a_vllm_checkout_that_is_no_git_checkout_is_refused_naming_the_option(tm
     assert not (tmp_path / "pr").exists()
 
 
+def _omni_series(author: Path, name: str, text: str) -> list[Path]:
+    """One commit on ``author``'s ``main`` writing ``m/{name}`` = ``text``, as a format-patch series."""
+    (author / "m").mkdir(exist_ok=True)
+    (author / "m" / name).write_text(text)
+    _git(author, "add", "-A")
+    _git(author, "commit", "-q", "-m", f"[Model] {name}")
+    out = author / f"series-{name}"
+    return [Path(p) for p in _git(author, "format-patch", "-1", "-o", str(out)).split()]
+
+
+def test_the_stack_is_applied_pr_by_pr_to_a_vllm_omni_checkout_and_each_text_says_so(tmp_path):
+    from minicpmo_cg.export import vllm_main
+
+    author = tmp_path / "author"
+    author.mkdir()
+    (author / "m").mkdir()
+    (author / "m" / "model.py").write_text("a = 1\n")
+    _git(author, "init", "-q", "-b", "main")
+    _git(author, "add", "-A")
+    _git(author, "commit", "-q", "-m", "base")
+    first = _omni_series(author, "model.py", "a = 1\nb = 2\n")  # changes a file main has
+    second = _omni_series(author, "new.py", "c = 3\n")  # applies only on the first
+    main = tmp_path / "main"
+    _git(tmp_path, "clone", "-q", str(author), str(main))
+    _git(main, "reset", "-q", "--hard", "HEAD~2")
+    head = _git(main, "rev-parse", "HEAD").strip()
+    checks = vllm_main.check_stack(main, [first, second])
+    assert [c.applies for c in checks] == [True, True]
+    assert {(c.commit, c.branch, c.project, c.how) for c in checks} == {
+        (head, "main", "vllm-omni", "git am --3way")
+    }
+    assert _git(main, "status", "--porcelain") == "" and _git(main, "rev-parse", "HEAD").strip() == head
+    inp = _inputs([])
+    inp.main_check = checks[1]
+    assert (
+        f"- vllm-omni `main`: this PR and the ones before it are built and tested on the v0.30.0 release; "
+        f"they apply to vllm-omni `main` at commit {head[:12]} (`git am --3way`), but no test ran there."
+    ) in prtext.omni_pr(inp)
+    # main moved on where the first PR changes it: the first does not apply, the second is not tried
+    (main / "m" / "model.py").write_text("a = 10\n")
+    _git(main, "commit", "-q", "-am", "upstream change")
+    checks = vllm_main.check_stack(main, [first, second])
+    assert [c.applies for c in checks] == [False, False]
+    assert "model.py" in checks[0].detail and checks[1].detail.startswith("not tried: PR 1 of the stack")
+    inp.main_check = checks[0]
+    assert "they do not apply to vllm-omni `main` at commit" in prtext.omni_pr(inp)
+    assert "so a rebase comes first." in prtext.omni_pr(inp)
+
+
+def test_the_vllm_omni_main_item_says_when_it_was_not_checked():
+    inp = _inputs([])
+    assert (
+        "- vllm-omni `main`: this PR and the ones before it are built and tested on the v0.30.0 release; "
+        "whether they apply to `main` was not checked for this description."
+    ) in prtext.omni_pr(inp)
+    inp.number = 1
+    assert "- vllm-omni `main`: this PR is built and tested on the v0.30.0 release; whether it applies" in (
+        prtext.omni_pr(inp)
+    )
+
+
+def test_a_vllm_omni_checkout_that_is_no_git_checkout_is_refused_naming_the_option(tmp_path):
+    from minicpmo_cg.export import vllm_main
+
+    with pytest.raises(
+        ValueError, match="--vllm-omni-checkout .*clone https://github.com/vllm-project/vllm-omni"
+    ):
+        vllm_main.check_stack(tmp_path, [[]])
+
+
 def test_a_pr_is_named_by_its_number_once_opened_else_by_its_place_and_branch():
     opened = prtext.PrRef("[Bugfix] First", "01-first", prtext.OMNI_REPO, 101, (1, 2), "cg-01-first")
     vllm = prtext.PrRef("[Core] Mode", "vllm-mode", prtext.VLLM_REPO)
