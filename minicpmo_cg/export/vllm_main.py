@@ -108,6 +108,18 @@ def _first_lines(text: str) -> str:
     return " ".join(line.strip() for line in text.strip().splitlines()[:4])
 
 
+def _am_failure(output: str) -> str:
+    """What ``git am``'s output says went wrong: its ``CONFLICT``/``error:`` lines and the patch
+    that failed, without git's hints on how to go on."""
+    keep = [
+        line.strip()
+        for line in output.splitlines()
+        if line.startswith(("CONFLICT", "error:", "fatal:", "Patch failed at"))
+        and "Failed to merge in the changes" not in line
+    ]
+    return " ".join(keep[:4]) or _first_lines(output)
+
+
 def check_stack(checkout: Path, stack: list[list[Path]]) -> list[MainCheck]:
     """Each series of ``stack`` (one PR's ``git format-patch`` files, PRs in merge order) applied with
     ``git am --3way`` on top of the ones before it, in a scratch clone of ``checkout`` at its
@@ -138,27 +150,20 @@ def check_stack(checkout: Path, stack: list[list[Path]]) -> list[MainCheck]:
             )
         failed: str | None = None
         for number, series in enumerate(stack, 1):
-            if failed is not None:
-                checks.append(MainCheck(commit, branch, False, failed, OMNI.name, "git am --3way"))
-                continue
-            applied = _git(
-                clone,
-                "-c", "user.name=check", "-c", "user.email=check@localhost",
-                "am", "-q", "--3way", *(str(p.resolve()) for p in series),
-            )  # fmt: skip
-            if applied.returncode:
-                _git(clone, "am", "--abort")
-                checks.append(
-                    MainCheck(
-                        commit,
-                        branch,
-                        False,
-                        _first_lines(applied.stdout + "\n" + applied.stderr),
-                        OMNI.name,
-                        "git am --3way",
-                    )  # fmt: skip
-                )
-                failed = f"not tried: PR {number} of the stack, which it applies on, does not apply"
+            if failed is None:
+                applied = _git(
+                    clone,
+                    "-c", "user.name=check", "-c", "user.email=check@localhost",
+                    "am", "--3way", *(str(p.resolve()) for p in series),
+                )  # fmt: skip
+                if applied.returncode:
+                    _git(clone, "am", "--abort")
+                    detail = _am_failure(applied.stdout + "\n" + applied.stderr)
+                    failed = f"not tried: PR {number} of the stack, which it applies on, does not apply"
+                else:
+                    detail = ""
+                ok = not applied.returncode
             else:
-                checks.append(MainCheck(commit, branch, True, "", OMNI.name, "git am --3way"))
+                ok, detail = False, failed
+            checks.append(MainCheck(commit, branch, ok, detail, project=OMNI.name, how="git am --3way"))
     return checks
