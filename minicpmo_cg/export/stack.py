@@ -257,7 +257,6 @@ STACK: tuple[OmniPr, ...] = (
                     "options",
                     "platform",
                     "policy",
-                    "static_args",
                     "threads",
                     "wiring",
                 )
@@ -291,7 +290,10 @@ STACK: tuple[OmniPr, ...] = (
         # the batched duplex steps (duplex_batch.py, duplex_rows.py) are the duplex-scale PR's: the lines of
         # streaming_audio.py that call them are tagged for it
         owned=(_MODEL + "streaming_audio.py",),
-        tests=(_MC45 + "test_streaming_audio_graph.py",),
+        tests=(
+            _MC45 + "test_encoder_cuda_graph_static_args.py",
+            _MC45 + "test_streaming_audio_graph.py",
+        ),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=(_BEFORE_AFTER,),
     ),

@@ -459,6 +459,10 @@ def test_byte_estimate_is_eager_peak_plus_static_buffers(ecg, vllm_config, cpu_b
     x, mask = torch.ones(10, 4), torch.ones(10, 4, dtype=torch.float64)
     graph(x, mask)
     key, record = next(iter(graph._records.items()))
+    assert list(ecg.shapes._tensor_entries(key)) == [
+        (torch.Size([10, 4]), torch.float32),
+        (torch.Size([10, 4]), torch.float64),
+    ]
     # peak rounded to 2 MiB segments + input copies (160 + 320 bytes) + output buffer (160 bytes)
     assert graph._estimate_bytes(key, record) == 2 * MIB + 160 + 320 + 160
     record.measurements[0].peak_bytes = 2 * MIB + 1

@@ -263,6 +263,22 @@ def test_eligibility_rules(ecg):
         assert eligible([meta]) is None  # not CUDA
 
 
+@torch.inference_mode()
+def test_a_non_tensor_input_is_ineligible(ecg, vllm_config, cpu_backend):
+    """The vision and audio adapters take tensors and None only: another input runs eagerly as an
+    ineligible miss, whether it lacks a shape (an int) or only looks like a tensor (a NumPy array)."""
+    np = pytest.importorskip("numpy")
+    graph = ecg.EncoderCudaGraph(lambda x, y: x + 1, vllm_config, admission="count", backend=cpu_backend())
+    assert graph.static_args is False  # pr: streaming-audio
+    x = torch.ones(2)
+    for other in (3, np.ones(2, dtype=np.float32)):
+        for _ in range(3):
+            assert torch.equal(graph(x, other), x + 1)
+    stats = graph.get_cumulative_stats()
+    assert (stats["ineligible_misses"], stats["num_graphs"], stats["warmup_misses"]) == (6, 0, 0)
+    assert not graph.admission.history and not graph._records
+
+
 def test_stats_before_any_call(ecg, vllm_config):
     stats = ecg.EncoderCudaGraph(torch.neg, vllm_config).get_cumulative_stats()
     assert stats == dict.fromkeys(ecg.STATS_KEYS, 0) | {"hit_rate": 0.0}

@@ -51,13 +51,13 @@ class VisionGraphRegion:
         captured_modules: the modules that method calls, relative to the module owning it
             (checked for hooks before a capture).
         lora_prefixes: the same modules relative to the model, for :func:`lora_may_reach`.
-        needs: further model attributes that must be set (not None) for the adapter to be built.
+        needs: further model attributes that must be set (not None) for the adapter to be built.  # pr: image-call
     """
 
     forward: str
     captured_modules: tuple[str, ...]
     lora_prefixes: tuple[str, ...]
-    needs: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()  # pr: image-call
 
 
 # pr-before: image-call
@@ -84,9 +84,13 @@ def validate_hf_overrides(hf_config: Any) -> EncoderCudaGraphOptions:
 def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaGraphOptions:
     """Attach the exact-shape CUDA graph adapters to the vision and audio encoders of ``model``.
 
-    Needs only ``model.config``, ``model.vpm``, ``model.apm`` and what the model class's
-    ``_vision_graph_region`` needs (callable on a partially built model). Sets
-    ``model.vpm._encoder_graph`` when ``vpm`` exists, and ``model._audio_encoder_graph`` (None
+    Needs only ``model.config``, ``model.vpm`` and ``model.apm``, callable on a partially built
+    model.
+    # pr: image-call
+    The vision adapter also waits for the model attributes that the model class's
+    ``_vision_graph_region`` names in ``needs``: it is built only once they are set.
+    # /pr
+    Sets ``model.vpm._encoder_graph`` when ``vpm`` exists, and ``model._audio_encoder_graph`` (None
     without ``apm``). An encoder gets no adapter when ``encoder_cuda_graph`` is false, under
     ``--enforce-eager``, or when the engine's LoRA config could put adapters on its modules (a
     replay would keep the weights live at capture). Logs one line with the effective state per
@@ -105,7 +109,11 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
     apm = getattr(model, "apm", None)
     region: VisionGraphRegion = model._vision_graph_region
     vision_state = audio_state = "off (no encoder)"
-    if vpm is not None and all(getattr(model, name, None) is not None for name in region.needs):
+    needed = (getattr(model, name, None) for name in region.needs)  # pr: image-call
+    # pr-before: image-call
+    # if vpm is not None:
+    # /pr-before
+    if vpm is not None and all(x is not None for x in needed):  # pr: image-call
         vpm._encoder_graph, vision_state = make_encoder_cuda_graph(
             operator.attrgetter(region.forward)(model),
             vllm_config,

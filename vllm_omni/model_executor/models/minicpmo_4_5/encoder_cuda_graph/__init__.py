@@ -8,9 +8,12 @@ launch hundreds of small kernels per call, so on small inputs (one 448x448
 slice, a 1 s audio chunk) the host, not the GPU, sets their latency. This
 package replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
-eager call computes. The same adapter, built with static arguments (non-tensor
-inputs keyed by value), replays the streaming Whisper chunks of full-duplex
-sessions at each KV past length.
+eager call computes.
+# pr: streaming-audio
+The same adapter, built with static arguments (non-tensor inputs keyed by
+value), replays the streaming Whisper chunks of full-duplex sessions at each
+KV past length.
+# /pr
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
@@ -78,13 +81,19 @@ from .options import (
     HfOverridesError,
     read_hf_overrides,
 )
-from .shapes import STATIC_ARG, ExactShapeEncoder, GraphKey
+from .shapes import ExactShapeEncoder, GraphKey
+
+# pr: streaming-audio
+# isort: split
+from .shapes import STATIC_ARG
+
+# /pr
 
 __all__ = [
     "CAPTURE_ERROR_MODE",
     "HF_OVERRIDE_KEYS",
     "MISS_KINDS",
-    "STATIC_ARG",
+    "STATIC_ARG",  # pr: streaming-audio
     "STATS_KEYS",
     "Admission",
     "CaptureAdmission",

@@ -32,7 +32,13 @@ from .admission import (
 )
 from .backend import CudaGraphBackend, EncoderGraphBackend, ReplayableGraph, _require_capture_error_mode
 from .options import EncoderCudaGraphOptions
-from .shapes import ExactShapeEncoder, GraphKey, _describe, _is_static, _key_entry, _tensor_entries
+from .shapes import ExactShapeEncoder, GraphKey, _describe, _is_static, _tensor_entries
+
+# pr: streaming-audio
+# isort: split
+from .shapes import _key_entry
+
+# /pr
 
 logger = init_logger(__name__)
 
@@ -80,29 +86,32 @@ class EncoderCudaGraph:
     replays), an inference tensor exactly when the eager call's would be (the
     call runs under ``torch.inference_mode()``). Graphs captured under
     ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors or None, and with ``static_args`` also static
-    arguments; the graph key is the replay stream, the device of the tensor
-    inputs and, per input, a tensor's ``(shape, dtype)``, None (so "mask given"
-    and "no mask" are different graphs) or a static argument's
-    ``(STATIC_ARG, value)``. Strides and tensor values are not part of the
-    key; replays read the live input values.
+    Inputs are positional tensors or None; the graph key is the replay stream,
+    the device of the tensor inputs and, per input, a tensor's ``(shape,
+    dtype)`` or None (so "mask given" and "no mask" are different graphs).
+    Strides and tensor values are not part of the key; replays read the live
+    input values.
 
+    # pr: streaming-audio
     *Static arguments* (``static_args=True``): any positional input that is
     neither a tensor nor None (an int, a tuple, an object) is part of the key
-    by value (``==`` and ``hash``, so it must be hashable; an object without
-    ``__eq__`` counts by identity) and is passed unchanged to every call of
-    ``forward`` (warm-up, capture, eager); it never becomes a static input
-    buffer. A graph bakes in what ``forward`` did with it at capture, so each
-    value is its own graph. They carry what fixes the forward's control flow or
-    shapes without being a tensor shape (e.g. a KV-cache length), or a
-    persistent buffer the forward reads and writes in place (e.g. a K/V arena)
-    instead of a static copy. The choice is made once per adapter, so an
-    adapter whose inputs are all tensors keeps the tensor-only key and replay
-    path; there, a call with any other input is ineligible.
+    by value, as ``(STATIC_ARG, value)`` (``==`` and ``hash``, so it must be
+    hashable; an object without ``__eq__`` counts by identity) and is passed
+    unchanged to every call of ``forward`` (warm-up, capture, eager); it never
+    becomes a static input buffer. A graph bakes in what ``forward`` did with
+    it at capture, so each value is its own graph. They carry what fixes the
+    forward's control flow or shapes without being a tensor shape (e.g. a
+    KV-cache length), or a persistent buffer the forward reads and writes in
+    place (e.g. a K/V arena) instead of a static copy. The choice is made once
+    per adapter, so an adapter whose inputs are all tensors keeps the
+    tensor-only key and replay path; there, a call with any other input is
+    ineligible (below), while with ``static_args`` such an input is a static
+    argument and no reason to run eagerly.
+    # /pr
 
     A call runs ``forward`` eagerly, without touching any graph, when it is
-    *ineligible*: autograd enabled, an input that is neither a tensor nor None
-    without ``static_args``, or the backend refuses the tensor inputs (for
+    *ineligible*: autograd enabled, an input that is neither a tensor nor
+    None, or the backend refuses the tensor inputs (for
     :class:`CudaGraphBackend`: no tensor inputs, a non-CUDA tensor, tensors on
     more than one device, CUDA autocast enabled, or the current stream being
     captured by someone else). Calls made during vLLM's start-up memory
@@ -151,8 +160,10 @@ class EncoderCudaGraph:
             max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
             (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
+        # pr: streaming-audio
         static_args: whether inputs other than tensors and None are static
             arguments (see above); False makes such calls ineligible.
+        # /pr
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``
@@ -187,7 +198,7 @@ class EncoderCudaGraph:
         max_bytes: int = 0,
         log_interval_s: float = 60.0,
         name: str = "encoder",
-        static_args: bool = False,
+        static_args: bool = False,  # pr: streaming-audio
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -204,7 +215,7 @@ class EncoderCudaGraph:
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
-        self.static_args = bool(static_args)
+        self.static_args = bool(static_args)  # pr: streaming-audio
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
@@ -259,11 +270,13 @@ class EncoderCudaGraph:
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
+        # pr: streaming-audio
         if self.static_args:
             return self._call_with_statics(inputs, device)
+        # /pr
         try:
             entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
-        except AttributeError:  # an input that is neither a tensor nor None, without static_args
+        except AttributeError:  # an input that is neither a tensor nor None
             self.admission.record_ineligible()
             return self.forward(*inputs)
         self._calls += 1
@@ -343,6 +356,7 @@ class EncoderCudaGraph:
         }
 
     # -- internals -------------------------------------------------------------------
+    # pr: streaming-audio
     def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
         self._calls += 1
@@ -358,16 +372,26 @@ class EncoderCudaGraph:
             return self._replay(manager, inputs)
         return self._miss(key, inputs, device)
 
+    # /pr
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
+        # pr-before: streaming-audio
+        # # Never captured, so the hit path needs no check: more inputs than buffer keys, or an input
+        # # that has a shape and a dtype but is no tensor (e.g. a NumPy array).
+        # if len(inputs) > len(_BUFFER_KEYS) or any(map(_is_static, inputs)):
+        #     self.admission.record_ineligible()
+        #     return self.forward(*inputs)
+        # /pr-before
+        # pr: streaming-audio
         # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
         # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
         if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
             self.admission.record_ineligible()
             return self.forward(*inputs)
+        # /pr
         decision = self.admission.admit(key)
         if decision is Admission.CAPACITY:
             self._log_cap_once()
@@ -472,8 +496,8 @@ class EncoderCudaGraph:
         pool, which therefore grows by about the eager call's peak allocation
         delta, rounded up to the caching allocator's 2 MiB segment granularity
         (less when a shared pool already holds reusable blocks), plus static
-        copies of the tensor inputs and one output buffer outside the pool
-        (static arguments have no buffer).
+        copies of the tensor inputs and one output buffer outside the pool.
+        Static arguments have no buffer.  # pr: streaming-audio
         """
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
