@@ -196,6 +196,19 @@ def test_the_vision_adapter_replays_the_whole_image_call(vllm_configs):
     )
 
 
+def test_no_vision_adapter_without_the_resampler_the_image_call_needs(vllm_configs, log_records):
+    """The whole image call ends in the resampler (the region's ``needs``): a model without one gets
+    no vision adapter, and the audio adapter is built as usual."""
+    assert llm.vision_path.IMAGE_CALL.needs == ("resampler",)
+    model = bare_model(SimpleNamespace())
+    model.resampler = None
+    records = log_records(llm.encoder_graphs.logger)
+    model._init_encoder_cuda_graphs(vllm_configs["graphs"])
+    assert getattr(model.vpm, "_encoder_graph", None) is None
+    assert isinstance(model._audio_encoder_graph, adapter_mod.EncoderCudaGraph)
+    assert "vision=off (no encoder), audio=on;" in startup_line(records)
+
+
 def test_connector_lora_keeps_the_vision_graph_eager(vllm_configs, log_records):
     """The resampler (vLLM's "connector" of a MiniCPM-V mapping) is inside the vision graph now, so
     LoRA that may reach it keeps vision eager even when the SigLIP tower itself is not opened."""
