@@ -292,7 +292,7 @@ STACK: tuple[OmniPr, ...] = (
         owned=(_MODEL + "streaming_audio.py",),
         tests=(
             _MC45 + "test_encoder_cuda_graph_static_args.py",
-            _MC45 + "test_streaming_audio_graph.py",
+            _MC45 + "test_encoder_cuda_graph_streaming_audio.py",
         ),
         docs=(_DESIGN + "/streaming_audio.md",),
         results=(_BEFORE_AFTER,),
