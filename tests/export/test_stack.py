@@ -563,7 +563,7 @@ def _vendored_runs(st) -> dict[str, dict[str, tuple[dict[str, str], set[tuple[st
 def test_a_helper_function_arrives_with_the_first_pr_whose_tests_run_it(st):
     """A function or class of a vendored helper module that only a later PR's tests run is that
     PR's (tagged for it in the helper), not carried by the earlier PRs that vendor the module for
-    other parts: e.g. ``vllm_config.duplex_vllm_config``, which the duplex-scale PR's tests use. What
+    other parts: e.g. ``vllm_config.duplex_vllm_config``, which the duplex-batch PR's tests use. What
     no PR's tests run (the demo's inputs) goes with the module as it is."""
     runs = _vendored_runs(st)
     problems = []
