@@ -70,7 +70,7 @@ __all__ = [
     "audio_graph",
     "build_thinker_encoders",
     "configure_fused_layers",  # pr: fused-layers
-    "duplex_batch_graph",  # pr: duplex-scale
+    "duplex_batch_graph",  # pr: duplex-batch
     "has_graph_wiring",
     "init_weights_",
     "model_module",
@@ -379,7 +379,7 @@ def wire_encoder_graphs(
             # pr: streaming-audio
             ``streaming_audio=False`` sets ``encoder_cuda_graph_streaming_audio``.
             # /pr
-            # pr: duplex-scale
+            # pr: duplex-batch
             ``duplex_batch=True`` turns on the opt-in batched duplex steps
             (``encoder_cuda_graph_duplex_batch``, default false).
             # /pr
@@ -404,7 +404,7 @@ def wire_encoder_graphs(
         vision_graph(model),
         audio_graph(model),
         streaming_audio_graph(model),  # pr: streaming-audio
-        duplex_batch_graph(model),  # pr: duplex-scale
+        duplex_batch_graph(model),  # pr: duplex-batch
     )
     for adapter in adapters:
         if adapter is not None and backend is not None:
@@ -433,7 +433,7 @@ def streaming_audio_graph(model: Any) -> Any:
 
 
 # /pr
-# pr: duplex-scale
+# pr: duplex-batch
 def duplex_batch_graph(model: Any) -> Any:
     """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
     return getattr(getattr(model, "_duplex_batch", None), "graph", None)

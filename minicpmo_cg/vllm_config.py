@@ -35,7 +35,7 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     return config
 
 
-# pr: duplex-scale
+# pr: duplex-batch
 def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     """``base`` (a :func:`standalone_vllm_config`) as a duplex deployment's: ``model_config`` with
     vllm-omni's ``session_mode = "duplex"`` and ``duplex_max_sessions``, which start-up capture

@@ -3,7 +3,8 @@
 ``python -m minicpmo_cg.bench.tree_report RUN_DIR`` prints Markdown: for each vllm-omni PR of the
 run, in stack order, a section tagged for that PR (``<!-- pr: KEY -->``, see
 :mod:`minicpmo_cg.export.docsplit`) with one table of the call sites of
-:mod:`minicpmo_cg.bench.tree_figures`, the tree before the PR against the PR's own tree. ``RUN_DIR``
+:mod:`minicpmo_cg.bench.tree_figures`, the tree before the PR against the PR's own tree (or the
+tree the stack table says its figures were measured on, :func:`measured_tree`). ``RUN_DIR``
 holds ``stack-LANE.json`` (the run's summary: date, device, software) and ``figures/`` (one JSON per
 tree and ``compare.json``). Every number of the sections comes from those files; nothing is typed.
 
@@ -98,6 +99,25 @@ def _duplex_cell(kind: str, row: dict | None) -> str:
     return cell
 
 
+def measured_tree(key: str) -> str:
+    """How a section names the tree measured for PR ``key``: "this PR's own tree", or, where the stack
+    table says the PR's figures were measured on a tree that also had later PRs (its ``measured_on``:
+    the run predates a split of the PR), that tree."""
+    from minicpmo_cg.export import stack
+
+    keys = [pr.key for pr in stack.STACK]
+    on = next((pr.measured_on for pr in stack.STACK if pr.key == key), "own")
+    if on == "own" or key not in keys:
+        return "this PR's own tree"
+    last = keys[-1] if on == "stack" else on
+    later = keys[keys.index(key) + 1 : keys.index(last) + 1]
+    if not later:
+        return "this PR's own tree"
+    names = ", ".join(later)
+    which = "the next PR of the stack" if len(later) == 1 else f"the {len(later)} PRs after it"
+    return f"the tree of this PR and {which} ({names}), which this PR's figures were measured on"
+
+
 def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) -> list[str]:
     """The Markdown lines of one PR's section (``before``: the folder of the tree before it)."""
     after_t, before_t = trees[folder], trees[before]
@@ -112,7 +132,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         f"<!-- pr: {key} -->",
         f"### {HEADING}: {after_t['title']}",
         "",
-        f"Each call site on {before_name} and on this PR's own tree, each tree in its own process, one after "
+        f"Each call site on {before_name} and on {measured_tree(key)}, each tree in its own process, one after "
         "the other on one host, with "
         "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "
         "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "

@@ -21,7 +21,7 @@ from exportkit import AUTHOR, REPO, created_file, no_git_identity, patch_texts, 
 
 from minicpmo_cg.export import conventions as conv
 from minicpmo_cg.export.changeset import RESULTS_PAGE
-from minicpmo_cg.export import prtext, pytestlog, stack, testmarks, transform
+from minicpmo_cg.export import docsplit, prtext, pytestlog, stack, testmarks, transform
 from minicpmo_cg.export.changeset import read_change_set
 
 pytestmark = [pytest.mark.core_model]
@@ -334,10 +334,12 @@ def _test_result(text: str) -> str:
 
 @pytest.mark.cpu
 def test_each_pr_says_how_and_on_which_tree_its_figures_were_measured(exported):
-    """The method comes from the results page's section (nothing outside the PR is needed to read it);
-    the tree is the one the stack table records for the PR's figures."""
+    """The method comes from the results page's section, as far as it is the PR's (its untagged parts
+    and those tagged for the PR: nothing outside the PR is needed to read it); the tree is the one the
+    stack table records for the PR's figures."""
     out, manifest, _ = exported
-    method = prtext.section((REPO / RESULTS).read_text(), conv.RESULTS_METHOD_HEADING)
+    page = transform.drop_project_only((REPO / RESULTS).read_text(), RESULTS)
+    method = prtext.section(page, conv.RESULTS_METHOD_HEADING)
     assert method and "CUDA events" in method and "median" in method and "random" in method
     by_key = {pr.key: pr for pr in stack.STACK}
     keys = [pr["key"] for pr in manifest["prs"]]
@@ -347,7 +349,10 @@ def test_each_pr_says_how_and_on_which_tree_its_figures_were_measured(exported):
         if not spec.results:
             assert "### How the figures were measured" not in result
             continue
-        assert "### How the figures were measured" in result and prtext.plain_links(method) in result
+        own = prtext.section(
+            docsplit.own_parts(page, RESULTS, pr["key"], set(keys)), conv.RESULTS_METHOD_HEADING
+        )
+        assert "### How the figures were measured" in result and prtext.plain_links(own) in result
         upto = {"stack": len(keys), "own": number}.get(spec.measured_on) or keys.index(spec.measured_on) + 1
         inp = prtext.PrInputs(pr["key"], number, "", [], [], manifest["vllm"], manifest["vllm_omni"],
                               total=len(keys), measured_upto=upto)  # fmt: skip

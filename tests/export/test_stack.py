@@ -182,8 +182,8 @@ def _diff_paths(patch) -> set[str]:
 @pytest.mark.cpu
 def test_a_patch_commit_is_core_where_it_changes_vllm_omni_outside_the_model_and_its_pr_says_so(cs, st):
     """A vllm-omni patch's commit is [Model] when every file it changes is in the model's folder,
-    [Core] when one is elsewhere in vllm-omni (the model runner); the PR holding a [Core] commit
-    carries [Core] among its title prefixes, and a table whose PR lacks it is refused, naming the patch."""
+    [Core] when one is elsewhere in vllm-omni (the model runner); each PR holding a [Core] commit
+    carries [Core] among its title prefixes, and a table whose PR lacks it is refused, naming its patches."""
     model_dir = "vllm_omni/model_executor/models/minicpmo_4_5/"
     core = set()
     for pr in st.omni:
@@ -196,13 +196,16 @@ def test_a_patch_commit_is_core_where_it_changes_vllm_omni_outside_the_model_and
                 core.add(patch.name)
                 assert "[Core]" in pr.spec.prefixes and "[Core]" in pr.title, pr.key
     assert core, "no vllm-omni patch changes vllm-omni outside the model's folder"
-    holder = next(i for i, pr in enumerate(st.omni) if any(p.name in core for p in pr.patches))
-    lacking = tuple(p for p in stack.STACK[holder].prefixes if p != "[Core]")
-    with pytest.raises(
-        stack.StackError, match=r"so its commit is \[Core\], which the PR's title prefixes"
-    ) as info:
-        stack.resolve(cs, _replace(stack.STACK, holder, prefixes=lacking))
-    assert all(PurePosixPath(name).name in str(info.value) for name in core)
+    # each PR holding a [Core] commit (the start-up capture's and the batched duplex steps' runner hooks)
+    holders = [i for i, pr in enumerate(st.omni) if any(p.name in core for p in pr.patches)]
+    for holder in holders:
+        lacking = tuple(p for p in stack.STACK[holder].prefixes if p != "[Core]")
+        with pytest.raises(
+            stack.StackError, match=r"so its commit is \[Core\], which the PR's title prefixes"
+        ) as info:
+            stack.resolve(cs, _replace(stack.STACK, holder, prefixes=lacking))
+        own = [p.name for p in st.omni[holder].patches if p.name in core]
+        assert own and all(PurePosixPath(name).name in str(info.value) for name in own)
 
 
 @pytest.mark.cpu
@@ -563,7 +566,7 @@ def _vendored_runs(st) -> dict[str, dict[str, tuple[dict[str, str], set[tuple[st
 def test_a_helper_function_arrives_with_the_first_pr_whose_tests_run_it(st):
     """A function or class of a vendored helper module that only a later PR's tests run is that
     PR's (tagged for it in the helper), not carried by the earlier PRs that vendor the module for
-    other parts: e.g. ``vllm_config.duplex_vllm_config``, which the duplex-scale PR's tests use. What
+    other parts: e.g. ``vllm_config.duplex_vllm_config``, which the duplex-batch PR's tests use. What
     no PR's tests run (the demo's inputs) goes with the module as it is."""
     runs = _vendored_runs(st)
     problems = []

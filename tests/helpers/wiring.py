@@ -33,7 +33,7 @@ def wired_model(hook: str):
     """``(model file, adapter package, thinker class)`` of the installed vllm-omni, for a test module.
 
     Skips the module without vllm-omni or the adapter package; fails it, naming the model file, when
-    the thinker class lacks ``hook`` (the wiring the module tests, e.g. ``"_encode_images"``).
+    the thinker class lacks ``hook`` (the wiring the module tests, e.g. ``"_init_encoder_cuda_graphs"``).
     """
     llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
     adapter = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")

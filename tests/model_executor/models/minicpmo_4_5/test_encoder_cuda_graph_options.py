@@ -190,9 +190,10 @@ def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
     assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0)
     assert defaults.streaming_audio is True  # pr: streaming-audio
-    # pr: duplex-scale
-    # start-up capture on; batched duplex steps opt-in (the exact per-session path by default)
-    assert (defaults.startup_capture, defaults.duplex_batch) == (True, False)
+    assert defaults.startup_capture is True  # pr: duplex-scale
+    # pr: duplex-batch
+    # batched duplex steps opt-in (the exact per-session path by default)
+    assert defaults.duplex_batch is False
     assert ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"].default is False
     opted_in = types.SimpleNamespace(encoder_cuda_graph_duplex_batch=True)
     assert ecg.EncoderCudaGraphOptions.from_hf_config(opted_in).duplex_batch is True
@@ -240,9 +241,8 @@ def test_describe_writes_the_options_as_json(ecg):
         "encoder_cuda_graph_log_interval_s=60.0"
     )
     expected += " encoder_cuda_graph_streaming_audio=true"  # pr: streaming-audio
-    # pr: duplex-scale
-    expected += " encoder_cuda_graph_startup_capture=true encoder_cuda_graph_duplex_batch=false"
-    # /pr
+    expected += " encoder_cuda_graph_startup_capture=true"  # pr: duplex-scale
+    expected += " encoder_cuda_graph_duplex_batch=false"  # pr: duplex-batch
     assert text == expected
 
 

@@ -49,7 +49,7 @@ from . import fused_layers  # pr: fused-layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
 
-# pr: duplex-scale
+# pr: duplex-batch
 # isort: split
 from . import duplex_batch  # the batched duplex steps; it imports this module back
 
@@ -357,7 +357,7 @@ def encode_streaming_chunk(
         adapter where :func:`streaming_audio_graph_applies`, else eagerly with the zero mask (a
         graphed session's cache converted to the eager path's ``EncoderDecoderCache`` first).
     """
-    # pr: duplex-scale
+    # pr: duplex-batch
     # inside a batched duplex step the chunk is encoded with the step's others (duplex_batch.route)
     batched = duplex_batch.route(model, wavforms, positions, total_seq_len, context)
     if batched is not None:
@@ -427,7 +427,7 @@ def init_streaming_audio_graph(model: nn.Module, vllm_config: Any, options: Enco
                 'admission "count" (each past length recurs once per cache cycle)'
             )
     logger.info("MiniCPM-o 4.5 streaming audio encoder CUDA graphs: %s", state)
-    duplex_batch.init_duplex_batch(model, vllm_config, options)  # pr: duplex-scale
+    duplex_batch.init_duplex_batch(model, vllm_config, options)  # pr: duplex-batch
 
 
 def streaming_audio_graph_applies(model: nn.Module, wavforms: torch.Tensor, total_seq_len: int) -> bool:

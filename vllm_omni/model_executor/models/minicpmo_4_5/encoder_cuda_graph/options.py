@@ -274,7 +274,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "before serving; false = capture them lazily, as sessions reach them",
     ),
     # /pr
-    # pr: duplex-scale
+    # pr: duplex-batch
     HfOverrideKey(
         name="encoder_cuda_graph_duplex_batch",
         kind="bool",
@@ -488,6 +488,8 @@ class EncoderCudaGraphOptions:
     #: KV past length of a cache cycle, and a camera frame's single slice) while the worker warms up, after
     #: vLLM sized the KV cache; False leaves them to the lazy path.
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
+    # /pr
+    # pr: duplex-batch
     #: ``encoder_cuda_graph_duplex_batch`` (bool, default False). Read by the model wiring: on a duplex
     #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
     #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
