@@ -444,8 +444,10 @@ def test_default_compilation_config_gives_no_warning(vllm_configs, log_records):
 def test_runner_settings_are_not_reported_for_a_model_that_implements_the_protocol(vllm_configs):
     vllm_config = _with_compilation(vllm_configs["graphs"], cudagraph_mm_encoder=True)
 
-    class Implements(torch.nn.Module):
-        supports_encoder_cudagraph = True
+    from vllm.model_executor.models.interfaces import SupportsEncoderCudaGraph
+
+    class Implements(torch.nn.Module, SupportsEncoderCudaGraph):
+        pass
 
     settings = llm.encoder_graphs.runner_encoder_graph_settings
     assert settings(Implements(), vllm_config) == []

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.logger import init_logger
+from vllm.model_executor.models.interfaces import supports_encoder_cudagraph
 
 from . import fused_layers  # pr: fused-layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
@@ -164,15 +165,15 @@ def runner_encoder_graph_settings(model: nn.Module, vllm_config: Any) -> list[st
 
     vLLM's model runner builds its own ``EncoderCudaGraphManager`` when
     ``compilation_config.cudagraph_mm_encoder`` is true and the model implements vLLM's
-    ``SupportsEncoderCudaGraph`` (``supports_encoder_cudagraph = True``); it silently builds none
-    otherwise, and the ``encoder_cudagraph_*`` fields then do nothing either.
+    ``SupportsEncoderCudaGraph`` (the runner's own test, vLLM's ``supports_encoder_cudagraph``);
+    it silently builds none otherwise, and the ``encoder_cudagraph_*`` fields then do nothing either.
 
     Returns:
         ``["cudagraph_mm_encoder=true", "encoder_cudagraph_token_budgets=[1024]", ...]``: each
         field of :data:`RUNNER_ENCODER_GRAPH_FIELDS` set away from its default, in that order;
-        empty when none is, or when ``model``'s class implements the protocol.
+        empty when none is, or when ``model`` implements the protocol.
     """
-    if getattr(type(model), "supports_encoder_cudagraph", False):
+    if supports_encoder_cudagraph(model):
         return []
     compilation_config = getattr(vllm_config, "compilation_config", None)
     changed = []
