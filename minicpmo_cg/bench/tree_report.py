@@ -106,11 +106,10 @@ def measured_tree(key: str) -> str:
     from minicpmo_cg.export import stack
 
     keys = [pr.key for pr in stack.STACK]
-    on = next((pr.measured_on for pr in stack.STACK if pr.key == key), "own")
-    if on == "own" or key not in keys:
+    if key not in keys:
         return "this PR's own tree"
-    last = keys[-1] if on == "stack" else on
-    later = keys[keys.index(key) + 1 : keys.index(last) + 1]
+    on = next(pr.measured_on for pr in stack.STACK if pr.key == key)
+    later = keys[keys.index(key) + 1 : stack.measured_upto(keys, key, on)]
     if not later:
         return "this PR's own tree"
     names = ", ".join(later)

@@ -246,13 +246,12 @@ def run(args: argparse.Namespace) -> int:
     # the checks run git in scratch trees: a relative --out would name nothing there
     args.out = args.out.resolve()
     identity = _identity(args, repo)
+    from minicpmo_cg.export import vllm_main
+
+    # a bad --vllm-checkout or --vllm-omni-checkout fails before the export
     if args.vllm_checkout is not None:
-        from minicpmo_cg.export import vllm_main
-
-        vllm_main.checkout_commit(args.vllm_checkout)  # a bad --vllm-checkout fails before the export
+        vllm_main.checkout_commit(args.vllm_checkout)
     if args.vllm_omni_checkout is not None:
-        from minicpmo_cg.export import vllm_main
-
         vllm_main.checkout_commit(args.vllm_omni_checkout, vllm_main.OMNI)
     opts = build.ExportOptions(
         repo=repo,

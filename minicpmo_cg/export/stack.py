@@ -49,7 +49,7 @@ import ast
 import fnmatch
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -592,13 +592,10 @@ def _resolve_omni(cs: ChangeSet, table: tuple[OmniPr, ...], problems: list[str])
     stack_keys = [pr.key for pr in resolved]
     for pr in resolved:
         on = pr.spec.measured_on
-        if on == "stack":
-            pr.measured_upto = len(resolved)
-        elif on == "own":
-            pr.measured_upto = pr.number
-        elif on in stack_keys:
-            pr.measured_upto = stack_keys.index(on) + 1
-            if pr.measured_upto < pr.number:
+        upto = measured_upto(stack_keys, pr.key, on)
+        if upto is not None:
+            pr.measured_upto = upto
+            if upto < pr.number:
                 problems.append(
                     f"PR {pr.key}: measured_on {on!r} is a tree without this PR, which has no figures of it"
                 )
@@ -651,6 +648,17 @@ def _resolve_vllm(cs: ChangeSet, table: tuple[VllmPr, ...], problems: list[str])
             out.append(ResolvedVllmPr(spec=spec, patches=patches, tests=tests))
     _once(owner, "vLLM patch", problems)
     return out
+
+
+def measured_upto(keys: Sequence[str], key: str, on: str) -> int | None:
+    """How many PRs of the stack ``keys`` (merge order), from the first, the tree that PR ``key``'s
+    figures were measured on had applied, for its ``measured_on`` value ``on``: all of them for
+    ``"stack"``, up to ``key`` for ``"own"``, up to ``on`` for a key; None for anything else."""
+    if on == "stack":
+        return len(keys)
+    if on == "own":
+        return keys.index(key) + 1
+    return keys.index(on) + 1 if on in keys else None
 
 
 def resolve(

@@ -89,6 +89,11 @@ def checkout_commit(checkout: Path, upstream: Upstream = VLLM) -> tuple[str, str
     return head.stdout.strip(), branch
 
 
+def _first_lines(text: str) -> str:
+    """git's first four lines of ``text``, on one line."""
+    return " ".join(line.strip() for line in text.strip().splitlines()[:4])
+
+
 def check_series(checkout: Path, series: list[Path]) -> MainCheck:
     """``git apply --check`` of ``series`` (``git format-patch`` files, in order) against the work
     tree of ``checkout``; nothing is written there.
@@ -100,12 +105,9 @@ def check_series(checkout: Path, series: list[Path]) -> MainCheck:
         raise ValueError("no patch to check against the vLLM checkout")
     commit, branch = checkout_commit(checkout)
     proc = _git(checkout, "apply", "--check", *(str(p.resolve()) for p in series))
-    detail = " ".join(line.strip() for line in proc.stderr.strip().splitlines()[:4])
-    return MainCheck(commit, branch, proc.returncode == 0, "" if proc.returncode == 0 else detail)
-
-
-def _first_lines(text: str) -> str:
-    return " ".join(line.strip() for line in text.strip().splitlines()[:4])
+    return MainCheck(
+        commit, branch, proc.returncode == 0, "" if proc.returncode == 0 else _first_lines(proc.stderr)
+    )
 
 
 def _am_failure(output: str) -> str:
