@@ -8,8 +8,12 @@ waited for the encoder (or its graph replay) before the call returned. Now the s
 keeps it there) and a streaming chunk's embedding count is the encoder output's. Checked on CPU
 with tiny Whisper models through :class:`helpers.host_reads.HostReads` (tensor methods and the
 operators that copy values out, e.g. slicing at a tensor bound), on the eager and the graphed path
-(the adapters' CPU backend), and against the model file before the change (bitwise). CUDA tests
-check the same with ``torch.cuda.set_sync_debug_mode("error")`` at Whisper-medium's widths.
+(the adapters' CPU backend).
+# project-only
+Both calls are also compared with the model file before the change (bitwise), where the patch tool
+can rebuild that file from the installed one.
+# /project-only
+CUDA tests check the same with ``torch.cuda.set_sync_debug_mode("error")`` at Whisper-medium's widths.
 """
 
 from __future__ import annotations

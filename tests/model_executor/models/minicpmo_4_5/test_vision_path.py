@@ -5,9 +5,11 @@
 - SigLIP position ids on the device: the table against the model's host mapping for every grid
   side and every patch grid the image slicer emits; resampler positions against its 2-D cache.
 - ``get_vision_hidden_states`` reads no tensor value on the host (:class:`helpers.host_reads.HostReads`
-  watches ``item``/``tolist``/``__bool__``/... and the operators that copy values out); with eager
-  attention its output is bitwise that of the model file before the change, where that file can be
-  rebuilt from the installed one.
+  watches ``item``/``tolist``/``__bool__``/... and the operators that copy values out).
+# project-only
+- With eager attention its output is bitwise that of the model file before the change, where the
+  patch tool can rebuild that file from the installed one.
+# /project-only
 - SigLIP's hidden states are contiguous in every encoder layer: no layer copies its input
   before a LayerNorm (operators counted per layer with ``torch.profiler``), and the layout does
   not change a bit of the output with either attention.

@@ -123,7 +123,8 @@ class EncoderCudaGraph:
     free-memory floor may defer the capture (each deferral logs a WARNING the
     first time and every :attr:`MEMORY_WARNING_EVERY` deferrals).
 
-    Stats: :meth:`get_cumulative_stats` (nine keys, vLLM's contract) and
+    Stats: :meth:`get_cumulative_stats` (nine keys: vLLM's manager's
+    ``graph_hits``/``graph_misses``/``hit_rate`` and six of this adapter's) and
     :meth:`get_detailed_stats` (miss kinds beyond those, bytes and hits per
     graph). With ``log_interval_s`` the call path logs one INFO line with the
     hit rate, graphs and bytes when that many seconds have passed since the
