@@ -23,9 +23,15 @@ on a tree without it the timed session is the third (the first two capture lazil
 session's chunks are reported as well. Inputs and weights are seeded (:data:`SEED`): every tree
 gets the same ones.
 
-Times are CUDA-event milliseconds of one call (:class:`minicpmo_cg.measure.Timer`), median and p90
-of :data:`TIMED_CALLS` calls after :data:`EAGER_WARMUP` untimed eager ones. Outputs (eager and graphed) are saved beside the JSON
-(``<label>.pt``) for :func:`compare`, which relates each tree to the one before it.
+Times are CUDA-event milliseconds of one call (:class:`minicpmo_cg.measure.Timer`), in
+:data:`BLOCKS` blocks of :data:`BLOCK_CALLS` timed calls per call site (:class:`TreeRun`): median and
+p90 of all of them, and each block's median. ``measure`` runs the blocks one after the other;
+``measure --serve`` builds the model, says ``ready`` and then runs one block per line it reads
+(``eager``, ``graphed``, ``finish``), so that ``stack-run --figures`` can keep every tree's process
+alive and take turns: each round runs one block of every tree, in an order that rotates from round to
+round, and a drift of the host over the run reaches every tree alike. Outputs (eager and graphed) are
+saved beside the JSON (``<label>.pt``) for :func:`compare`, which relates each tree to the one
+before it.
 
 Without CUDA (``--allow-cpu``) both passes run on the reduced model (2 + 2 layers) and tiny inputs,
 the graphed one through the CPU stand-in for capture (:mod:`minicpmo_cg.bench.cpu_backend`, scripted
@@ -39,22 +45,25 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 from minicpmo_cg import measure
 
-__all__ = ["CALLS", "compare", "main", "measure_tree", "tree_features"]
+__all__ = ["CALLS", "TreeRun", "compare", "main", "measure_tree", "pin_threads", "serve", "tree_features"]
 
 SEED = 0
 WARMUP_CALLS = 4
-#: timed calls per call site, on CUDA and on a CPU logic check
-TIMED_CALLS = {"cuda": 30, "cpu": 2}
+#: blocks per pass (eager, then graphed), on CUDA and on a CPU logic check
+BLOCKS = {"cuda": 3, "cpu": 2}
+#: timed calls per call site in one block
+BLOCK_CALLS = {"cuda": 10, "cpu": 1}
 #: untimed eager calls per call site before its timed ones (the eager duplex session: sessions)
 EAGER_WARMUP = {"cuda": 3, "cpu": 0}
 DUPLEX_CHUNKS = {"cuda": 10, "cpu": 3}
@@ -157,101 +166,199 @@ def _duplex_timing(times: list[float]) -> dict[str, float]:
     }
 
 
-def _call_pass(model: Any, timer: Any, call_args: dict[str, dict], warmup: int, timed: int) -> dict[str, Any]:
-    rows, outs = {}, {}
-    for name, data in call_args.items():
-        fn: Callable[[], Any] = (
-            (lambda d=data: model.get_vision_hidden_states(d))
-            if "pixel_values" in data
-            else (lambda d=data: model.get_audio_hidden_states(d))
-        )
-        for _ in range(warmup):
-            fn()
-        hits0 = _hits(model)
-        times, out = timer.repeat(fn, timed)
-        rows[name] = {**_timing(times), "replayed": _hits(model) - hits0, "calls": timed}
-        outs[name] = _output(out)
-    return {"rows": rows, "outputs": outs}
+def _call_fn(model: Any, data: dict[str, Any]) -> Callable[[], Any]:
+    if "pixel_values" in data:
+        return lambda: model.get_vision_hidden_states(data)
+    return lambda: model.get_audio_hidden_states(data)
 
 
-def measure_tree(*, cpu: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Measure the vllm-omni on ``sys.path`` (see the module docstring).
+class TreeRun:
+    """The measurement of the vllm-omni on ``sys.path``, in blocks that a caller may interleave with
+    other trees' blocks (``stack-run --figures`` runs every tree's process at once and takes turns).
 
-    Returns:
-        ``(figures, outputs)``: the JSON-ready figures (``features``, ``eager`` / ``graphed`` rows by
-        call name, ``duplex``, the adapters' ``stats``, the build) and the outputs by
-        ``"<eager|graphed>/<call name>"`` (float32 CPU tensors).
+    Build the model (the constructor), then :meth:`eager_block` and :meth:`graphed_block` as many
+    times as wanted (every eager block before the first graphed one: the graphed blocks wire the
+    graphs in), then :meth:`result`. A block times :data:`BLOCK_CALLS` calls of every call site; the
+    first eager block runs :data:`EAGER_WARMUP` untimed calls (and sessions) first, every later one
+    one untimed call, so a block never starts cold; an eager block runs one duplex session too. The
+    first graphed block wires the graphs, captures at start-up where the tree can, times the duplex
+    session as a server's first (or, without start-up capture, third) and runs
+    :data:`WARMUP_CALLS` untimed calls per call site before its timed ones.
+
+    A row's times are those of all its blocks; its ``blocks`` are each block's median (ms), so
+    the spread within one process shows beside the difference between trees.
 
     Raises:
-        whatever building the model or a call raises (a capture failure is fatal, as in serving).
+        whatever building the model or a call raises (a capture failure is fatal, as in serving);
+        RuntimeError: an eager block after a graphed one.
     """
-    from minicpmo_cg import standalone
-    from minicpmo_cg.vllm_config import duplex_vllm_config, standalone_vllm_config
 
-    features = tree_features()
-    device = torch.device("cpu" if cpu else "cuda")
-    dtype = torch.float32 if cpu else torch.bfloat16
-    model = standalone.build_thinker_encoders(
-        device=device,
-        dtype=dtype,
-        reduced=cpu,
-        seed=SEED,
-        vision_attn="sdpa" if features["sdpa"] else "eager",
-    )
-    timer = measure.Timer(device)
-    mode = "cpu" if cpu else "cuda"
-    backend = clock = None
-    if cpu and features["graphs"]:
-        from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, ScriptedClock
+    def __init__(self, *, cpu: bool = False) -> None:
+        from minicpmo_cg import standalone
+        from minicpmo_cg.vllm_config import duplex_vllm_config, standalone_vllm_config
 
-        clock = ScriptedClock()
-        backend = CpuGraphBackend(clock=clock)
-    call_args = {name: _inputs(kind, spec[1] if cpu else spec[0], device, dtype)
-                 for name, (kind, *spec) in CALLS.items()}  # fmt: skip
-    chunks = _duplex_chunks(DUPLEX_CHUNKS[mode], device)
-    config = duplex_vllm_config(standalone_vllm_config(), 2)
-    figures: dict[str, Any] = {"features": features, "build": dataclass_dict(model.build_info)}
-    outputs: dict[str, torch.Tensor] = {}
-    warmup = EAGER_WARMUP[mode]
-    with torch.inference_mode(), _clock_for_adapters(clock):
-        if features["graphs"]:
-            standalone.wire_encoder_graphs(model, config, enabled=False)
-        eager = _call_pass(model, timer, call_args, warmup, TIMED_CALLS[mode])
-        for _ in range(warmup):
-            _session(model, timer, chunks)
-        times, outputs["eager/" + DUPLEX] = _session(model, timer, chunks)
-        figures["eager"] = {**eager["rows"], DUPLEX: _duplex_timing(times)}
-        outputs.update({f"eager/{k}": v for k, v in eager["outputs"].items()})
-        if not features["graphs"]:
-            figures["graphed"] = None
-            return figures, outputs
-        standalone.wire_encoder_graphs(model, config, enabled=True, backend=backend)
-        duplex_rows: dict[str, Any] = {}
-        if features["startup_capture"]:
+        self.cpu = cpu
+        self.mode = "cpu" if cpu else "cuda"
+        self.features = tree_features()
+        device = torch.device("cpu" if cpu else "cuda")
+        dtype = torch.float32 if cpu else torch.bfloat16
+        self.model = standalone.build_thinker_encoders(
+            device=device,
+            dtype=dtype,
+            reduced=cpu,
+            seed=SEED,
+            vision_attn="sdpa" if self.features["sdpa"] else "eager",
+        )
+        self.timer = measure.Timer(device)
+        self.backend = self.clock = None
+        if cpu and self.features["graphs"]:
+            from minicpmo_cg.bench.cpu_backend import CpuGraphBackend, ScriptedClock
+
+            self.clock = ScriptedClock()
+            self.backend = CpuGraphBackend(clock=self.clock)
+        self.call_args = {name: _inputs(kind, spec[1] if cpu else spec[0], device, dtype)
+                          for name, (kind, *spec) in CALLS.items()}  # fmt: skip
+        self.chunks = _duplex_chunks(DUPLEX_CHUNKS[self.mode], device)
+        self.config = duplex_vllm_config(standalone_vllm_config(), 2)
+        self.times: dict[str, dict[str, list[list[float]]]] = {"eager": {}, "graphed": {}}
+        self.replayed: dict[str, int] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.duplex: dict[str, Any] = {}
+        self.graphed = False
+        if self.features["graphs"]:
+            with self._context():
+                standalone.wire_encoder_graphs(self.model, self.config, enabled=False)
+
+    def _context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(_clock_for_adapters(self.clock))
+        return stack
+
+    def _time_calls(self, kind: str, warmup: int) -> None:
+        for name, data in self.call_args.items():
+            fn = _call_fn(self.model, data)
+            for _ in range(warmup):
+                fn()
+            hits0 = _hits(self.model) if self.features["graphs"] else 0
+            times, out = self.timer.repeat(fn, BLOCK_CALLS[self.mode])
+            if self.features["graphs"]:
+                self.replayed[f"{kind}/{name}"] = (
+                    self.replayed.get(f"{kind}/{name}", 0) + _hits(self.model) - hits0
+                )
+            self.times[kind].setdefault(name, []).append(times)
+            self.outputs.setdefault(f"{kind}/{name}", _output(out))
+
+    def eager_block(self) -> None:
+        """One eager block (``encoder_cuda_graph`` false): every call site, then one duplex session."""
+        if self.graphed:
+            raise RuntimeError("an eager block after a graphed one: the graphs are wired in")
+        first = not self.times["eager"]
+        with self._context():
+            self._time_calls("eager", EAGER_WARMUP[self.mode] if first else 1)
+            if first:
+                for _ in range(EAGER_WARMUP[self.mode]):
+                    _session(self.model, self.timer, self.chunks)
+            times, out = _session(self.model, self.timer, self.chunks)
+        self.times["eager"].setdefault(DUPLEX, []).append(times)
+        self.outputs.setdefault("eager/" + DUPLEX, out)
+
+    def graphed_block(self) -> None:
+        """One block with the graphs wired in at their defaults (nothing on a tree without them)."""
+        if not self.features["graphs"]:
+            return
+        with self._context():
+            if not self.graphed:
+                self._first_graphed()
+                self._time_calls("graphed", WARMUP_CALLS)
+            else:
+                self._time_calls("graphed", 1)
+
+    def _first_graphed(self) -> None:
+        from minicpmo_cg import standalone
+
+        self.graphed = True
+        standalone.wire_encoder_graphs(self.model, self.config, enabled=True, backend=self.backend)
+        if self.features["startup_capture"]:
             startup = importlib.import_module(f"{_MODELS}.startup_capture")
             t0 = time.perf_counter()
-            report = startup.capture_at_startup(model, config)
-            duplex_rows["startup"] = {
+            report = startup.capture_at_startup(self.model, self.config)
+            self.duplex["startup"] = {
                 "graphs": report.num_graphs,
                 "mib": round(report.total_bytes / 2**20, 1),
                 "seconds": round(time.perf_counter() - t0, 2),
             }
             lazy = []
         else:
-            lazy = [_session(model, timer, chunks)[0] for _ in range(2)]
-        hits0 = _hits(model)
-        times, outputs["graphed/" + DUPLEX] = _session(model, timer, chunks)
-        duplex_rows.update(_duplex_timing(times))
-        duplex_rows["replayed"] = _hits(model) - hits0
-        duplex_rows["calls"] = len(chunks)
-        duplex_rows["timed_session"] = 3 if lazy else 1
+            lazy = [_session(self.model, self.timer, self.chunks)[0] for _ in range(2)]
+        hits0 = _hits(self.model)
+        times, self.outputs["graphed/" + DUPLEX] = _session(self.model, self.timer, self.chunks)
+        self.duplex.update(_duplex_timing(times))
+        self.duplex["replayed"] = _hits(self.model) - hits0
+        self.duplex["calls"] = len(self.chunks)
+        self.duplex["timed_session"] = 3 if lazy else 1
         if lazy:
-            duplex_rows["first_session"] = _duplex_timing(lazy[0])
-        graphed = _call_pass(model, timer, call_args, WARMUP_CALLS, TIMED_CALLS[mode])
-        figures["graphed"] = {**graphed["rows"], DUPLEX: duplex_rows}
-        outputs.update({f"graphed/{k}": v for k, v in graphed["outputs"].items()})
-        figures["stats"] = _stats_of(model)
-    return figures, outputs
+            self.duplex["first_session"] = _duplex_timing(lazy[0])
+
+    def _rows(self, kind: str) -> dict[str, Any]:
+        rows: dict[str, Any] = {}
+        for name in CALLS:
+            blocks = self.times[kind][name]
+            flat = [t for block in blocks for t in block]
+            rows[name] = {
+                **_timing(flat),
+                "blocks": [round(measure.median(b), 3) for b in blocks],
+                "replayed": self.replayed.get(f"{kind}/{name}", 0),
+                "calls": len(flat),
+            }
+        return rows
+
+    def result(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``(figures, outputs)``: see :func:`measure_tree`.
+
+        Raises:
+            RuntimeError: no eager block ran.
+        """
+        if not self.times["eager"]:
+            raise RuntimeError("no eager block ran")
+        sessions = self.times["eager"][DUPLEX]
+        eager_duplex = _duplex_timing([t for s in sessions for t in s])
+        eager_duplex["first_ms"] = round(sessions[0][0], 3)
+        eager_duplex["blocks"] = [round(measure.median(s), 3) for s in sessions]
+        figures: dict[str, Any] = {
+            "features": self.features,
+            "build": dataclass_dict(self.model.build_info),
+            "eager": {**self._rows("eager"), DUPLEX: eager_duplex},
+            "graphed": None,
+        }
+        if self.graphed:
+            figures["graphed"] = {**self._rows("graphed"), DUPLEX: dict(self.duplex)}
+            with self._context():
+                figures["stats"] = _stats_of(self.model)
+        return figures, dict(self.outputs)
+
+
+def measure_tree(
+    *, cpu: bool = False, blocks: int | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Measure the vllm-omni on ``sys.path`` (see the module docstring) in one go: ``blocks`` eager
+    blocks, then as many graphed ones (:class:`TreeRun`; default :data:`BLOCKS`).
+
+    Returns:
+        ``(figures, outputs)``: the JSON-ready figures (``features``, ``eager`` / ``graphed`` rows by
+        call name, ``duplex``, the adapters' ``stats``, the build) and the outputs by
+        ``"<eager|graphed>/<call name>"`` (float32 CPU tensors; a call's first timed output).
+
+    Raises:
+        whatever building the model or a call raises (a capture failure is fatal, as in serving).
+    """
+    run = TreeRun(cpu=cpu)
+    count = BLOCKS[run.mode] if blocks is None else blocks
+    for _ in range(count):
+        run.eager_block()
+    for _ in range(count):
+        run.graphed_block()
+    return run.result()
 
 
 @contextlib.contextmanager
@@ -322,10 +429,58 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--label", required=True, help="the tree's name (the JSON and .pt file names)")
     m.add_argument("--out", type=Path, required=True, help="folder for <label>.json and <label>.pt")
     m.add_argument("--allow-cpu", action="store_true", help="without CUDA: eager logic check on tiny inputs")
+    m.add_argument(
+        "--serve",
+        action="store_true",
+        help="build, print 'ready', then run one block per line read from stdin (eager, graphed, finish)",
+    )
+    m.add_argument(
+        "--pin-core",
+        type=int,
+        default=None,
+        metavar="N",
+        help="once built, run every thread of the process on CPU core N (eager calls are bound by the host)",
+    )
     c = sub.add_parser("compare", help="relate the outputs of the labels, in order; writes compare.json")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("labels", nargs="+")
     return p.parse_args(argv)
+
+
+def pin_threads(core: int) -> bool:
+    """Run every thread of this process on CPU ``core``; False where the host cannot (no such core,
+    no ``sched_setaffinity``)."""
+    if not hasattr(os, "sched_setaffinity") or core not in os.sched_getaffinity(0):
+        return False
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, {core})
+    return True
+
+
+def serve(run: TreeRun, commands: TextIO, replies: TextIO) -> int:
+    """Run one block per command line (``eager``, ``graphed``) until ``finish``; reply ``done
+    COMMAND SECONDS`` per block. Returns the number of blocks run.
+
+    Raises:
+        ValueError: an unknown command; EOFError: the input ended before ``finish``.
+    """
+    blocks = 0
+    print("ready", file=replies, flush=True)
+    while True:
+        line = commands.readline()
+        if not line:
+            raise EOFError("the input ended before 'finish'")
+        command = line.strip()
+        if command == "finish":
+            return blocks
+        if command not in ("eager", "graphed"):
+            raise ValueError(f"unknown command {command!r}: expected eager, graphed or finish")
+        t0 = time.perf_counter()
+        run.eager_block() if command == "eager" else run.graphed_block()
+        blocks += 1
+        print(f"done {command} {time.perf_counter() - t0:.2f}", file=replies, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,13 +497,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        figures, outputs = measure_tree(cpu=cpu)
+    replies = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # the model's prints must not reach the replies
+        run = TreeRun(cpu=cpu)
+        pinned = args.pin_core is not None and pin_threads(args.pin_core)
+        if args.serve:
+            serve(run, sys.stdin, replies)
+        else:
+            for _ in range(BLOCKS[run.mode]):
+                run.eager_block()
+            for _ in range(BLOCKS[run.mode]):
+                run.graphed_block()
+        figures, outputs = run.result()
     figures.update(label=args.label, seconds=round(time.perf_counter() - t0, 1), cpu=cpu,
-                   device=torch.cuda.get_device_name(0) if not cpu else "cpu", versions=measure.versions())  # fmt: skip
+                   device=torch.cuda.get_device_name(0) if not cpu else "cpu", versions=measure.versions(),
+                   pinned_core=args.pin_core if pinned else None)  # fmt: skip
     torch.save(outputs, args.out / f"{args.label}.pt")
     (args.out / f"{args.label}.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
-    print(f"{args.label}: {figures['seconds']} s, wrote {args.out / (args.label + '.json')}")
+    print(f"{args.label}: {figures['seconds']} s, wrote {args.out / (args.label + '.json')}", file=sys.stderr)
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from minicpmo_cg.bench.tree_figures import CALLS, DUPLEX
 
-__all__ = ["main", "pr_section", "sections", "setup_line", "speed_up"]
+__all__ = ["main", "overlap", "pr_section", "sections", "setup_line", "speed_up", "spread"]
 
 FIGURES = "figures"
 #: the heading every PR's section starts with (the export's ``results`` entry of each PR)
@@ -73,6 +73,24 @@ def speed_up(before: dict | None, after: dict | None) -> str:
     if "—" in (shown_b, shown_a) or float(shown_a) == 0.0:
         return "—"
     return f"{float(shown_b) / float(shown_a):.2f}×"
+
+
+def _blocks(row: dict | None) -> list[float]:
+    """A row's block medians (a run that measured in blocks, :class:`.tree_figures.TreeRun`), else []."""
+    return list((row or {}).get("blocks") or [])
+
+
+def overlap(before: dict | None, after: dict | None) -> bool:
+    """Whether the two rows' ranges of block medians overlap: the trees' difference is then no larger
+    than how much one tree's own blocks moved (False where either row has no blocks)."""
+    b, a = _blocks(before), _blocks(after)
+    return bool(b and a) and min(b) <= max(a) and min(a) <= max(b)
+
+
+def spread(rows: list[dict | None]) -> float | None:
+    """The largest ``max / min - 1`` of one row's block medians over ``rows`` (None: no blocks)."""
+    ratios = [max(b) / min(b) - 1 for b in map(_blocks, rows) if b and min(b) > 0]
+    return max(ratios) if ratios else None
 
 
 def _rel(value: float | None) -> str:
@@ -127,15 +145,27 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         if before_t["title"].startswith("the vllm-omni")
         else "the tree before this PR (the earlier PRs of the stack applied)"
     )
+    blocked = any(_blocks(row) for tree in (after_t, before_t) for row in tree["eager"].values())
+    if blocked:
+        rounds = max(len(_blocks(row)) for row in after_t["eager"].values())
+        how = (
+            f"each tree in its own process, the processes taking turns on one host: {rounds} rounds of one "
+            "block of calls per tree, in an order that rotates from round to round, eager rounds first"
+        )
+        noise = (
+            " A speed-up marked *within noise* is one where the two trees' block medians overlap: the "
+            "difference is no larger than how much one tree's own blocks moved."
+        )
+    else:
+        how, noise = "each tree in its own process, one after the other on one host", ""
     lines = [
         f"<!-- pr: {key} -->",
         f"### {HEADING}: {after_t['title']}",
         "",
-        f"Each call site on {before_name} and on {measured_tree(key)}, each tree in its own process, one after "
-        "the other on one host, with "
+        f"Each call site on {before_name} and on {measured_tree(key)}, {how}, with "
         "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "
         "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "
-        "shows what the PR changes.",
+        f"shows what the PR changes.{noise}",
         "",
         "| call site | eager before | eager with this PR | default before | default with this PR "
         "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
@@ -151,6 +181,8 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         else:
             cells = [_ms(eb), _ms(ea), _ms(row_b), _ms(row_a)]
         speed = speed_up(row_b, row_a)
+        if speed != "—" and overlap(row_b, row_a):
+            speed += ", within noise"
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)
@@ -164,6 +196,16 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         )
     startup = (after_t.get("graphed") or {}).get(DUPLEX, {}).get("startup")
     lines.append("")
+    if blocked:
+        eager = spread([t["eager"].get(c) for t in (before_t, after_t) for c in [*CALLS, DUPLEX]])
+        default = spread([_default(t, c)[1] for t in (before_t, after_t) for c in CALLS])
+        parts = [f"{name} calls by up to {value:.0%}" for name, value in (("eager", eager), ("default", default))
+                 if value is not None]  # fmt: skip
+        if parts:
+            lines += [
+                f"Within one tree's process, the block medians of a call moved: {', '.join(parts)}.",
+                "",
+            ]
     if startup:
         lines.append(
             f"Start-up capture on this tree: {startup['graphs']} graphs, {startup['mib']} MiB, "

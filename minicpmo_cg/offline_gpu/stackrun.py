@@ -19,9 +19,9 @@ deselected, and which warnings it counted (category, where raised, how many: the
 summary), so that the export's PR texts can state and account for them (:mod:`minicpmo_cg.export.gpuresults`).
 
 With ``--figures`` (``--no-tests`` for figures alone) the release's tree and each vllm-omni PR's
-tree then get their call-site figures (:mod:`minicpmo_cg.bench.tree_figures`), in stack order, with
-the same packages as the PR's tests but this project's package importable (the measuring code is
-not part of any PR): ``figures/<folder>.json`` and ``figures-<folder>.log`` per tree, and
+tree then get their call-site figures (:mod:`minicpmo_cg.bench.tree_figures`), every tree's process
+alive at once and taking turns block by block (:mod:`.figuresrun`), with the same packages as the
+PR's tests but this project's package importable (the measuring code is not part of any PR): ``figures/<folder>.json`` and ``figures-<folder>.log`` per tree, and
 ``figures/compare.json`` relating each tree's outputs to the tree before it.
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from minicpmo_cg.export import pytestlog
-from minicpmo_cg.offline_gpu import hostenv, payload, runner
+from minicpmo_cg.offline_gpu import figuresrun, hostenv, payload, runner
 
 STACK_FILE = "STACK.json"
 BLOBS = "blobs.tar.xz"
@@ -60,19 +60,25 @@ DEFAULT_EARLIER_TIMEOUT_S = 300
 DEFAULT_JOBS = 1
 DEFAULT_FIGURES_TIMEOUT_S = 150
 FIGURES = "figures"
-#: the CPU core each tree's figures process runs on (where the host has it)
+#: the CPU core each tree's figures process runs on once built (where the host has it)
 FIGURES_CORE = 2
+#: blocks of each tree per pass (:mod:`.figuresrun`): eager rounds, then as many graphed ones
+FIGURES_ROUNDS = 3
 DEFAULT_BUDGET_S = 540
 _BLOCKER = 'raise ModuleNotFoundError("the exported tests must not import minicpmo_cg (this patch set\'s package)")\n'
 _ENV_SNIPPET = (
     "import platform, importlib.metadata as m\n"
     "parts = [f'Python {platform.python_version()}']\n"
-    "for d in ('torch', 'transformers'):\n"
+    "for d in ('torch', 'transformers', 'triton'):\n"
     "    try:\n"
     "        parts.append(f'{d} {m.version(d)}')\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
     "import torch\n"
+    "if torch.version.cuda:\n"
+    "    parts.append(f'CUDA {torch.version.cuda}')\n"
+    "if torch.backends.cudnn.is_available():\n"
+    "    parts.append(f'cuDNN {torch.backends.cudnn.version()}')\n"
     "parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')\n"
     "print(', '.join(parts))\n"
 )
@@ -346,8 +352,9 @@ def describe(plan: StackPlan, stack: dict, site: Path) -> str:
     if plan.figures:
         trees = figure_trees(plan, stack)
         lines.append(
-            f"figures: {' '.join(trees)}, each {' '.join(figures_command(plan, 'TREE', Path('OUT')))} "
-            f"({plan.figures_timeout_s} s each), then {FIGURES}/compare.json"
+            f"figures: {' '.join(trees)}, all at once, each {' '.join(figures_command(plan, 'TREE', Path('OUT')))} "
+            f"({plan.figures_timeout_s} s to build), {FIGURES_ROUNDS} eager then {FIGURES_ROUNDS} graphed rounds "
+            f"of one block per tree (rotating order), then {FIGURES}/compare.json"
         )
         files += [f"{FIGURES}/{t}.json figures-{t}.log" for t in trees] + [f"{FIGURES}/compare.json"]
     lines.append(f"# files in {plan.out}: stack-{plan.lane}.json stack-{plan.lane}.log " + " ".join(files))
@@ -361,29 +368,23 @@ def figure_trees(plan: StackPlan, stack: dict) -> list[str]:
 
 
 def figures_command(plan: StackPlan, label: str, out: Path) -> list[str]:
-    argv = [
-        plan.python,
-        "-m",
-        "minicpmo_cg.bench.tree_figures",
-        "measure",
-        "--label",
-        label,
-        "--out",
-        str(out),
-    ]
+    """One tree's ``tree_figures measure --serve`` command (:mod:`.figuresrun` feeds it blocks)."""
+    argv = [plan.python, "-m", "minicpmo_cg.bench.tree_figures", "measure", "--serve", "--label", label,
+            "--out", str(out)]  # fmt: skip
     if plan.figures_cpu:
         return [*argv, "--allow-cpu"]
-    # eager calls are bound by how fast the host launches kernels: every tree's process on the same
-    # core, so that no tree looks slower for the core the scheduler gave it
-    taskset = shutil.which("taskset")
-    if taskset and (os.cpu_count() or 1) > FIGURES_CORE:
-        return [taskset, "-c", str(FIGURES_CORE), *argv]
+    # eager calls are bound by how fast the host launches kernels: once built, every tree's process
+    # runs on the same core (only one of them computes at a time), so that no tree looks slower for
+    # the core the scheduler gave it
+    if (os.cpu_count() or 1) > FIGURES_CORE:
+        return [*argv, "--pin-core", str(FIGURES_CORE)]
     return argv
 
 
-def run_figures(plan: StackPlan, stack: dict, entry: dict, site: Path, blobs: Path, work: Path, repo: Path,
-                limit: int) -> dict:  # fmt: skip
-    """One tree's call-site figures (``entry``: a PR of ``STACK.json`` or its ``release``)."""
+def prepare_figures(plan: StackPlan, stack: dict, entry: dict, site: Path, blobs: Path, work: Path,
+                    repo: Path) -> figuresrun.ServedTree | dict:  # fmt: skip
+    """One tree's figures process, not started (``entry``: a PR of ``STACK.json`` or its
+    ``release``), or its ``error`` result when the overlaid package is not the tree."""
     folder = entry["folder"]
     dest = work / f"figures-{folder}" / "pkgs"
     overlay_packages(site, entry, blobs, dest)
@@ -398,15 +399,8 @@ def run_figures(plan: StackPlan, stack: dict, entry: dict, site: Path, blobs: Pa
     env["PYTHONPATH"] = os.pathsep.join([str(dest), str(project), str(site)])
     out = plan.out / FIGURES
     out.mkdir(parents=True, exist_ok=True)
-    log = plan.out / f"figures-{folder}.log"
-    argv = figures_command(plan, folder, out)
-    t0 = time.monotonic()
-    rc, timed_out = runner.run_limited(argv, log, env, work, limit)
-    status = (
-        "timeout" if timed_out else ("ok" if rc == 0 and (out / f"{folder}.json").is_file() else "failed")
-    )
-    return _result(folder, entry["title"], status, returncode=rc, seconds=round(time.monotonic() - t0, 1),
-                   log=log.name, command=argv)  # fmt: skip
+    return figuresrun.ServedTree(folder, figures_command(plan, folder, out), env, work,
+                                 plan.out / f"figures-{folder}.log")  # fmt: skip
 
 
 def _figures(plan: StackPlan, stack: dict, site: Path, blobs: Path, work: Path, repo: Path, started: float,
@@ -414,28 +408,48 @@ def _figures(plan: StackPlan, stack: dict, site: Path, blobs: Path, work: Path, 
     entries = {pr["folder"]: pr for pr in stack["prs"]}
     if "release" in stack:
         entries[stack["release"]["folder"]] = stack["release"]
-    done = []
+    say("=" * 100)
+    results: dict[str, dict] = {}
+    served: list[figuresrun.ServedTree] = []
     for folder in figure_trees(plan, stack):
-        left = plan.budget_s - (time.monotonic() - started)
-        say("=" * 100)
-        if left < min(runner.MIN_PART_S, plan.figures_timeout_s):
-            say(f"[figures {folder}] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
-            done.append(_result(folder, entries[folder]["title"], "skipped", reason="budget spent"))
-            continue
-        entry = run_figures(plan, stack, entries[folder], site, blobs, work, repo,
-                            int(min(plan.figures_timeout_s, left)))  # fmt: skip
-        done.append(entry)
-        if entry["status"] == "error":
+        prepared = prepare_figures(plan, stack, entries[folder], site, blobs, work, repo)
+        if isinstance(prepared, dict):
             say(
                 f"[figures {folder}] ERROR: the overlaid package is not the tree:\n  "
-                + "\n  ".join(entry["problems"])
+                + "\n  ".join(prepared["problems"])
             )
-            continue
-        say(runner.log_excerpt(plan.out / entry["log"], 4))
-        say(f"[figures {folder}] {entry['status']} (exit {entry['returncode']}) in {entry['seconds']:.0f} s")
+            results[folder] = prepared
+        else:
+            served.append(prepared)
+    deadline = started + plan.budget_s
+    left = deadline - time.monotonic()
+    if served and left < runner.MIN_PART_S:
+        say(f"[figures] SKIPPED: only {left:.0f} s of the {plan.budget_s} s budget left")
+        served, skipped = [], served
+        for tree in skipped:
+            results[tree.label] = _result(
+                tree.label, entries[tree.label]["title"], "skipped", reason="budget spent"
+            )
+    t0 = time.monotonic()
+    codes = figuresrun.interleave(served, rounds=FIGURES_ROUNDS, ready_s=min(plan.figures_timeout_s, left),
+                                  deadline=deadline, say=say) if served else {}  # fmt: skip
+    out = plan.out / FIGURES
+    for tree in served:
+        rc = codes.get(tree.label)
+        ok = rc == 0 and not tree.error and (out / f"{tree.label}.json").is_file()
+        status = "ok" if ok else ("timeout" if tree.timed_out else "failed")
+        results[tree.label] = _result(tree.label, entries[tree.label]["title"], status, returncode=rc,
+                                      seconds=round(time.monotonic() - t0, 1), log=tree.log.name,
+                                      command=tree.argv, blocks=tree.blocks,
+                                      **({"error": tree.error} if tree.error else {}))  # fmt: skip
+        say(runner.log_excerpt(tree.log, 4))
+        say(
+            f"[figures {tree.label}] {status}"
+            + (f": {tree.error}" if tree.error else f", {len(tree.blocks)} blocks")
+        )
+    done = [results[f] for f in figure_trees(plan, stack)]
     measured = [e["folder"] for e in done if e["status"] == "ok"]
     if measured:
-        out = plan.out / FIGURES
         argv = [plan.python, "-m", "minicpmo_cg.bench.tree_figures", "compare", "--out", str(out), *measured]
         env = {**os.environ, **hostenv.FIXED_ENV, "PYTHONPATH": os.pathsep.join([str(repo), str(site)])}
         rc, _ = runner.run_limited(argv, plan.out / "figures-compare.log", env, work, 120)

@@ -111,6 +111,31 @@ def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -
     )
 
 
+def test_block_medians_mark_differences_within_noise_and_state_the_spread(tmp_path: Path) -> None:
+    """A run measured in rounds of blocks: a speed-up whose two trees' block medians overlap is
+    marked within noise, one whose ranges are apart is not, and the spread within a process is stated."""
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    before, after = _tree(10.0, None), _tree(8.0, None)
+    for tree, blocks in ((before, [10.0, 9.0, 12.0]), (after, [8.0, 7.5, 9.5])):
+        for call in calls:
+            tree["eager"][call]["blocks"] = blocks
+    after["eager"]["image, 1 slice"]["blocks"] = [5.0, 5.5, 6.0]
+    after["eager"]["image, 1 slice"]["median"] = 5.5
+    compare = {"01-fix": {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}}
+    text = tree_report.sections(_run(tmp_path, {"00-release": before, "01-fix": after}, compare))
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")
+    }
+    assert rows["image, 1 slice"][6] == "1.82×"  # 10.0 / 5.5; blocks 9-12 against 5-6: apart
+    assert rows["audio, 1 s"][6] == "1.25×, within noise"  # 9-12 against 7.5-9.5: they overlap
+    assert "3 rounds of one block of calls per tree" in text
+    # 12 / 9 - 1 = 33 %, the largest of either tree's rows; no graphed rows: the default is the eager one
+    assert "the block medians of a call moved: eager calls by up to 33%, default calls by up to 33%." in text
+    assert tree_report.overlap({"blocks": [1.0, 2.0]}, {"blocks": [2.0, 3.0]})
+    assert not tree_report.overlap({"median": 1.0}, {"blocks": [1.0]})  # a run without blocks: no claim
+    assert tree_report.spread([None, {"median": 1.0}]) is None
+
+
 def test_speed_up_is_divided_from_the_medians_as_shown() -> None:
     """8.794 and 1.9249 show as 8.79 and 1.92: the speed-up is 8.79 / 1.92 = 4.578 -> 4.58×, not
     the unrounded 4.569 -> 4.57×, which a reader dividing the shown figures could not reproduce."""

@@ -261,6 +261,15 @@ def test_stack_run_figures_on_the_cpu(stack, tmp_path: Path, capsys) -> None:
     assert release["features"] == dict.fromkeys(("sdpa", "graphs", "startup_capture", "fused_layers"), False)
     assert first["features"]["sdpa"] and not first["features"]["graphs"]
     assert release["build"]["vision_attn"] == "eager" and first["build"]["vision_attn"] == "sdpa"
+    # every tree took one block per round, eager rounds first (graphed blocks: nothing on these trees)
+    rounds = stackrun.FIGURES_ROUNDS
+    for entry in summary["figures"]:
+        assert [c for c, _ in entry["blocks"]] == ["eager"] * rounds + ["graphed"] * rounds, entry
+    assert (
+        len(first["eager"]["audio, 1 s"]["blocks"])
+        == rounds
+        == len(first["eager"]["duplex session"]["blocks"])
+    )
     compare = json.loads((results / "figures" / "compare.json").read_text())
     # contiguous hidden states change no bit of the audio; SDPA changes the image call's rounding
     assert compare[folder]["vs_previous"]["eager/audio, 1 s"] == 0.0
