@@ -1,4 +1,4 @@
-"""Real inputs through MiniCPM-o's own preprocessing, for tests and standalone runs.
+"""Real inputs through MiniCPM-o's own preprocessing, for tests and measurements outside an engine.
 
 Photos come from scikit-image's bundled sample data (``skimage.data``; the files ship inside
 the wheel, so nothing is downloaded) and go through vllm-omni's ``MiniCPMVImageProcessor``

@@ -13,7 +13,7 @@ from typing import Any
 #: Largest accepted ``max|graphed - eager|``, relative to ``max|eager|``, by dtype name.
 #:
 #: A replay runs the very kernels the eager call runs, on the same shapes and weights, so the
-#: difference is expected to be exactly 0, and every GPU run so far measured 0. The margin
+#: difference is expected to be exactly 0 (the CUDA tests assert where it must be). The margin
 #: leaves room for one thing only: a library choosing another kernel variant (or split-K
 #: order) while a stream is captured, which changes the float32 accumulation order and can
 #: move a bfloat16 output by one rounding step of its magnitude, 2**-8. float32 outputs get

@@ -1,4 +1,4 @@
-"""A ``VllmConfig`` for running the encoders outside an engine (tests and standalone runs).
+"""A ``VllmConfig`` for running the encoders outside an engine (tests and measurements).
 
 vLLM's ``EncoderCudaGraphManager`` reads ``model_config.multimodal_config`` and the
 compilation/parallel configs; a full ``ModelConfig`` would need the checkpoint, which

@@ -140,7 +140,7 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
     key = keys["encoder_cuda_graph_duplex_batch"]
     fused = keys["encoder_fused_layers"].default
     per_session = "each session's chunk is encoded on its own, bitwise equal to eager"
-    off_path = "within four bf16 steps of each session's own encode, not bitwise"
+    off_path = "held by the tests within four bf16 steps of each session's own encode, not bitwise"
     if fused in ("all", "audio"):
         rows = (
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
@@ -283,6 +283,11 @@ STACK: tuple[OmniPr, ...] = (
         ),
         docs=(_DESIGN + "/image_path.md",),
         results=(_BEFORE_AFTER,),
+        remarks=(
+            "`test_vision_graph_cuda.py` encodes real photos from scikit-image's bundled sample data "
+            "(`skimage.data`, no download) through the model's own image processor; scikit-image is not a "
+            "vllm-omni dependency, so without it those CUDA tests skip (with that reason).",
+        ),
     ),
     OmniPr(
         key="streaming-audio",
@@ -312,6 +317,11 @@ STACK: tuple[OmniPr, ...] = (
         results=(_BEFORE_AFTER,),
         remarks=(
             _fused_layers_default,
+            "`test_fused_layers_cuda.py` reports two checks as expected failures when they miss, rather than failing: the "
+            "single-slice image graph's memory (graph pool and static buffers) against a 64 MiB target this PR "
+            "sets itself and does not meet yet (the pool holds whole 20 MiB allocator segments; the test prints "
+            "the breakdown), and the numerics bound on the vision configuration that is not the option's default. "
+            "Replay and bits are asserted before either.",
             "Until the duplex-scale PR of the stack captures a session's graphs at start-up, the first duplex "
             "session after start-up captures them lazily, and with the fused layers its first chunks also "
             "compile their Triton kernels: on this PR's tree that session's worst chunk took 372 ms (the Test "

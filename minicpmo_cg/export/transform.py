@@ -269,17 +269,19 @@ def point_references_at_vendored(text: str, vendored: dict[str, str]) -> str:
 
     ``vendored`` maps each copy's relpath to its source's (``tests/x/minicpmo45_inputs.py`` ->
     ``minicpmo_cg/inputs.py``): the source path becomes the copy's path, a dotted reference
-    (``minicpmo_cg.inputs.VisionInput``) the copy's module name (``minicpmo45_inputs.VisionInput``).
+    (``minicpmo_cg.inputs.VisionInput``, ``helpers.host_reads.HostReads``) the copy's module name
+    (``minicpmo45_inputs.VisionInput``, ``minicpmo45_helpers_host_reads.HostReads``).
     """
     modules = {PurePosixPath(target).stem for target in vendored}
     for target, source in sorted(vendored.items()):
         text = re.sub(rf"(?<![\w/.]){re.escape(source)}\b", target, text)
 
     def dotted(m: re.Match[str]) -> str:
-        name = _vendor_name("minicpmo_cg", m.group(1))
+        name = _vendor_name(m.group(1), m.group(2))
         return name if name in modules else m.group(0)
 
-    return re.sub(r"\bminicpmo_cg\.([a-z_]\w*)", dotted, text)
+    # a dotted reference: ``minicpmo_cg.inputs.X``, ``helpers.host_reads.HostReads`` (not ``x.helpers.y``)
+    return re.sub(r"(?<![\w.])(minicpmo_cg|helpers)\.([a-z_]\w*)", dotted, text)
 
 
 _LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")

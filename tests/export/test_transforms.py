@@ -225,11 +225,13 @@ def test_references_to_vendored_modules_name_the_copies():
     }
     text = (
         ":class:`minicpmo_cg.inputs.VisionInput` (``minicpmo_cg/inputs.py``), "
-        "``tests/helpers/serve_smoke.py``, :mod:`minicpmo_cg.bench`"
+        "``tests/helpers/serve_smoke.py``, :mod:`minicpmo_cg.bench`, "
+        ":class:`helpers.serve_smoke.Server`, ``helpers.logs``, ``pkg.helpers.serve_smoke``"
     )
     assert transform.point_references_at_vendored(text, vendored) == (
         ":class:`minicpmo45_inputs.VisionInput` (``tests/x/minicpmo45_inputs.py``), "
-        "``tests/x/minicpmo45_helpers_serve_smoke.py``, :mod:`minicpmo_cg.bench`"
+        "``tests/x/minicpmo45_helpers_serve_smoke.py``, :mod:`minicpmo_cg.bench`, "
+        ":class:`minicpmo45_helpers_serve_smoke.Server`, ``helpers.logs``, ``pkg.helpers.serve_smoke``"
     )
 
 

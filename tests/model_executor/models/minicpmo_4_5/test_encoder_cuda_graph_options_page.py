@@ -2,9 +2,9 @@
 """The design overview's options table against the ``--hf-overrides`` registry: a row per key the
 adapter registers, with its default and, for numbers, its range.
 
-The registry holds every key from the adapter on, while the page gains a key's row with the change
-that gives the key its effect (streaming audio, start-up capture, the duplex batch, fused layers);
-so the two agree once all of those are in.
+A key is registered with the change that gives it its effect (streaming audio, start-up capture,
+the duplex batch, fused layers), and the page gains its row in the same change, so the two agree on
+every tree.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def _piece(module: nn.Module, name: str) -> bool:
 def siglip_fused_pieces(model: nn.Module, pieces: Sequence[str]) -> Any:
     """Run SigLIP's fused path with only ``pieces`` of :data:`SIGLIP_PIECES` for the block.
 
-    A diagnostic for tests and the bench, not an option: it measures what each piece does to the
+    A diagnostic for tests and measurements, not an option: it measures what each piece does to the
     numerics or the time. It sets ``_fused_pieces`` on ``model.vpm`` and ``model.resampler`` and
     restores what they had on exit. Whether the fused path runs at all stays
     ``_fused_layers``'s choice. A graph captured before the block replays the pieces it was
