@@ -907,8 +907,10 @@ def _vllm_not_run(inp: PrInputs) -> list[str]:
     """What the vLLM PR's Test Result does not cover: vLLM ``main`` (its tests, and whether the
     series applies there unless checked), the CUDA tests where no run had a GPU, vLLM's compiled
     kernels where the GPU run lacked them, and vLLM's own checks."""
-    tested = f"vLLM {inp.vllm_version} with this change applied" if inp.runs else "no vLLM"
-    main = f"vLLM `main`: the tests ran against {tested}, not against `main`"
+    if inp.runs:
+        main = f"vLLM `main`: the tests ran against vLLM {inp.vllm_version} with this change applied, not `main`"
+    else:
+        main = f"vLLM `main`: the series was made against vLLM {inp.vllm_version}, not `main`"
     check = inp.main_check
     if check is None:
         main += "; whether the series applies to `main` was not checked for this description."
@@ -930,10 +932,8 @@ def _vllm_not_run(inp: PrInputs) -> list[str]:
             "vLLM with its compiled kernels installed: the GPU run of Test Result imported vLLM's Python "
             "code only."
         )
-    items.append(
-        "vLLM's pre-commit hooks and its CI (Buildkite) on this change: the tests of Test Result ran with "
-        "pytest outside them."
-    )
+    where = "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
+    items.append(f"vLLM's pre-commit hooks and its CI (Buildkite) on this change: {where}.")
     return items
 
 

@@ -199,7 +199,7 @@ def test_the_vllm_pr_says_what_did_not_run_vllm_main_first():
     not_run = text.split("## Not run\n", 1)[1]
     items = [line for line in not_run.splitlines() if line.startswith("- ")]
     assert items[0] == (
-        "- vLLM `main`: the tests ran against vLLM 0.30.0 with this change applied, not against `main`; "
+        "- vLLM `main`: the tests ran against vLLM 0.30.0 with this change applied, not `main`; "
         "whether the series applies to `main` was not checked for this description."
     )
     assert (
