@@ -61,6 +61,12 @@ def _default(tree: dict, call: str) -> tuple[str, dict | None]:
     return "eager", tree["eager"].get(call)
 
 
+def _declined(tree: dict, call: str) -> bool:
+    """Whether the tree wires graphs for ``call`` yet its timed default calls replayed none."""
+    kind, row = _default(tree, call)
+    return kind == "graphed" and row is not None and not row.get("replayed")
+
+
 def _ms(row: dict | None, field: str = "median") -> str:
     return "—" if row is None or row.get(field) is None else f"{row[field]:.2f}"
 
@@ -196,6 +202,21 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         )
     startup = (after_t.get("graphed") or {}).get(DUPLEX, {}).get("startup")
     lines.append("")
+    declined = [c for c in CALLS if _declined(after_t, c)]
+    admitted = [c for c in CALLS if _declined(before_t, c) and not _declined(after_t, c)]
+    if declined:
+        lines += [
+            f"No graph replayed ({'; '.join(declined)}): the encoder graphs are on, but by default a shape is "
+            "captured only when its measured saving pays for its capture and memory (cost admission), and these "
+            "shapes' savings did not on this tree.",
+            "",
+        ]
+    if admitted:
+        lines += [
+            f"Graphed here, no graph replayed before ({'; '.join(admitted)}): the cost admission declined these "
+            "shapes on the tree before and admits them on this one, whose calls it measured to save enough.",
+            "",
+        ]
     if blocked:
         eager = spread([t["eager"].get(c) for t in (before_t, after_t) for c in [*CALLS, DUPLEX]])
         default = spread([_default(t, c)[1] for t in (before_t, after_t) for c in CALLS])

@@ -106,9 +106,28 @@ def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -
     row = next(line for line in second.splitlines() if line.startswith("| audio, 5 s |"))
     assert row.endswith("| 3.0e-03 | 3.0e-03 |")
     assert "Start-up capture on this tree: 31 graphs, 374.0 MiB, 1.9 s" in second
+    assert "No graph replayed" not in text  # every graphed row replayed
     assert tree_report.setup_line(json.loads((run / "stack-current.json").read_text())).startswith(
         "**2026-12-02, GPU X** (Python 3.12)"
     )
+
+
+def test_report_explains_calls_whose_graphs_the_cost_rule_declined_or_admitted(tmp_path: Path) -> None:
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    declined, admitted = _tree(8.0, 8.0, replayed=0), _tree(8.0, 2.0)
+    admitted["graphed"]["audio, 1 s"]["replayed"] = 0
+    compare = {
+        f: {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
+        for f in ("01-a", "02-b")
+    }
+    text = tree_report.sections(
+        _run(tmp_path, {"00-release": _tree(8.0, None), "01-a": declined, "02-b": admitted}, compare)
+    )
+    first, second = text.split("<!-- pr: b -->")
+    assert f"No graph replayed ({'; '.join(tree_figures.CALLS)}):" in first
+    assert "No graph replayed (audio, 1 s):" in second
+    others = [c for c in tree_figures.CALLS if c != "audio, 1 s"]
+    assert f"Graphed here, no graph replayed before ({'; '.join(others)}):" in second
 
 
 def test_block_medians_mark_differences_within_noise_and_state_the_spread(tmp_path: Path) -> None:
