@@ -433,7 +433,8 @@ def _vllm_changes(inp: PrInputs, changes: list[tuple[str, str]], needs: str, mer
         "",
         *(f"- {inp.ref(title, folder)}" for title, folder in changes),
         "",
-        f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}.",
+        f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}. On a vLLM without it "
+        "nothing breaks: the encoders run eagerly, as before, and the model logs one WARNING saying why.",
         "",
     ]
 
@@ -750,13 +751,18 @@ def _test_result(inp: PrInputs) -> list[str]:
             )
             if diffs:
                 out += ["Versions that differ from the pins: " + "; ".join(diffs) + ".", ""]
-            out += ["### How the figures were measured", ""]
             method = section(inp.results_text, conv.RESULTS_METHOD_HEADING)
-            if method:
-                out += [plain_links(method), ""]
-            else:
+            if method is None:
                 inp.notes.append(f"the results page has no {conv.RESULTS_METHOD_HEADING} section")
-            out += [measured_tree(inp), ""]
+            if method:  # empty where every part of it is tagged for other PRs: the PR's sections say how
+                out += [
+                    "### How the figures were measured",
+                    "",
+                    plain_links(method),
+                    "",
+                    measured_tree(inp),
+                    "",
+                ]
         else:
             inp.notes.append("the results page has no Setup section: the PR names no GPU environment")
         out += _results_sections(inp)
@@ -908,7 +914,9 @@ def _vllm_not_run(inp: PrInputs) -> list[str]:
     series applies there unless checked), the CUDA tests where no run had a GPU, vLLM's compiled
     kernels where the GPU run lacked them, and vLLM's own checks."""
     if inp.runs:
-        main = f"vLLM `main`: the tests ran against vLLM {inp.vllm_version} with this change applied, not `main`"
+        main = (
+            f"vLLM `main`: the tests ran against vLLM {inp.vllm_version} with this change applied, not `main`"
+        )
     else:
         main = f"vLLM `main`: the series was made against vLLM {inp.vllm_version}, not `main`"
     check = inp.main_check
@@ -932,7 +940,9 @@ def _vllm_not_run(inp: PrInputs) -> list[str]:
             "vLLM with its compiled kernels installed: the GPU run of Test Result imported vLLM's Python "
             "code only."
         )
-    where = "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
+    where = (
+        "the tests of Test Result ran with pytest outside them" if inp.runs else "no test of this PR ran yet"
+    )
     items.append(f"vLLM's pre-commit hooks and its CI (Buildkite) on this change: {where}.")
     return items
 

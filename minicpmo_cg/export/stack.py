@@ -213,8 +213,9 @@ _BEFORE_AFTER = "Before and after this PR"
 # The stack in merge order (the vllm-omni series 0001-0011). A test file sits in the first PR whose
 # tree its tests pass in: each --hf-overrides key arrives with the PR whose code reads it (its lines
 # of options.py and of the tests are tagged `# pr: KEY`), and the test of the design overview's
-# options table against the registry (test_encoder_cuda_graph_options_page.py) sits with the last
-# of them, the duplex-batch PR. The model wiring every encoder shares (_init_encoder_cuda_graphs, its
+# options table against the registry (test_encoder_cuda_graph_options_page.py) arrives with the table,
+# in the encoder-graphs PR: each later PR adds its keys and their rows together, so the test holds on
+# every tree. The model wiring every encoder shares (_init_encoder_cuda_graphs, its
 # fallbacks and start-up line) is tested with the encoder-graphs PR that adds it
 # (test_encoder_cuda_graph_wiring.py, and test_encoder_cuda_graph_models.py on CUDA), the vision graph over
 # the whole image call with the image-call PR (test_model_wiring.py, test_vision_graph_cuda.py).
@@ -257,6 +258,7 @@ STACK: tuple[OmniPr, ...] = (
                     "models",
                     "multi_gpu",
                     "options",
+                    "options_page",
                     "platform",
                     "policy",
                     "threads",
@@ -361,7 +363,7 @@ STACK: tuple[OmniPr, ...] = (
         prefixes=("[Model]", "[Core]", "[Perf]"),
         patches=("worker-batch-append-preprocess", "minicpmo45-duplex-append-batch"),
         owned=(_MODEL + "duplex_batch.py", _MODEL + "duplex_rows.py"),
-        tests=(_MC45 + "test_duplex_batch.py", _MC45 + "test_encoder_cuda_graph_options_page.py"),
+        tests=(_MC45 + "test_duplex_batch.py",),
         docs=(f"{_DESIGN}/streaming_audio.md#Batched steps",),
         results=("Batched duplex steps with exact rows",),
         not_run=(

@@ -44,8 +44,13 @@ class EditError(RuntimeError):
 
 def e2e_command(files: list[str]) -> str | None:
     tests = [f for f in files if f.startswith("tests/e2e/") and PurePosixPath(f).name.startswith("test_")]
-    return f"pytest -sv {' '.join(tests)}" if tests else None
+    # the e2e test skips without a checkpoint: let the step fetch it from the hub
+    return f"{E2E_HUB_ENV}=1 pytest -sv {' '.join(tests)}" if tests else None
 
+
+#: The variable that lets the e2e test download the checkpoint (``tests/helpers/serve_smoke.py``'s
+#: ``ENV_HUB`` as vllm-omni's copy names it).
+E2E_HUB_ENV = "MINICPMO45_E2E_HUB"
 
 #: The ``key:`` of the copied Buildkite step.
 STEP_KEY = "minicpmo-4-5-encoder-cuda-graph"
@@ -108,8 +113,11 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
             "",
             f"       {command}",
             "",
-            "The test serves MiniCPM-o 4.5 twice, with the encoder CUDA graphs off and then on, and compares",
-            "the answers.",
+            "The test starts the server four times, one after the other (the encoder CUDA graphs off and on,",
+            "each with SigLIP's SDPA and eager attention), and compares the answers: the copy's timeout must",
+            f"cover four model loads. `{E2E_HUB_ENV}=1` lets it download `openbmb/MiniCPM-o-4_5` (without it,",
+            "and without a cached checkpoint, the test skips). If the group has no such step, add one with the",
+            "agents and plugins of the group's other steps that serve a model on a GPU.",
             "",
         ]
     if design_rel:

@@ -113,9 +113,11 @@ def test_cost_rule_rate_is_recurrence_since_first_sighting(ecg):
     assert verdict.expected_replays == pytest.approx(3 / 30 * 1000)
 
 
-# Measured on an H200 (bf16, checkpoint-sized encoders, 2026-12-01): host enqueue time
+# Example inputs of the rule, as an H200 measured them on 2026-12-01 (bf16, checkpoint-sized encoders,
+# an earlier state of this code): host enqueue time
 # ~8 ms for every shape of one encoder (the kernel count does not depend on the batch), the eager
-# call's GPU span, the GPU busy time (a replay's latency), and the graph's bytes.
+# call's GPU span, the GPU busy time (a replay's latency), and the graph's bytes. The tests check
+# the rule's decisions on inputs of this kind, not these figures: later code runs faster.
 H200_SHAPES = {
     "audio 1 s": (7.7, 7.70, 1.97, 22.1 * MIB),
     "vision 1 slice": (8.2, 8.34, 6.72, 218.5 * MIB),
@@ -324,7 +326,7 @@ def test_a_pending_held_measurement_is_waited_for_not_repeated(ecg, vllm_config,
     assert len(graph.graphs) == 1 and len(graph.backend.holds) == 1
 
 
-#: Scripted from the H200 logs of 2026-12-01 (bf16, checkpoint-sized encoders): per SigLIP batch
+#: Example inputs as an H200 measured them on 2026-12-01 (bf16, checkpoint-sized encoders): per SigLIP batch
 #: of N slices (host ms, eager GPU span ms, GPU busy ms = replay, eager peak MiB). 1 slice: the
 #: span and host time the cost rule logged for the photo mix's first 1-slice call, the measured
 #: replay; 3 and 10 slices: the measured per-shape eager and replay medians; 5 slices: between the

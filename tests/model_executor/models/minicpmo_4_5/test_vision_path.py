@@ -36,7 +36,6 @@ if getattr(llm, "vision_path", None) is None:
 vision_path = llm.vision_path
 siglip_attention = llm.siglip_attention
 
-MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 PATCH = 14
 SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid
 
@@ -265,6 +264,17 @@ def test_call_path_reads_no_tensor_value_on_the_host(grids, attn):
     with torch.no_grad(), HostReads() as watch:
         vision_model(llm, attn, vision_batch_size=4).get_vision_hidden_states(data)  # builds the tables
     assert watch.reads == []
+
+
+def test_the_watch_sees_the_reads_the_former_call_path_made():
+    """The watch is not blind: the host reads of ``tgt_sizes`` that the former call path made (its
+    ``max()`` bound and its per-slice lengths) each show up as a read."""
+    tgt_sizes = torch.tensor(GRID_SETS["three_padded"], dtype=torch.int32)
+    with HostReads() as watch:
+        int(tgt_sizes.prod(dim=1).max().item())
+        tgt_sizes.tolist()
+        torch.zeros(int(tgt_sizes[0, 0]), 4)
+    assert len(watch.reads) >= 3, watch.reads
 
 
 # project-only
