@@ -52,6 +52,16 @@ def markdown_sections(text: str) -> list[tuple[int, str, str]]:
     return [(level, heading, "\n".join(body).strip()) for level, heading, body in out]
 
 
+def sentence_start(text: str) -> str:
+    """``text`` as the start of a sentence: its first letter in upper case (a patch's Why may go on from
+    its subject in lower case), unless its first word is a code name (``get_audio_hidden_states``,
+    ``vpm.forward``), which keeps its case and is set in backticks instead."""
+    word = re.match(r"[A-Za-z_][\w.]*(?:\(\))?", text)
+    if word and re.search(r"[_.(]", word.group(0)):
+        return f"`{word.group(0)}`{text[word.end() :]}"
+    return text[:1].upper() + text[1:]
+
+
 def section(text: str, prefix: str) -> str | None:
     """Body of the first heading starting with ``prefix`` (its subsections included), or None."""
     found = markdown_sections(text)
@@ -367,7 +377,7 @@ def _purpose(inp: PrInputs) -> list[str]:
     many = len(inp.patches) > 1
     for patch in inp.patches:
         subject = patch.subject.removeprefix("minicpmo_4_5: ")
-        why = patch.why[:1].upper() + patch.why[1:]  # a patch's Why may go on from its subject in lower case
+        why = sentence_start(patch.why)
         out += [f"**{subject[0].upper()}{subject[1:]}.** {why}" if many else why, ""]
     for name, doc in inp.modules:
         summary = first_paragraph(doc)

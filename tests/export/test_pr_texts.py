@@ -450,3 +450,13 @@ def test_a_warning_that_ends_a_sentence_gets_no_second_stop_and_accounted_runs_n
         "Deselected:" not in text
         and "In all, the 7 collected tests: 5 selected by the runs, 2 by none." in text
     )
+
+
+@pytest.mark.cpu
+def test_a_sentence_starting_with_a_code_name_keeps_its_case():
+    from minicpmo_cg.export.prtext import sentence_start
+
+    assert sentence_start("get_audio_hidden_states and x sliced") == "`get_audio_hidden_states` and x sliced"
+    assert sentence_start("vpm.forward() runs") == "`vpm.forward()` runs"
+    assert sentence_start("serving could never") == "Serving could never"
+    assert sentence_start("") == ""
