@@ -448,10 +448,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def pin_threads(core: int) -> bool:
-    """Run every thread of this process on CPU ``core``; False where the host cannot (no such core,
-    no ``sched_setaffinity``)."""
+    """Run every thread of this process on CPU ``core``, torch's CPU ops on one thread (as a process
+    started on that core alone would; a pool sized for every core would spin on one); False where the
+    host cannot (no such core, no ``sched_setaffinity``)."""
     if not hasattr(os, "sched_setaffinity") or core not in os.sched_getaffinity(0):
         return False
+    torch.set_num_threads(1)
     tasks = Path("/proc/self/task")
     for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
