@@ -66,7 +66,7 @@ __all__ = [
     "VISION_CONFIG",
     "WIRING_MISSING",
     "EncoderBuildInfo",
-    "PatchMissingError",
+    "EncoderWiringMissingError",
     "audio_graph",
     "build_thinker_encoders",
     "configure_fused_layers",  # pr: fused-layers
@@ -95,7 +95,7 @@ WIRING_MISSING = (
 )
 
 
-class PatchMissingError(RuntimeError):
+class EncoderWiringMissingError(RuntimeError):
     """The installed vllm-omni model file lacks the encoder CUDA graph wiring."""
 
 
@@ -205,7 +205,7 @@ def build_thinker_encoders(
     Raises:
         ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
             ``"flash_attention_2"`` without the flash-attn 2 package, from the model file.
-        PatchMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
+        EncoderWiringMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
             SDPA attention for SigLIP (no ``vision_attn_implementation``).
     """
     start = time.perf_counter()
@@ -287,13 +287,13 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
 
     Raises:
         ValueError: see :func:`build_thinker_encoders`.
-        PatchMissingError: see :func:`build_thinker_encoders`.
+        EncoderWiringMissingError: see :func:`build_thinker_encoders`.
     """
     # the model file resolves it through siglip_attention.py, beside it
     resolve = getattr(getattr(model_module(), "siglip_attention", None), "vision_attn_implementation", None)
     if resolve is None:  # a model file without SigLIP's SDPA attention: its eager attention only
         if vision_attn != "eager":
-            raise PatchMissingError(
+            raise EncoderWiringMissingError(
                 f"vision_attn={vision_attn!r} needs a model file with SDPA attention for SigLIP "
                 "(vision_attn_implementation); the installed one runs SigLIP's eager attention only"
             )
@@ -352,7 +352,7 @@ def _materialise_(model: Any, *, device: torch.device, dtype: torch.dtype, seed:
 
 
 def has_graph_wiring(model: Any) -> bool:
-    """True when the installed model class is patched (has ``_init_encoder_cuda_graphs``)."""
+    """True when the installed model class has the encoder CUDA graph wiring (``_init_encoder_cuda_graphs``)."""
     return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
 
 
@@ -364,7 +364,7 @@ def wire_encoder_graphs(
 
     The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
     model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
-    only then set on ``model.config``. Then the patched ``model._init_encoder_cuda_graphs(vllm_config)``
+    only then set on ``model.config``. Then the model's ``model._init_encoder_cuda_graphs(vllm_config)``
     reads them and sets each encoder's adapter, None when graphs are off (the accessors below return
     them, e.g. :func:`vision_graph`).
 
@@ -385,13 +385,13 @@ def wire_encoder_graphs(
             # /pr
 
     Raises:
-        PatchMissingError: the installed model file has no encoder CUDA graph wiring.
+        EncoderWiringMissingError: the installed model file has no encoder CUDA graph wiring.
         ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
         TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
     if not has_graph_wiring(model):
-        raise PatchMissingError(WIRING_MISSING)
+        raise EncoderWiringMissingError(WIRING_MISSING)
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
     validated = options_cls(**values)  # raises before model.config changes
@@ -412,7 +412,7 @@ def wire_encoder_graphs(
     if not enabled and any(adapter is not None for adapter in adapters):
         raise RuntimeError(
             "_init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
-            "is false; the patched model file does not honour the switch"
+            "is false; the installed model file does not honour the switch"
         )
 
 

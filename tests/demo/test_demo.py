@@ -105,7 +105,8 @@ def test_builder_takes_the_vision_attention_as_the_model_resolves_it(monkeypatch
         standalone.build_thinker_encoders(reduced=True, vision_attn="flash_attention_2")
     monkeypatch.delattr(mod, "siglip_attention")  # a model file without SigLIP's SDPA attention
     with pytest.raises(
-        standalone.PatchMissingError, match=r"SDPA attention for SigLIP \(vision_attn_implementation\)"
+        standalone.EncoderWiringMissingError,
+        match=r"SDPA attention for SigLIP \(vision_attn_implementation\)",
     ):
         standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "sdpa")
     assert standalone.resolve_vision_attn(standalone.thinker_config(reduced=True), "eager") == "eager"
@@ -116,7 +117,7 @@ def test_wiring_without_patch_names_what_is_missing():
     class Unpatched:
         config = object()
 
-    with pytest.raises(standalone.PatchMissingError, match="has no _init_encoder_cuda_graphs"):
+    with pytest.raises(standalone.EncoderWiringMissingError, match="has no _init_encoder_cuda_graphs"):
         standalone.wire_encoder_graphs(Unpatched(), None, enabled=True)
 
 

@@ -44,7 +44,7 @@ def audio_model(attn="sdpa", module=None, **config):
 
 
 def wired(model, backend_cls, **options):
-    """The patched adapters, each on its own CPU backend (captures run the region eagerly)."""
+    """The model's adapters, each on its own CPU backend (captures run the region eagerly)."""
     from minicpmo_cg.vllm_config import standalone_vllm_config
 
     for key, value in options.items():

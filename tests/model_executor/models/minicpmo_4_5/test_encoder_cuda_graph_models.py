@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA tests: vllm-omni's own MiniCPM-o 4.5 SigLIP and Whisper encoders at checkpoint dimensions,
-graphed against eager through the patched call sites (``get_vision_hidden_states``,
+graphed against eager through the model file's call sites (``get_vision_hidden_states``,
 ``get_audio_hidden_states``): one replay per call, padded and unpadded slices, calls that change
 only the values of a captured shape, a frame captured under ``torch.inference_mode`` replayed under
 ``torch.no_grad``.
@@ -51,7 +51,7 @@ def vision_data(tgt_sizes, seed):
 
 
 def eager(model, fn):
-    """Run ``fn`` with both adapters detached (the unpatched eager path)."""
+    """Run ``fn`` with both adapters detached (the eager path, as without graphs)."""
     vision, audio = model.vpm._encoder_graph, model._audio_encoder_graph
     model.vpm._encoder_graph, model._audio_encoder_graph = None, None
     try:

@@ -73,7 +73,7 @@ def vllm_config(enforce_eager=False):
 
 
 def wired(model, backend=None, **options):
-    """Run the patched _init_encoder_cuda_graphs with ``encoder_cuda_graph_<key>`` options."""
+    """Run the model's _init_encoder_cuda_graphs with ``encoder_cuda_graph_<key>`` options."""
     for key, value in options.items():
         setattr(model.config, f"encoder_cuda_graph_{key}", value)
     model._init_encoder_cuda_graphs(vllm_config())

@@ -84,11 +84,11 @@ def test_adapter_refuses_a_manager_without_capture_error_mode(ecg, vllm_config, 
     built directly it raises; the factory the model file calls builds none and warns."""
     import vllm.v1.worker.encoder_cudagraph as ec
 
-    class UnpatchedManager(ec.EncoderCudaGraphManager):
+    class ManagerWithoutCaptureErrorMode(ec.EncoderCudaGraphManager):
         def __init__(self, vllm_config, device, dtype, model):  # the signature without capture_error_mode
             super().__init__(vllm_config, device, dtype, model)
 
-    monkeypatch.setattr(ec, "EncoderCudaGraphManager", UnpatchedManager)
+    monkeypatch.setattr(ec, "EncoderCudaGraphManager", ManagerWithoutCaptureErrorMode)
     with pytest.raises(RuntimeError, match="takes no capture_error_mode") as info:
         ecg.EncoderCudaGraph(lambda x: x, vllm_config)
     assert "let the caller choose the capture error mode of encoder graphs" in str(

@@ -4,7 +4,7 @@ SigLIP's eager and SDPA attention.
 
 The thinker's encoders at the checkpoint's dimensions (26 SigLIP layers, resampler of width 4096),
 bf16, random weights from the tests' builder (:func:`minicpmo_cg.standalone.build_thinker_encoders`,
-the same weights for both attentions), wired by the patched ``_init_encoder_cuda_graphs``; real
+the same weights for both attentions), wired by the model's ``_init_encoder_cuda_graphs``; real
 photos (scikit-image's bundled samples) through MiniCPM-o's own image processor and slicer (448 px,
 up to 9 slices, :mod:`minicpmo_cg.inputs`).
 

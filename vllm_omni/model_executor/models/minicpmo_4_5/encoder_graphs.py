@@ -189,7 +189,7 @@ def encode_last_hidden_state(
 ) -> torch.Tensor:
     """SigLIP's encoder layers + post layernorm (``SiglipVisionTransformer._encode_last_hidden_state``).
 
-    The one function through which every patched SigLIP path runs the layer stack: the vision
+    The one function through which every SigLIP path of the model runs the layer stack: the vision
     graph's region (SigLIP's layer stack, or the whole image call) and its eager fallback.
 
     Args:
