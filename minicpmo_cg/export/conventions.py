@@ -165,6 +165,9 @@ PROJECT_WORDS = (
     r"\bpatch[ -]?tool\b",
     r"\bpatch(?:es)? \d{4}\b",  # patch 0004, patches 0001 and 0006
     r"\btools/(?:test|setup_lane)\.sh\b",
+    r"\b(?:un)?patched\b",  # in vllm-omni the model file is the code, not a patched copy
+    r"\bowned (?:module|file)s?\b",
+    r"\bthis project\b",
 )
 #: What vllm-omni does not have, as case-insensitive regular expressions: this project's demo,
 #: benchmark and results page. An exported file, commit message or PR text citing one refers to
@@ -176,6 +179,7 @@ NOT_UPSTREAM_WORDS = (
     r"\bbenchmark's\b",
     r"\bresults page\b",
     r"\bdocs/results\b",
+    r"\bdry[ -]runs?\b",
 )
 #: Positional references, which a PR text assembled from several pages cannot keep ("the table
 #: above" points at whatever ended up before it); a comparison with a number ("below 3×") is none.

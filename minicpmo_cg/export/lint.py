@@ -66,7 +66,8 @@ class LintReport:
         return not self.problems
 
 
-_TORCH_CUDA = re.compile(r"\btorch\.cuda\.(?:" + "|".join(conv.TORCH_CUDA_BANNED) + r")\s*\(")
+# a reference counts as a call (``real = torch.cuda.mem_get_info`` is flagged as the hook flags it)
+_TORCH_CUDA = re.compile(r"\btorch\.cuda\.(?:" + "|".join(conv.TORCH_CUDA_BANNED) + r")\b")
 
 
 def _torch_cuda_hits(rel: str, text: str) -> list[str]:

@@ -746,7 +746,8 @@ def _test_result(inp: PrInputs) -> list[str]:
     if inp.runs:
         stacked = " and the earlier PRs of the stack" if inp.earlier else ""
         where = (
-            f"the v{inp.omni_version} release wheel's `vllm_omni/` with this PR{stacked} applied by `git am`"
+            f"the v{inp.omni_version} release wheel's `vllm_omni/` with this PR{stacked} applied by "
+            "`git am --keep-non-patch`"
         )
         out += ["### Unit tests", "", f"Run from this PR's tree ({where}).", ""]
         out += _scope_lines(inp, OWN) + _scope_lines(inp, EARLIER)
@@ -972,7 +973,8 @@ def stack_overview(prs: list, vllm_prs: list) -> str:
     lines = [
         "# The pull requests of this export",
         "",
-        "vllm-omni PRs in merge order; each applies (`git am`) on the release once the ones before it are applied. "
+        "vllm-omni PRs in merge order; each applies on the release once the ones before it are applied, with "
+        "`git am --keep-non-patch` (plain `git am` drops the `[Model]`-style tags from the commit titles). "
         "Each PR's text names the others by number once they are opened (re-export with `--pr-number KEY=N`), "
         "before that by their place in this order and the branch `--checkout` makes for them.",
         "",

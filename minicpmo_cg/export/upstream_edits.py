@@ -90,7 +90,7 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
         f"The patch series of this folder was made and checked against the {version} wheel from PyPI,",
         "which holds only the `vllm_omni/` package (PyPI has no source archive of this release). The files",
         "named here are in vllm-omni's git repository but not in that wheel, so the series cannot carry",
-        "them: after `git am` of the series on the branch of this PR, make these edits by hand, each as a",
+        "them: after `git am --keep-non-patch` of the series on the branch of this PR, make these edits by hand, each as a",
         "commit of its own signed off like the others (`git commit -s`).",
         "",
     ]

@@ -115,6 +115,7 @@ def test_lint_flags_vllm_omni_rules(tmp_path):
                 "import torch",
                 "",
                 "x = torch.cuda.mem_get_info(0)",
+                "real = torch.cuda.mem_get_info",
                 "re.compile('a')",
                 "",
             ]
@@ -124,6 +125,7 @@ def test_lint_flags_vllm_omni_rules(tmp_path):
     report = lint.check_tree(ruff, config, tmp_path, ["vllm_omni/a.py", "vllm_omni/b.py"])
     joined = "\n".join(report.problems)
     assert "a.py:7: check-torch-cuda-call" in joined
+    assert "a.py:8: check-torch-cuda-call" in joined  # a reference, not a call, is flagged too
     assert "a.py:3: check-forbidden-imports: re" in joined
     assert "b.py:1: check-spdx-header" in joined
     assert "b.py:3:1: TID251" in joined

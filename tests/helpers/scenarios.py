@@ -70,7 +70,7 @@ def run_adapter_scenario(
         adapter: the imported adapter package (the tests' ``ecg`` fixture): the fresh interpreter
             imports the same files under the same name.
         test_file: the calling test module's ``__file__``; its folder goes first on ``sys.path`` and
-            the repository is three folders above it.
+            the repository is four folders above it (``tests/model_executor/models/minicpmo_4_5/``).
         function: the scenario function of that module; it returns a JSON-serialisable result.
         tag: the prefix of the printed result line.
         setup: Python lines run after the adapter is imported (``ecg`` names it).

@@ -25,7 +25,7 @@ equal-length audio windows), so the graphed server runs the first eagerly (warmu
 captures on the second and replays on the third; the group ends with the first input
 again, whose answer must equal its first (eager) answer within the same server.
 
-CLI (used by the Buildkite e2e steps; run it with the vllm-omni under test installed)::
+CLI (run it with the vllm-omni under test installed)::
 
     python tests/helpers/serve_smoke.py run --mode graphed --out out/e2e/current-graphed.json
     python tests/helpers/serve_smoke.py run --mode graphed --vision-attn eager --out out/e2e/g-eager-attn.json
@@ -77,7 +77,7 @@ EQUIVALENT_TO_GRAPHED = ("eager",)
 VISION_ATTNS = ("sdpa", "eager")
 DEFAULT_VISION_ATTN = VISION_ATTNS[0]
 
-#: environment knobs (also documented in CONTRIBUTING.md)
+#: environment knobs
 ENV_MODEL = "MINICPMO_CG_E2E_MODEL"  # local checkpoint dir, or a hub id (with ENV_HUB=1)
 ENV_HUB = "MINICPMO_CG_E2E_HUB"  # "1": the hub may be used (network access to huggingface.co)
 ENV_STARTUP_TIMEOUT = "MINICPMO_CG_E2E_STARTUP_TIMEOUT"  # seconds, default 1200

@@ -30,7 +30,7 @@ def tiny_audio_model(
     pooler; ``config`` carries ``audio_chunk_length=chunk_seconds``, ``audio_pool_step=pool`` and
     ``config``. Weights come from ``torch.manual_seed(0)``, float32 on the CPU, training mode:
     the caller moves, casts and sets the mode. ``llm`` is the model module to take the classes
-    from (default: the installed one; e.g. a rebuilt earlier version of it).
+    from (default: the installed one; a test may pass another version of the module).
     """
     if llm is None:
         from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
@@ -75,7 +75,7 @@ def copies_per_region(prof: torch.profiler.profile, regions: Iterable[str], widt
 def tiny_siglip_config(llm, attn: str, *, hidden=64, heads=4, layers=2, intermediate=128, side=70, patch=14):
     """``llm.SiglipVisionConfig`` at tiny widths with attention ``attn``; ``side`` patches of
     ``patch`` pixels per image side (70 x 14 = 980: the checkpoint's position-bucket grid).
-    ``llm`` is the model module to take the class from (the installed one, or a rebuilt earlier one)."""
+    ``llm`` is the model module to take the class from (default: the installed one)."""
     config = llm.SiglipVisionConfig(
         hidden_size=hidden,
         intermediate_size=intermediate,

@@ -2,8 +2,8 @@
 """The audio call paths read no tensor value on the host, on the *installed* model file.
 
 ``get_audio_hidden_states`` (the stateless call) and ``get_audio_embedding_streaming`` (a duplex
-session's 1 s chunk) used to cut the encoder output at lengths held in tensors, so on CUDA the host
-waited for the encoder (or its graph replay) before the call returned. Now the stateless call reads
+session's 1 s chunk) cut the encoder output at lengths held in tensors in vllm-omni 0.30.0, so on CUDA the
+host waited for the encoder (or its graph replay) before the call returned. Here the stateless call reads
 ``audio_feature_lens`` only where the caller passes it on the host (the multimodal field config
 keeps it there) and a streaming chunk's embedding count is the encoder output's. Checked on CPU
 with tiny Whisper models through :class:`helpers.host_reads.HostReads` (tensor methods and the

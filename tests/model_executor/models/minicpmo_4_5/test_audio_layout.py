@@ -5,8 +5,7 @@ The conv output ``(B, d_model, T)`` is read as ``(B, T, d_model)`` through a tra
 that took that layout would keep it through every layer, which would then copy its input before
 both LayerNorms and run both residual adds through the strided elementwise kernel. A tiny Whisper
 (2 layers) checks, for a stateless call (``get_audio_hidden_states``) and for duplex streaming
-chunks over a session cache (``get_audio_embedding_streaming``), both eager paths that the audio
-CUDA graphs capture:
+chunks over a session cache (``get_audio_embedding_streaming``), both eager paths:
 
 - the hidden states entering every layer and the final layer_norm are contiguous;
 - no layer copies a ``(B, T, d_model)`` tensor (operators counted per layer with

@@ -113,11 +113,11 @@ def test_cost_rule_rate_is_recurrence_since_first_sighting(ecg):
     assert verdict.expected_replays == pytest.approx(3 / 30 * 1000)
 
 
-# Example inputs of the rule, as an H200 measured them on 2026-12-01 (bf16, checkpoint-sized encoders,
-# an earlier state of this code): host enqueue time
+# Example inputs of the rule, of the magnitudes an H200 measured (bf16, checkpoint-sized encoders, with the
+# unfused layers and before the image call became one graph): host enqueue time
 # ~8 ms for every shape of one encoder (the kernel count does not depend on the batch), the eager
 # call's GPU span, the GPU busy time (a replay's latency), and the graph's bytes. The tests check
-# the rule's decisions on inputs of this kind, not these figures: later code runs faster.
+# the rule's decisions on inputs of this kind, not these figures.
 H200_SHAPES = {
     "audio 1 s": (7.7, 7.70, 1.97, 22.1 * MIB),
     "vision 1 slice": (8.2, 8.34, 6.72, 218.5 * MIB),

@@ -98,7 +98,7 @@ def test_vision_full_slices_use_a_maskless_graph(model):
 def test_duplex_frame_captured_under_inference_mode_replays_under_no_grad(model):
     """vllm-omni's duplex stage encodes frames under ``torch.no_grad()`` only, while the
     engine's own calls run under ``torch.inference_mode()``: a 1-slice frame captured by the
-    latter must replay for the former (it used to raise "Inplace update to inference tensor
+    latter must replay for the former (not raise "Inplace update to inference tensor
     outside InferenceMode") and match eager in both modes."""
     graph = model.vpm._encoder_graph
     frame = vision_data([(32, 32)], seed=7)

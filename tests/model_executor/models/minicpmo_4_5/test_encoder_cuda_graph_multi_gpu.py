@@ -89,8 +89,9 @@ def test_memory_floor_reads_the_inputs_device_not_the_current_one(ecg, vllm_conf
     assert asked == [torch.device("cuda", 1)]
 
     seen = []
-    real = torch.cuda.mem_get_info
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: seen.append(device) or real(device))
+    platform = ecg.backend.omni_platforms.current_omni_platform  # where the backend reads free memory
+    real = platform.get_free_memory
+    monkeypatch.setattr(platform, "get_free_memory", lambda device=None: seen.append(device) or real(device))
     default = counting(ecg, forward, vllm_config, min_free_bytes=1)
     default(x), default(x)
     assert [torch.device(d) for d in seen] == [torch.device("cuda", 1)]

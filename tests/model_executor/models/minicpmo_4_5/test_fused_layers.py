@@ -570,7 +570,7 @@ def test_configure_sets_each_encoder_and_logs_one_line(log_records, choice, visi
 
 def test_the_model_file_hooks_the_fused_layers_in():
     """The constructor configures them and Whisper's forward hands its layers over (the other seams
-    are the owned modules exercised above)."""
+    are the modules exercised above)."""
     import inspect
 
     constructor = inspect.getsource(llm.MiniCPMO45OmniLLMForConditionalGeneration.__init__)

@@ -50,7 +50,7 @@ def test_default_is_sdpa_and_every_choice_resolves(monkeypatch):
 
 @pytest.mark.parametrize("value", ["SDPA", "flash_attention_3", "flex_attention", "", None, True, 1])
 def test_bad_value_names_the_key_the_value_and_the_choices(value):
-    """siglip_attention.py validates its key itself (the SDPA fix needs no other module of the set)."""
+    """siglip_attention.py validates its key itself (the SDPA fix needs no other new module)."""
     problem = sa.vision_attn_problem(value)
     assert problem.startswith(f"vision_attn_implementation={json.dumps(value)}: got ")
     assert problem.endswith('expected one of "sdpa", "eager", "flash_attention_2"')

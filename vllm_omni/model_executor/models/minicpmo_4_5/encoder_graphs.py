@@ -39,7 +39,7 @@ from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_en
 
 logger = init_logger(__name__)
 
-#: The modules the stateless (and streaming) audio regions call, relative to the model.
+#: The modules the audio regions call, relative to the model.
 AUDIO_CAPTURED_MODULES = ("apm", "audio_projection_layer", "audio_avg_pooler")
 
 
@@ -99,7 +99,7 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
     runner-managed encoder graphs the user set (:func:`runner_encoder_graph_settings`).
 
     Returns:
-        The validated options (the streaming audio wiring reads them too).
+        The validated options.
 
     Raises:
         HfOverridesError: (a ``ValueError``) every bad or unknown ``encoder_cuda_graph*`` key in
@@ -190,7 +190,7 @@ def encode_last_hidden_state(
     """SigLIP's encoder layers + post layernorm (``SiglipVisionTransformer._encode_last_hidden_state``).
 
     The one function through which every SigLIP path of the model runs the layer stack: the vision
-    graph's region (SigLIP's layer stack, or the whole image call) and its eager fallback.
+    graph's region and its eager fallback.
 
     Args:
         vpm: the ``SiglipVisionTransformer``.

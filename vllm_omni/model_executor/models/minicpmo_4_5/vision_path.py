@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """MiniCPM-o 4.5's image call without host reads, captured by the vision CUDA graph as a whole.
 
-Around SigLIP's encoder stack, every ``get_vision_hidden_states`` call used to run host syncs and
+In vllm-omni 0.30.0, every ``get_vision_hidden_states`` call ran, around SigLIP's encoder stack, host syncs and
 dozens of small eager kernels: the per-slice padding loop, ``max().item()`` on ``tgt_sizes``, a per-slice
 mask loop, position ids built on the CPU and copied from pageable memory, ``torch.any`` on the patch
 mask, and the resampler's per-slice host reads of ``tgt_sizes``, which also kept the resampler out of

@@ -170,8 +170,8 @@ class EncoderCudaGraph:
             for hooks). None checks the owner's whole module tree; a ``forward``
             that is not a module's method has only the global hooks checked.
         backend: the device seam; default :class:`CudaGraphBackend`. Kept as
-            the attribute ``backend``, which a dry run may replace on an
-            adapter built by :func:`make_encoder_cuda_graph` before its first call.
+            the attribute ``backend``, which a caller (a test's CPU backend) may
+            replace on an adapter built by :func:`make_encoder_cuda_graph` before its first call.
 
     Raises:
         HfOverridesError: (a ``ValueError``) invalid option values.
@@ -640,7 +640,7 @@ class EncoderCudaGraph:
             self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
         logger.log(
             level,
-            # the first literal is the prefix log readers match (tests/e2e/serve_smoke.CAPTURE_RE)
+            # the first literal is the prefix log readers match (the e2e test's CAPTURE_RE)
             "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
             ": %s (pool +%s, static %s); %s graphs hold %s%s",
             self.name,

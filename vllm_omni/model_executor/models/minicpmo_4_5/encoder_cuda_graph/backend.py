@@ -93,11 +93,11 @@ class CapturedGraph(NamedTuple):
 class EncoderGraphBackend(Protocol):
     """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else.
 
-    :class:`CudaGraphBackend` is the real one. A dry run on a machine without
-    CUDA implements these methods (e.g. CPU tensors eligible, a constant
-    stream handle, a large free-bytes reading, measurements with fixed times, a
-    capture whose ``execute`` runs ``encoder.encoder_eager_forward``) to
-    exercise the adapter's real policy, keys, stats and logs.
+    :class:`CudaGraphBackend` is the real one. A backend without CUDA (the
+    tests' CPU one: CPU tensors eligible, a constant stream handle, a large
+    free-bytes reading, measurements with fixed times, a capture whose
+    ``execute`` runs ``encoder.encoder_eager_forward``) exercises the adapter's
+    real policy, keys, stats and logs.
     """
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This project's ``--hf-overrides`` keys and the adapter's options, validated.
+"""MiniCPM-o 4.5's encoder ``--hf-overrides`` keys and the adapter's options, validated.
 
 :data:`HF_OVERRIDE_KEYS` holds one :class:`HfOverrideKey` entry per key (kind,
 default, range, doc); :func:`read_hf_overrides` validates them all (and rejects
@@ -61,7 +61,7 @@ def _type_name(value: Any) -> str:
 
 @dataclass(frozen=True)
 class HfOverrideKey:
-    """One ``--hf-overrides`` key of this project.
+    """One ``--hf-overrides`` key of the encoder options.
 
     Attributes:
         name: the JSON key, e.g. ``"encoder_cuda_graph_max_graphs"``.
@@ -184,7 +184,7 @@ def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
     return {key.name: key for key in keys}
 
 
-#: Every ``--hf-overrides`` key this project reads, by name. Adding a key is one
+#: Every encoder ``--hf-overrides`` key the model reads, by name. Adding a key is one
 #: entry here (register only keys whose behaviour exists); its consumer reads the
 #: validated value from :func:`read_hf_overrides`. The maximum of each numeric key is
 #: where the setting stops making sense: 1024 graphs per encoder (never evicted, each
@@ -235,8 +235,8 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         choices=("cost", "count"),
         default="cost",
         doc='vision and stateless audio encoders: "cost" captures a shape only when its measured saving '
-        'pays for capture and memory, "count" every shape seen min_capture_calls times '
-        '(streaming audio chunks always use "count")',
+        'pays for capture and memory, "count" every shape seen min_capture_calls times'
+        ' (streaming audio chunks always use "count")',  # pr: streaming-audio
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_max_bytes",
@@ -307,13 +307,13 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.
-_PROJECT_PREFIXES = ("encoder_cuda_graph",)
+_KEY_PREFIXES = ("encoder_cuda_graph",)
 _NEAR_MISS_CUTOFF = 0.8
 _MIN_TRUNCATED_KEY = 10
 
 
 class HfOverridesError(ValueError):
-    """One or more bad ``--hf-overrides`` keys of this project; ``problems`` lists each."""
+    """One or more bad encoder ``--hf-overrides`` keys; ``problems`` lists each."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
@@ -352,17 +352,17 @@ def _is_own_name(name: str) -> bool:
 
 
 def _unknown_key_problems(hf_config: Any) -> list[str]:
-    """Unregistered attributes of ``hf_config`` that carry a project prefix or look like a key
+    """Unregistered attributes of ``hf_config`` that carry a key prefix or look like a key
     (not a name the model's sub-configurations use, nor the unprefixed tail of a key)."""
     problems = []
     model_names = _model_config_names(hf_config)
     for name, value in getattr(hf_config, "__dict__", {}).items():
         if name in HF_OVERRIDE_KEYS or hasattr(type(hf_config), name):
             continue
-        if not name.lower().startswith(_PROJECT_PREFIXES) and (name in model_names or _is_own_name(name)):
+        if not name.lower().startswith(_KEY_PREFIXES) and (name in model_names or _is_own_name(name)):
             continue
         closest = _closest_key(name)
-        if closest is None and not name.lower().startswith(_PROJECT_PREFIXES):
+        if closest is None and not name.lower().startswith(_KEY_PREFIXES):
             continue
         hint = f"did you mean {closest}?" if closest else "valid keys: " + ", ".join(HF_OVERRIDE_KEYS)
         problems.append(f"{name}={_as_json(value)}: unknown key, {hint}")
@@ -370,7 +370,7 @@ def _unknown_key_problems(hf_config: Any) -> list[str]:
 
 
 def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
-    """Validate this project's ``--hf-overrides`` keys on a model's HF config.
+    """Validate the encoder ``--hf-overrides`` keys on a model's HF config.
 
     ``--hf-overrides`` JSON keys land as attributes of
     ``model_config.hf_config``; the checkpoint's own keys live there too.
@@ -519,7 +519,7 @@ class EncoderCudaGraphOptions:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> EncoderCudaGraphOptions:
-        """Read the options from a model's HF config, validating all project keys.
+        """Read the options from a model's HF config, validating every registered key.
 
         Raises:
             HfOverridesError: see :func:`read_hf_overrides`.
