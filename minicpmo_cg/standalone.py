@@ -64,14 +64,20 @@ __all__ = [
     "REDUCED_VISION_LAYERS",
     "THINKER_CONFIG",
     "VISION_CONFIG",
+    # project-only
     "WIRING_MISSING",
+    # /project-only
     "EncoderBuildInfo",
+    # project-only
     "EncoderWiringMissingError",
+    # /project-only
     "audio_graph",
     "build_thinker_encoders",
     "configure_fused_layers",  # pr: fused-layers
     "duplex_batch_graph",  # pr: duplex-batch
+    # project-only
     "has_graph_wiring",
+    # /project-only
     "init_weights_",
     "model_module",
     "resolve_vision_attn",
@@ -89,6 +95,7 @@ FUSED_LAYERS_KEY = "encoder_fused_layers"
 FUSED_LAYERS_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.fused_layers"
 # /pr
 
+# project-only
 WIRING_MISSING = (
     "the installed vllm-omni model file has no encoder CUDA graph wiring "
     "(MiniCPMO45OmniLLMForConditionalGeneration has no _init_encoder_cuda_graphs)"
@@ -99,6 +106,7 @@ class EncoderWiringMissingError(RuntimeError):
     """The installed vllm-omni model file lacks the encoder CUDA graph wiring."""
 
 
+# /project-only
 def _progress(msg: str) -> None:
     print(f"[encoder-graphs] {msg}", file=sys.stderr, flush=True)
 
@@ -205,8 +213,10 @@ def build_thinker_encoders(
     Raises:
         ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
             ``"flash_attention_2"`` without the flash-attn 2 package, from the model file.
+        # project-only
         EncoderWiringMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
             SDPA attention for SigLIP (no ``vision_attn_implementation``).
+        # /project-only
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -246,17 +256,19 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
     """Configure ``--hf-overrides encoder_fused_layers`` on ``model`` as the model's constructor does.
 
     Returns:
-        ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``, or both
-        ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module, or
-        ``"off (no encoder_fused_layers key)"`` where it has the module but does not register the
+        ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``.
+        # project-only
+        Both ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module,
+        or ``"off (no encoder_fused_layers key)"`` where it has the module but does not register the
         key (then an ``encoder_fused_layers`` key on the config is refused instead).
+        # /project-only
 
     Raises:
-        ValueError: a bad ``encoder_fused_layers`` (or any other project key), naming the key; or
-            the key set while the installed tree has no fused layers.
+        ValueError: a bad ``encoder_fused_layers`` (or any other encoder key), naming the key.
     """
+    # project-only
     try:
-        module = importlib.import_module(FUSED_LAYERS_MODULE)
+        importlib.import_module(FUSED_LAYERS_MODULE)
     except ModuleNotFoundError as exc:
         if exc.name != FUSED_LAYERS_MODULE:
             raise
@@ -275,7 +287,8 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
                 f"{FUSED_LAYERS_KEY} is set, but the installed vllm-omni tree does not register it"
             )
         return {"vision": f"off (no {FUSED_LAYERS_KEY} key)", "audio": f"off (no {FUSED_LAYERS_KEY} key)"}
-    return module.configure_fused_layers(model)
+    # /project-only
+    return importlib.import_module(FUSED_LAYERS_MODULE).configure_fused_layers(model)
 
 
 # /pr
@@ -287,10 +300,13 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
 
     Raises:
         ValueError: see :func:`build_thinker_encoders`.
+        # project-only
         EncoderWiringMissingError: see :func:`build_thinker_encoders`.
+        # /project-only
     """
     # the model file resolves it through siglip_attention.py, beside it
     resolve = getattr(getattr(model_module(), "siglip_attention", None), "vision_attn_implementation", None)
+    # project-only
     if resolve is None:  # a model file without SigLIP's SDPA attention: its eager attention only
         if vision_attn != "eager":
             raise EncoderWiringMissingError(
@@ -298,6 +314,7 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
                 "(vision_attn_implementation); the installed one runs SigLIP's eager attention only"
             )
         return "eager"
+    # /project-only
     config.vision_attn_implementation = vision_attn
     return resolve(config)
 
@@ -351,11 +368,13 @@ def _materialise_(model: Any, *, device: torch.device, dtype: torch.dtype, seed:
     model.requires_grad_(False)
 
 
+# project-only
 def has_graph_wiring(model: Any) -> bool:
     """True when the installed model class has the encoder CUDA graph wiring (``_init_encoder_cuda_graphs``)."""
     return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
 
 
+# /project-only
 def wire_encoder_graphs(
     model: Any, vllm_config: Any, *, enabled: Any, backend: Any = None, **options: Any
 ) -> None:
@@ -385,13 +404,17 @@ def wire_encoder_graphs(
             # /pr
 
     Raises:
+        # project-only
         EncoderWiringMissingError: the installed model file has no encoder CUDA graph wiring.
+        # /project-only
         ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
         TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
+    # project-only
     if not has_graph_wiring(model):
         raise EncoderWiringMissingError(WIRING_MISSING)
+    # /project-only
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
     validated = options_cls(**values)  # raises before model.config changes

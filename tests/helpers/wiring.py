@@ -3,7 +3,7 @@
 stand-ins for the adapters that show which call sites reach them.
 
 The models hold only what the encoder call sites read (SigLIP and the resampler, Whisper with its
-projection and pooler, the config), built on the CPU from the *installed* model file's classes.
+projection and pooler, the config), built on the CPU from the installed model file's classes.
 """
 
 from __future__ import annotations
@@ -32,14 +32,19 @@ def model_module():
 def wired_model(hook: str):
     """``(model file, adapter package, thinker class)`` of the installed vllm-omni, for a test module.
 
-    Skips the module without vllm-omni or the adapter package; fails it, naming the model file, when
-    the thinker class lacks ``hook`` (the wiring the module tests, e.g. ``"_init_encoder_cuda_graphs"``).
+    Skips the module without vllm-omni or the adapter package.
+    # project-only
+    Fails it, naming the model file, when the thinker class lacks ``hook`` (the wiring the module
+    tests, e.g. ``"_init_encoder_cuda_graphs"``): a vllm-omni without the change.
+    # /project-only
     """
     llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
     adapter = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
     model = llm.MiniCPMO45OmniLLMForConditionalGeneration
+    # project-only
     if not hasattr(model, hook):
         pytest.fail(f"{llm.__file__} lacks the encoder CUDA graph wiring ({hook})", pytrace=False)
+    # /project-only
     return llm, adapter, model
 
 

@@ -4,17 +4,21 @@ backend for the adapter's seam, and log capture for vLLM's loggers."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
+
+# project-only
+import hashlib
 import importlib.util
 import sys
 from pathlib import Path
 
+# /project-only
 import pytest
 import torch
 from helpers import logs
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
+# project-only
 REPO_ADAPTER = (
     Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph"
 )
@@ -25,15 +29,10 @@ def _sources(package: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(package.glob("*.py"))}
 
 
-@pytest.fixture(scope="session")
-def ecg():
-    """The adapter package under its in-tree name.
-
-    Where the adapter is installed beside vllm-omni's model file, the installed modules must equal
+def _source_adapter_in_place() -> None:
+    """Where the adapter is installed beside vllm-omni's model file, the installed modules must equal
     the source tree's (a stale install fails loudly instead of testing old code); where it is not
-    installed, the source tree's package is loaded under that name. Its modules are attributes of
-    the package (``ecg.backend``, ``ecg.adapter``, ...).
-    """
+    installed, the source tree's package is loaded under its in-tree name."""
     spec = importlib.util.find_spec(MODULE)
     if spec is not None and spec.origin:
         installed = Path(spec.origin).parent
@@ -44,7 +43,7 @@ def ecg():
                 f"installed adapter {installed} differs from {REPO_ADAPTER} in {', '.join(names)}: "
                 "reinstall it from the source tree"
             )
-        return importlib.import_module(MODULE)
+        return
     importlib.import_module("vllm_omni.model_executor.models.minicpmo_4_5")
     sibling = MODULE.rsplit(".", 1)[0] + ".siglip_attention"  # the options registry reads its key from it
     if importlib.util.find_spec(sibling) is None:
@@ -54,10 +53,19 @@ def ecg():
     spec = importlib.util.spec_from_file_location(
         MODULE, REPO_ADAPTER / "__init__.py", submodule_search_locations=[str(REPO_ADAPTER)]
     )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE] = module
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[MODULE] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[MODULE])
+
+
+# /project-only
+@pytest.fixture(scope="session")
+def ecg():
+    """The adapter package under its in-tree name; its modules are attributes of the package
+    (``ecg.backend``, ``ecg.adapter``, ...)."""
+    # project-only
+    _source_adapter_in_place()
+    # /project-only
+    return importlib.import_module(MODULE)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model file's wiring of the vision graph over the whole image call, checked on the *installed*
+"""The model file's wiring of the vision graph over the whole image call, checked on the installed
 model file.
 
 ``get_vision_hidden_states`` hands the adapter the stacked pixels, ``tgt_sizes`` and the valid-patch

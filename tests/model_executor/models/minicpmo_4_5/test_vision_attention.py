@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of SigLIP's attention (``vision_attn_implementation``), on the *installed* model file.
+"""CPU tests of SigLIP's attention (``vision_attn_implementation``), on the installed model file.
 
 - ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated by
   ``siglip_attention`` itself), refuses ``flash_attention_2`` without flash-attn 2 before building
@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
+# project-only
 if not hasattr(llm, "SiglipSdpaAttention"):
     pytest.fail(f"{llm.__file__} lacks SigLIP's SDPA attention (SiglipSdpaAttention)", pytrace=False)
+# /project-only
 
 PATCH = 14
 SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid

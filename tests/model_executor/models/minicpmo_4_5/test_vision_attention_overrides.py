@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vision_attn_implementation`` among the encoder CUDA graph ``--hf-overrides`` keys, on the *installed*
+"""``vision_attn_implementation`` among the encoder CUDA graph ``--hf-overrides`` keys, on the installed
 model file.
 
 The adapter's option registry validates SigLIP's key together with its own: a bad value is reported
