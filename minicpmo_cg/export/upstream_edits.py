@@ -48,9 +48,8 @@ def e2e_command(files: list[str]) -> str | None:
     return f"{E2E_HUB_ENV}=1 pytest -sv {' '.join(tests)}" if tests else None
 
 
-#: The variable that lets the e2e test download the checkpoint (``tests/helpers/serve_smoke.py``'s
-#: ``ENV_HUB`` as vllm-omni's copy names it).
-E2E_HUB_ENV = "MINICPMO45_E2E_HUB"
+#: The variable that lets the e2e test download the checkpoint.
+E2E_HUB_ENV = conv.E2E_HUB_ENV
 
 #: The ``key:`` of the copied Buildkite step.
 STEP_KEY = "minicpmo-4-5-encoder-cuda-graph"
