@@ -145,8 +145,9 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
         rows = (
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
             f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
-            "gathered pages (measured on an H200), and "
-            f"{off_path} with vLLM's FlashAttention (where its compiled op is registered) or the unfused layers"
+            f"gathered pages (measured on an H200); with the unfused layers it is {off_path}; with vLLM's "
+            "FlashAttention (chosen where its compiled op is registered) the tests assert the same bound, "
+            "which no run has measured"
         )
     else:
         rows = f"the rows run the unfused Whisper layers (`encoder_fused_layers` defaults to {_js(fused)}), {off_path}"
