@@ -39,7 +39,7 @@ def test_admission_threshold_three_and_saturation(ecg):
     A = ecg.Admission
     policy = ecg.CaptureAdmission(max_graphs=1, min_capture_calls=3)
     assert [policy.admit("k") for _ in range(3)] == [A.WARMUP, A.WARMUP, A.CAPTURE]
-    policy.record_memory_miss()  # memory floor deferred it: the count stays saturated
+    policy.record_miss("memory")  # memory floor deferred it: the count stays saturated
     assert policy.history["k"] == 3
     assert policy.admit("k") is A.CAPTURE
     assert policy.misses == {"warmup": 2, "memory": 1}

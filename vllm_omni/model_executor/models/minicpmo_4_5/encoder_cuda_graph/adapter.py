@@ -599,7 +599,7 @@ class EncoderCudaGraph:
         record: _KeyRecord,
         inputs: Sequence[Any],
         device: torch.device,
-        log_level: int = logging.INFO,
+        log_level: int = logging.INFO,  # pr: duplex-scale
     ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
@@ -632,7 +632,10 @@ class EncoderCudaGraph:
         self.graph_info[key] = GraphInfo(captured.pool_bytes, captured.static_bytes, capture_ms)
         self.admission.record_captured(key)
         self._records.pop(key, None)
-        self._log_capture(key, record.verdict, self.graph_info[key], log_level)
+        # pr-before: duplex-scale
+        # self._log_capture(key, record.verdict, self.graph_info[key], logging.INFO)
+        # /pr-before
+        self._log_capture(key, record.verdict, self.graph_info[key], log_level)  # pr: duplex-scale
         return True
 
     def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo, level: int) -> None:

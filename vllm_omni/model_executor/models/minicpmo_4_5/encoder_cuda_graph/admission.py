@@ -78,7 +78,7 @@ class CaptureAdmission:
        a key pushed out starts again from one call;
     4. below ``min_capture_calls`` calls the call is a warmup miss; at the
        threshold the count saturates and the adapter captures, unless the
-       memory floor defers it (:meth:`record_memory_miss`), in which case the
+       memory floor defers it (``record_miss("memory")``), in which case the
        next call with that key tries again.
 
     Args:
@@ -120,10 +120,6 @@ class CaptureAdmission:
 
     def record_ineligible(self) -> None:
         self.misses["ineligible"] += 1
-
-    def record_memory_miss(self) -> None:
-        """The memory floor deferred a capture; the key stays saturated."""
-        self.misses["memory"] += 1
 
     def record_miss(self, kind: str) -> None:
         """An eager call of kind ``kind`` (one of :data:`MISS_KINDS`) decided outside :meth:`admit`.

@@ -85,10 +85,6 @@ class CapturedGraph(NamedTuple):
     #: static input buffers + output buffer, allocated outside the pool (bytes)
     static_bytes: int
 
-    @property
-    def total_bytes(self) -> int:
-        return self.pool_bytes + self.static_bytes
-
 
 class EncoderGraphBackend(Protocol):
     """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else.
