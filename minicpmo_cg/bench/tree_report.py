@@ -173,10 +173,23 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         "ms per 1 s chunk, median and worst of the session). No target is set on this comparison: it "
         f"shows what the PR changes.{noise}",
         "",
-        "| call site | eager before | eager with this PR | default before | default with this PR "
-        "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    # neither tree has encoder graphs: every call runs eagerly, so the default and graphed columns
+    # would only repeat the eager ones
+    graphless = not before_t.get("graphed") and not after_t.get("graphed")
+    if graphless:
+        lines += [
+            "Neither tree has encoder graphs: every call runs eagerly.",
+            "",
+            "| call site | eager before | eager with this PR | speed-up | output vs before |",
+            "|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| call site | eager before | eager with this PR | default before | default with this PR "
+            "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
     for call in [*CALLS, DUPLEX]:
         kind_b, row_b = _default(before_t, call)
         kind_a, row_a = _default(after_t, call)
@@ -196,6 +209,12 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         replayed = kind_a == "graphed" and row_a is not None and row_a.get("replayed", 0) > 0
         graphed_vs_eager = cmp.get("graphed_vs_eager", {})
         g_vs_e = _rel(graphed_vs_eager[call]) if replayed and call in graphed_vs_eager else "no replay"
+        if graphless:
+            lines.append(
+                f"| {call} | {' | '.join(cells[:2])} | {speed} | "
+                f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} |"
+            )
+            continue
         lines.append(
             f"| {call} | {' | '.join(cells)} | {_replays(kind_a, row_a)} | {speed} | "
             f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} | {g_vs_e} |"

@@ -237,7 +237,7 @@ STACK: tuple[OmniPr, ...] = (
             "The SDPA default changes SigLIP's numerics for every served image: SDPA keeps the logits in "
             "higher precision through the softmax, so its outputs differ from the eager attention's by bf16 "
             "rounding (the Test Result's image rows give the measured difference), and no run compared the "
-            "checkpoint's answers. `--hf-overrides '{\"vision_attn_implementation\": \"eager\"}'` keeps the "
+            'checkpoint\'s answers. `--hf-overrides \'{"vision_attn_implementation": "eager"}\'` keeps the '
             "former numerics bitwise; the contiguous hidden states change no bit.",
         ),
     ),
