@@ -145,7 +145,8 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
             "--compilation-config sets %s, which configures vLLM's runner-managed encoder CUDA graphs; "
             "MiniCPM-o 4.5 does not implement SupportsEncoderCudaGraph, so vLLM's model runner builds "
             "none for it and these settings have no effect. Its encoder graphs are the exact-shape "
-            "adapters of the line above, set through --hf-overrides (encoder_cuda_graph*).",
+            'adapters this model builds itself (its "MiniCPM-o 4.5 encoder CUDA graphs" INFO line), set '
+            "through --hf-overrides (encoder_cuda_graph*).",
             ", ".join(ignored),
         )
     return options
