@@ -435,7 +435,7 @@ def wire_encoder_graphs(
     if not enabled and any(adapter is not None for adapter in adapters):
         raise RuntimeError(
             "_init_encoder_cuda_graphs installed an adapter although encoder_cuda_graph "
-            "is false; the installed model file does not honour the switch"
+            "is false; the model file does not honour the switch"
         )
 
 

@@ -53,6 +53,15 @@ def _key(folder: str) -> str:
     return re.sub(r"^\d+-", "", folder)
 
 
+def pr_title(key: str, measured: str) -> str:
+    """The title of the stack's PR ``key`` as the export writes it (its prefixes, then its title); the
+    title the run recorded (``measured``) for a key the stack no longer has."""
+    from minicpmo_cg.export import stack
+
+    pr = next((pr for pr in stack.STACK if pr.key == key), None)
+    return f"{''.join(pr.prefixes)} {pr.title}" if pr is not None else measured
+
+
 def _default(tree: dict, call: str) -> tuple[str, dict | None]:
     """``("graphed" | "eager", row)`` of the call as the tree serves it by default."""
     graphed = tree.get("graphed")
@@ -166,7 +175,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         how, noise = "each tree in its own process, one after the other on one host", ""
     lines = [
         f"<!-- pr: {key} -->",
-        f"### {HEADING}: {after_t['title']}",
+        f"### {HEADING}: {pr_title(key, after_t['title'])}",
         "",
         f"Each call site on {before_name} and on {measured_tree(key)}, {how}, with "
         "the same seeded weights and inputs (ms per call: median of the timed calls; a duplex session: "

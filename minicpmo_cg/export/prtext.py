@@ -395,8 +395,14 @@ def _purpose(inp: PrInputs) -> list[str]:
             r"^Part of .*?\.\s+(?=[A-Z])", "", " ".join(lead.split())
         )  # the link back to the overview
         out += [f"New design page `{page}`: {lead}", ""]
+    by_page: dict[str, list[str]] = {}
     for page, heading in inp.sections_added:
-        out += [f'The design page `{page}` gains the section "{plain_links(heading)}".', ""]
+        by_page.setdefault(page, []).append(f'"{plain_links(heading)}"')
+    for page, headings in by_page.items():
+        which = f"the section {headings[0]}" if len(headings) == 1 else (
+            f"the sections {', '.join(headings[:-1])} and {headings[-1]}"
+        )  # fmt: skip
+        out += [f"The design page `{page}` gains {which}.", ""]
     out += ["### Commits", ""] + [f"{i}. {t}" for i, t in enumerate(inp.commits, 1)] + [""]
     return out + _depends_on(inp)
 

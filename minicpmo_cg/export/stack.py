@@ -117,18 +117,18 @@ def _fused_layers_default(keys: Mapping[str, HfKey]) -> str:
     default = keys["encoder_fused_layers"].default
     if default == "none":
         state = (
-            'off by default: `--hf-overrides encoder_fused_layers` defaults to `"none"`, the upstream layers'
+            'off by default: `--hf-overrides encoder_fused_layers` defaults to `"none"`, the unfused layers'
         )
     else:
         which = "both encoders" if default == "all" else f"the {default} encoder"
         state = (
             f"on by default: `--hf-overrides encoder_fused_layers` defaults to {_js(default)} ({which}); "
-            '`"none"` keeps the upstream layers'
+            '`"none"` keeps the unfused layers'
         )
     return (
-        f"The fused layers are {state}. They are not bitwise equal to the upstream layers: the CUDA tests "
+        f"The fused layers are {state}. They are not bitwise equal to the unfused layers: the CUDA tests "
         "hold the fused model's output (the image call, an audio call, a duplex session's chunks) within "
-        "1e-2 of the upstream layers' largest magnitude (`max |fused - upstream| <= 1e-2 * max |upstream|`); "
+        "1e-2 of the unfused layers' largest magnitude (`max |fused - unfused| <= 1e-2 * max |unfused|`); "
         "a graph replay stays bitwise equal to the fused eager call. That tolerance was checked with random "
         "weights at the checkpoint's dimensions only: no run put the checkpoint's own weights through the fused "
         "layers, so a maintainer who wants that evidence first can merge this PR with the default set to "

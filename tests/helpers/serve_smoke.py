@@ -601,7 +601,11 @@ def label(record: dict[str, Any]) -> str:
 
 def environment() -> dict[str, str]:
     info: dict[str, str] = {"python": sys.version.split()[0]}
-    for dist in ("vllm", "vllm-omni", "torch", "minicpmo-encoder-cuda-graphs"):
+    dists: tuple[str, ...] = ("vllm", "vllm-omni", "torch")
+    # project-only
+    dists += ("minicpmo-encoder-cuda-graphs",)
+    # /project-only
+    for dist in dists:
         try:
             info[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -30,8 +30,10 @@ needs_cuda = pytest.mark.skipif(
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 
+# project-only
 if getattr(llm, "streaming_audio", None) is None:
     pytest.fail(f"{llm.__file__} lacks the streaming audio CUDA graphs (streaming_audio)", pytrace=False)
+# /project-only
 sa = llm.streaming_audio
 
 Model = llm.MiniCPMO45OmniLLMForConditionalGeneration
@@ -255,11 +257,11 @@ def test_lora_keeps_the_streaming_path_eager_with_the_reason(log_records):
 
 
 # ---------------------------------------------------------------------------
-# The eager path is upstream's code (CPU)
+# The eager path is vllm-omni 0.30.0's code (CPU)
 # ---------------------------------------------------------------------------
 
 
-def upstream_streaming(model, chunk):
+def released_streaming(model, chunk):
     """vllm-omni's get_audio_embedding_streaming encoder call as shipped (before its CUDA graphs)."""
     wavforms, prefix = chunk.features, chunk.prefix_extra_frames
     current = (wavforms.shape[-1] - 1) // 2 + 1 - (prefix + 1) // 2 * (prefix > 0) - 1
@@ -290,9 +292,9 @@ def test_eager_path_unchanged_with_the_option_off():
     chunks = duplex_chunks(2 * CYCLE + 3, seed=1)
     reference = tiny_model()
     with torch.inference_mode():
-        want = [upstream_streaming(reference, c) for c in chunks]
+        want = [released_streaming(reference, c) for c in chunks]
         got = [encode(model, c) for c in chunks]
-    assert_bitwise(got, want, "option off vs upstream")
+    assert_bitwise(got, want, "option off vs the release")
     assert isinstance(model.audio_past_key_values, llm.EncoderDecoderCache)
     assert llm._get_audio_cache_length(model.audio_past_key_values) == 3 * N  # reset twice, 3 chunks since
 

@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 
+# project-only
 if getattr(llm, "vision_path", None) is None:
     pytest.fail(f"{llm.__file__} lacks the image path without host reads (vision_path)", pytrace=False)
+# /project-only
 vision_path = llm.vision_path
 siglip_attention = llm.siglip_attention
 
@@ -411,5 +413,5 @@ def test_layout_changes_no_bit_of_the_encoder_output(attn, grids):
             None if valid is None else siglip_attention.encoder_attention_mask(valid, transposed.dtype, False)
         )
         want = vpm._encode_last_hidden_state(transposed, mask)
-    assert not transposed.is_contiguous()  # the layout the former code ran the encoder in
+    assert not transposed.is_contiguous()  # the layout vllm-omni 0.30.0 ran the encoder in
     assert torch.equal(got, want)

@@ -22,7 +22,7 @@ whatever the grids.
 - The embedding sum is written to a contiguous tensor (:func:`encode_packed_slices`), so no
   encoder layer copies its hidden states or runs a strided residual add.
 
-With the same attention implementation the eager outputs are bitwise those of the former code (the
+With the same attention implementation the eager outputs are bitwise those of vllm-omni 0.30.0's image call (the
 same operations on the same values in the same order).
 FA2 with padding stays eager (unpadding reads lengths on the host).
 

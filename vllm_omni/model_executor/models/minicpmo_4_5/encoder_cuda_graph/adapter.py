@@ -643,7 +643,7 @@ class EncoderCudaGraph:
             self.cost_model.record_capture(verdict.capture_ms, info.capture_ms)
         logger.log(
             level,
-            # the first literal is the prefix log readers match (the e2e test's CAPTURE_RE)
+            # the first literal is the prefix that log readers match
             "Captured %s encoder CUDA graph %d/%d for inputs %s in %.1f ms"
             ": %s (pool +%s, static %s); %s graphs hold %s%s",
             self.name,

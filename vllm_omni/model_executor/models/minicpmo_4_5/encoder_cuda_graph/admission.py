@@ -269,7 +269,7 @@ class CaptureCostModel:
     #: captures kept for the calibration of the capture estimate
     CALIBRATION_WINDOW = 8
     #: the least share of ``min(h, g)`` a replay saved on any shape measured (one H200, bf16, the
-    #: encoders at the checkpoint's dimensions, unfused layers; the least was a 30 s audio chunk:
+    #: encoders at the checkpoint's dimensions, vllm-omni 0.30.0's layers; the least was a 30 s audio chunk:
     #: 0.8 of 8 ms); a key that pays with it is captured without measuring its busy time
     MIN_SAVING_SHARE = 0.1
     #: a key is measured with a hold only if it would pay with this share of ``min(h, g)``
