@@ -332,7 +332,7 @@ STACK: tuple[OmniPr, ...] = (
             "sets itself and does not meet yet (the pool holds whole 20 MiB allocator segments; the test prints "
             "the breakdown), and the numerics bound on the vision configuration that is not the option's default. "
             "Replay and bits are asserted before either.",
-            "Until the duplex-scale PR of the stack captures a session's graphs at start-up, the first duplex "
+            "Until a later PR of this stack (duplex-scale) captures a session's graphs at start-up, the first duplex "
             "session after start-up captures them lazily, and with the fused layers its first chunks also "
             "compile their Triton kernels: on this PR's tree that session's worst chunk took 372 ms (the Test "
             "Result's duplex row), against 10.8 ms before it; later sessions replay in 1.6 ms.",

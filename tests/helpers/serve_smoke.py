@@ -21,9 +21,10 @@ server's log must name the attention it runs (the model's ``SigLIP attention`` I
 Inputs are built locally, nothing is downloaded: images from scikit-image's bundled
 photos, audio from vllm-omni's bundled voice ``.wav`` files, sent as base64 data URLs.
 Each prompt group holds several inputs of one exact shape (mirrored/flipped photos,
-equal-length audio windows), so the graphed server runs the first eagerly (warmup),
-captures on the second and replays on the third; the group ends with the first input
-again, whose answer must equal its first (eager) answer within the same server.
+equal-length audio windows), so the graphed server sees each shape recur: its admission
+may capture it after the first calls (by default only where the measured saving pays) and
+replay it later; the group ends with the first input again, whose answer must equal its
+first answer within the same server.
 
 CLI (run it with the vllm-omni under test installed)::
 
@@ -594,7 +595,7 @@ def siglip_attention(log_text: str) -> str | None:
 
 
 def label(record: dict[str, Any]) -> str:
-    """``mode`` or ``mode/attention`` of a recording (recordings before the attention choice: mode)."""
+    """``mode`` or ``mode/attention`` of a recording (``mode`` for one without an attention field)."""
     attn = record.get("vision_attn")
     return record["mode"] if attn is None else f"{record['mode']}/{attn}"
 

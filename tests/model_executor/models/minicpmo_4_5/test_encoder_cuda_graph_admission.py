@@ -376,8 +376,9 @@ def test_photo_mix_with_h200_timings_captures_nothing_under_cost(ecg, vllm_confi
 def test_streaming_session_with_h200_timings_captures_chunk_and_frame_by_their_third_call(
     ecg, vllm_config, cpu_backend
 ):
-    """One 448x448 frame (1 slice) and one 1 s chunk per second for 60 s. The chunk (22 MiB, busy
-    2 of 7.6 ms) pays even with the least saving: captured at its second call. The frame (busy
+    """One 448x448 frame (1 slice) and one stateless 1 s audio call per second for 60 s, a duplex
+    session's traffic shape. The audio call (busy 2 of 7.6 ms) pays even with the least saving:
+    captured at its second call. The frame (busy
     6.7 of 9.2 ms, 176 MiB) is held once and captured at its third call; the hold fits in the GPU's
     idle time, so the held call is no slower than an unheld one."""
     frame = cpu_backend(busy_needs_hold=True, timing=(8.28, 9.2, 6.72), peak_bytes=176 * MIB)
