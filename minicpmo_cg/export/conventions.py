@@ -191,10 +191,11 @@ PR_NO_MEASUREMENTS = "Measurements of the paths this PR adds"
 #: The results page's section on how its figures were measured: each PR text with GPU figures shows it.
 RESULTS_METHOD_HEADING = "Method"
 
-#: The variable that lets the exported e2e test download the checkpoint (``tests/helpers/serve_smoke.py``'s
-#: ``ENV_HUB`` as vllm-omni's copy names it, :data:`UPSTREAM_RENAMES`); without it, or a checkpoint
-#: folder in ``MINICPMO45_E2E_MODEL``, the test skips.
+#: The variables of the exported e2e test (``tests/helpers/serve_smoke.py``'s ``ENV_HUB`` and
+#: ``ENV_MODEL`` as vllm-omni's copy names them, :data:`UPSTREAM_RENAMES`): the first lets it download
+#: the checkpoint, the second names a local copy; without either the test skips.
 E2E_HUB_ENV = "MINICPMO45_E2E_HUB"
+E2E_MODEL_ENV = "MINICPMO45_E2E_MODEL"
 
 #: Names with this project's prefix that the exported files carry under a vllm-omni name:
 #: old -> new, replaced as whole words (the test environment variables, the served model name).

@@ -488,7 +488,7 @@ def pytest_commands(files: list[str], levels: tuple[str, ...] = UNIT_MARKS) -> l
     out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in levels] if units else []
     return out + [
         f"{conv.E2E_HUB_ENV}=1 pytest -sv {f}  # serving, an 80 GB GPU; skips without the checkpoint "
-        f"(this variable lets it download openbmb/MiniCPM-o-4_5, or MINICPMO45_E2E_MODEL names a local copy)"
+        f"(this variable lets it download openbmb/MiniCPM-o-4_5, or {conv.E2E_MODEL_ENV} names a local copy)"
         for f in e2e
     ]
 

@@ -45,11 +45,8 @@ class EditError(RuntimeError):
 def e2e_command(files: list[str]) -> str | None:
     tests = [f for f in files if f.startswith("tests/e2e/") and PurePosixPath(f).name.startswith("test_")]
     # the e2e test skips without a checkpoint: let the step fetch it from the hub
-    return f"{E2E_HUB_ENV}=1 pytest -sv {' '.join(tests)}" if tests else None
+    return f"{conv.E2E_HUB_ENV}=1 pytest -sv {' '.join(tests)}" if tests else None
 
-
-#: The variable that lets the e2e test download the checkpoint.
-E2E_HUB_ENV = conv.E2E_HUB_ENV
 
 #: The ``key:`` of the copied Buildkite step.
 STEP_KEY = "minicpmo-4-5-encoder-cuda-graph"
@@ -89,8 +86,8 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
         f"The patch series of this folder was made and checked against the {version} wheel from PyPI,",
         "which holds only the `vllm_omni/` package (PyPI has no source archive of this release). The files",
         "named here are in vllm-omni's git repository but not in that wheel, so the series cannot carry",
-        "them: after `git am --keep-non-patch` of the series on the branch of this PR, make these edits by hand, each as a",
-        "commit of its own signed off like the others (`git commit -s`).",
+        "them: after `git am --keep-non-patch` of the series on the branch of this PR, make these edits by",
+        "hand, each as a commit of its own signed off like the others (`git commit -s`).",
         "",
     ]
     n = 0
@@ -114,7 +111,7 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
             "",
             "The test starts the server four times, one after the other (the encoder CUDA graphs off and on,",
             "each with SigLIP's SDPA and eager attention), and compares the answers: the copy's timeout must",
-            f"cover four model loads. `{E2E_HUB_ENV}=1` lets it download `openbmb/MiniCPM-o-4_5` (without it,",
+            f"cover four model loads. `{conv.E2E_HUB_ENV}=1` lets it download `openbmb/MiniCPM-o-4_5` (without it,",
             "and without a cached checkpoint, the test skips). If the group has no such step, add one with the",
             "agents and plugins of the group's other steps that serve a model on a GPU.",
             "",

@@ -73,7 +73,7 @@ def test_the_file_names_each_file_and_gives_the_exact_lines_the_checkout_edits_a
     assert any(upstream_edits.step_label() in line for line in step) and upstream_edits.step_label() in text
     assert f"key: {upstream_edits.STEP_KEY}" in [line.strip() for line in step]
     [pytest_line] = [line for line in step if "pytest" in line]
-    command = f"{upstream_edits.E2E_HUB_ENV}=1 pytest -sv {E2E}"  # the checkpoint may be downloaded
+    command = f"{conv.E2E_HUB_ENV}=1 pytest -sv {E2E}"  # the checkpoint may be downloaded
     assert pytest_line.strip().removeprefix("- ") == command and command in given
     assert conv.BUILDKITE_SIBLING_STEP in text and conv.BUILDKITE_E2E_GROUP in text
     assert "vllm-omni 0.30.0" in text
@@ -103,4 +103,5 @@ def test_the_step_sets_the_variable_the_e2e_test_reads_as_vllm_omni_names_it():
 
     from minicpmo_cg.export import transform
 
-    assert transform.rename_project_names(serve_smoke.ENV_HUB) == upstream_edits.E2E_HUB_ENV
+    assert transform.rename_project_names(serve_smoke.ENV_HUB) == conv.E2E_HUB_ENV
+    assert transform.rename_project_names(serve_smoke.ENV_MODEL) == conv.E2E_MODEL_ENV
