@@ -214,19 +214,16 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)
+        output = _rel(vs_before) if vs_before != "n/a" else "n/a"
+        if graphless:
+            lines.append(f"| {call} | {' | '.join(cells[:2])} | {speed} | {output} |")
+            continue
         # a graphed output that no replay made is the eager one: nothing to compare
         replayed = kind_a == "graphed" and row_a is not None and row_a.get("replayed", 0) > 0
         graphed_vs_eager = cmp.get("graphed_vs_eager", {})
         g_vs_e = _rel(graphed_vs_eager[call]) if replayed and call in graphed_vs_eager else "no replay"
-        if graphless:
-            lines.append(
-                f"| {call} | {' | '.join(cells[:2])} | {speed} | "
-                f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} |"
-            )
-            continue
         lines.append(
-            f"| {call} | {' | '.join(cells)} | {_replays(kind_a, row_a)} | {speed} | "
-            f"{_rel(vs_before) if vs_before != 'n/a' else 'n/a'} | {g_vs_e} |"
+            f"| {call} | {' | '.join(cells)} | {_replays(kind_a, row_a)} | {speed} | {output} | {g_vs_e} |"
         )
     startup = (after_t.get("graphed") or {}).get(DUPLEX, {}).get("startup")
     lines.append("")
