@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 from torch import nn
 
@@ -31,18 +30,20 @@ def model_module():
 
 def wired_model(hook: str):
     """``(model file, adapter package, thinker class)`` of the installed vllm-omni, for a test module.
-
-    Skips the module without vllm-omni or the adapter package.
     # project-only
+
     Fails it, naming the model file, when the thinker class lacks ``hook`` (the wiring the module
     tests, e.g. ``"_init_encoder_cuda_graphs"``): a vllm-omni without the change.
     # /project-only
     """
-    llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-    adapter = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
+    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as adapter
+    from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+
     model = llm.MiniCPMO45OmniLLMForConditionalGeneration
     # project-only
     if not hasattr(model, hook):
+        import pytest
+
         pytest.fail(f"{llm.__file__} lacks the encoder CUDA graph wiring ({hook})", pytrace=False)
     # /project-only
     return llm, adapter, model

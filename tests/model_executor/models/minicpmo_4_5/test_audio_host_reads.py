@@ -25,11 +25,11 @@ from helpers.host_reads import HostReads
 from helpers.tiny_encoders import tiny_audio_model
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession
+from vllm_omni.model_executor.models.minicpmo_4_5 import audio_lengths
+from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
 
 pytestmark = [pytest.mark.core_model]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-audio_lengths = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.audio_lengths")
 
 N = 10  # positions per streaming chunk (0.2 s)
 POSITIONS = 128  # a session's cache resets every 12 chunks

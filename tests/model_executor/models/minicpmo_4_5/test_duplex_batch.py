@@ -33,14 +33,13 @@ from helpers.tiny_encoders import tiny_audio_model
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession
 from minicpmo_cg.tolerance import graph_rel_tol, rel_diff
+from vllm_omni.model_executor.models.minicpmo_4_5 import duplex_batch as db
+from vllm_omni.model_executor.models.minicpmo_4_5 import duplex_rows as rows_mod
+from vllm_omni.model_executor.models.minicpmo_4_5 import fused_layers as fused
+from vllm_omni.model_executor.models.minicpmo_4_5 import streaming_audio as sa
 
 pytestmark = [pytest.mark.core_model]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-db = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.duplex_batch")
-rows_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.duplex_rows")
-sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio")
-fused = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.fused_layers")
 
 N, POSITIONS, POOL = 10, 128, 2
 CYCLE = math.ceil((POSITIONS - N) / N)  # 12 chunks per cache cycle
@@ -750,7 +749,8 @@ def test_preprocess_append_batch_returns_what_each_preprocess_returns(cpu_backen
 
 @pytest.mark.cpu
 def test_startup_capture_captures_every_batch_bucket(cpu_backend):
-    startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
+    from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
+
     model = batched_model(cpu_backend, sessions=8)
     report = startup.capture_at_startup(model, duplex_config(8))
     assert report.graphs["duplex audio batch"] == 4  # buckets 1, 2, 4, 8
@@ -874,7 +874,8 @@ def test_startup_capture_of_every_bucket_on_cuda_leaves_the_steps_nothing_to_cap
         pytest.skip("encoder CUDA graphs need a CUDA device")
     from minicpmo_cg import duplex, standalone
 
-    startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
+    from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
+
     config = duplex_config(8)
     model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
     standalone.wire_encoder_graphs(model, config, enabled=True, duplex_batch=True)
@@ -978,7 +979,8 @@ class RunnerModel:
 def run_runner_preprocess(model, monkeypatch):
     import numpy as np
 
-    gmr = pytest.importorskip("vllm_omni.worker.gpu_model_runner")
+    from vllm_omni.worker import gpu_model_runner as gmr
+
     monkeypatch.setattr(gmr, "get_pp_group", lambda: SimpleNamespace(is_first_rank=True))
     spans = [3, 2, 4, 1]  # tokens per request; r0 and r2 are appends the model batches
     req_ids = [f"r{i}" for i in range(len(spans))]
@@ -1036,7 +1038,8 @@ def test_the_runner_preprocesses_the_appends_a_model_batches_in_one_call(monkeyp
 
 @pytest.mark.cpu
 def test_the_stage_model_answers_the_runner_with_the_batch_module(cpu_backend, monkeypatch):
-    omni = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni")
+    from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni as omni
+
     stage = object.__new__(omni.MiniCPMO45OmniForConditionalGeneration)
     torch.nn.Module.__init__(stage)
     stage.model_stage, stage.thinker = "llm", batched_model(cpu_backend)

@@ -24,11 +24,11 @@ from helpers.tiny_encoders import tiny_audio_model, tiny_siglip_config
 from torch import nn
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession, past_lengths, stage_frame_data
+from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
 
 pytestmark = [pytest.mark.core_model]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-startup = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.startup_capture")
 
 N, POSITIONS = 10, 128
 CYCLE = math.ceil((POSITIONS - N) / N)  # 12 chunks per cache cycle
@@ -272,7 +272,7 @@ def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
 
 @pytest.mark.cpu
 def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch):
-    runner_mod = pytest.importorskip("vllm_omni.worker.gpu_ar_model_runner")
+    from vllm_omni.worker import gpu_ar_model_runner as runner_mod
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     order = []
@@ -290,7 +290,8 @@ def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch)
 
 @pytest.mark.cpu
 def test_the_stage_model_captures_for_the_thinker_stage_only(cpu_backend):
-    omni = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni")
+    from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni as omni
+
     stage = object.__new__(omni.MiniCPMO45OmniForConditionalGeneration)
     nn.Module.__init__(stage)
     stage.model_stage, stage.vllm_config = "llm", duplex_config()
