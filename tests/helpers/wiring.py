@@ -3,7 +3,7 @@
 stand-ins for the adapters that show which call sites reach them.
 
 The models hold only what the encoder call sites read (SigLIP and the resampler, Whisper with its
-projection and pooler, the config), built on the CPU from the installed model file's classes.
+projection and pooler, the config), built on the CPU from the model file's classes.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ D_MODEL, EMBED, POOL = 64, 32, 2
 
 
 def model_module():
-    """The installed model file (``minicpmo_4_5_omni_llm``)."""
+    """The model file (``minicpmo_4_5_omni_llm``)."""
     from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm
 
     return minicpmo_4_5_omni_llm
 
 
 def wired_model(hook: str):
-    """``(model file, adapter package, thinker class)`` of the installed vllm-omni, for a test module.
+    """``(model file, adapter package, thinker class)``, for a test module.
     # project-only
 
     Fails it, naming the model file, when the thinker class lacks ``hook`` (the wiring the module

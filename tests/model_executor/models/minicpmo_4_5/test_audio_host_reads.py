@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The audio call paths read no tensor value on the host, on the installed model file.
+"""The audio call paths read no tensor value on the host.
 
 ``get_audio_hidden_states`` (the stateless call) and ``get_audio_embedding_streaming`` (a duplex
 session's 1 s chunk) cut the encoder output at lengths held in tensors in vllm-omni 0.30.0, so on CUDA the

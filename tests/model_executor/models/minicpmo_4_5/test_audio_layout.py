@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Whisper encoder's hidden-state layout, on the installed model.
+"""The Whisper encoder's hidden-state layout.
 
 The conv output ``(B, d_model, T)`` is read as ``(B, T, d_model)`` through a transposed view; a sum
 that took that layout would keep it through every layer, which would then copy its input before

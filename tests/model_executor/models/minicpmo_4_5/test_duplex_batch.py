@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cross-session batching of duplex audio chunks (``duplex_batch.py``, ``duplex_rows.py``) on the
-installed files.
+"""Cross-session batching of duplex audio chunks (``duplex_batch.py``, ``duplex_rows.py``).
 
 Batched steps are opt-in (``encoder_cuda_graph_duplex_batch``, default false: the exact per-session
 path); the tests of the batched path set the option. CPU tests use a tiny Whisper (2 layers, 128

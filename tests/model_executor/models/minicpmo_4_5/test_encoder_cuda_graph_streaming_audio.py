@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The streaming (duplex) audio encoder through CUDA graphs, checked on the installed model file.
+"""The streaming (duplex) audio encoder through CUDA graphs.
 
 A tiny Whisper (2 layers, d_model 64, 128 positions) runs duplex-style sessions: chunks of ``N`` =
 10 positions with the duplex stage's context frames (prefix 0 on a session's first chunk, else 2;

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model file's encoder CUDA graph wiring, checked on the installed model file.
+"""The model file's encoder CUDA graph wiring.
 
 ``_init_encoder_cuda_graphs`` builds one adapter per encoder from the validated ``--hf-overrides``
 (none with ``encoder_cuda_graph`` false, under ``--enforce-eager``, without the encoder, or where

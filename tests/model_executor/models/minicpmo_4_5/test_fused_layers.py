@@ -2,7 +2,7 @@
 """CPU tests of the fused encoder layers (``fused_layers.py``, ``ops/fused_add_layer_norm.py``).
 
 - In float32 on the CPU the fused SigLIP and Whisper layers compute what the unfused layers of the
-  installed model file compute (the same math; float32 rounding apart), through the model's own
+  model file compute (the same math; float32 rounding apart), through the model's own
   call sites (``SiglipVisionTransformer._encode_last_hidden_state``, ``vision_path``'s
   ``encode_packed_slices``, the resampler, ``MiniCPMWhisperEncoder.forward`` stateless and
   streaming with a cache), with and without padding; the fused path is shown to run (its kernel is

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The model file's wiring of the vision graph over the whole image call, checked on the installed
-model file.
+"""The model file's wiring of the vision graph over the whole image call.
 
 ``get_vision_hidden_states`` hands the adapter the stacked pixels, ``tgt_sizes`` and the valid-patch
 mask (None when no slice is padded) in one call, from pixels to resampler output

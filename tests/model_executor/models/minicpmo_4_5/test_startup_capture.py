@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start-up capture (``startup_capture.py`` and the AR model runner's hook) on the installed files.
+"""Start-up capture (``startup_capture.py`` and the AR model runner's hook).
 
 CPU tests run a tiny thinker (Whisper: 2 layers, 128 positions, 0.2 s chunks, so a cache cycle is
 12 chunks; SigLIP: 2 layers, a camera frame of 4x4 patches) with the adapters' CPU backend, a stand-in

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of SigLIP's attention (``vision_attn_implementation``), on the installed model file.
+"""CPU tests of SigLIP's attention (``vision_attn_implementation``).
 
 - ``vision_attn_implementation``: the model resolves it from ``--hf-overrides`` (validated by
   ``siglip_attention`` itself), refuses ``flash_attention_2`` without flash-attn 2 before building

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vision_attn_implementation`` among the encoder CUDA graph ``--hf-overrides`` keys, on the installed
-model file.
+"""``vision_attn_implementation`` among the encoder CUDA graph ``--hf-overrides`` keys.
 
 The adapter's option registry validates SigLIP's key together with its own: a bad value is reported
 exactly as ``siglip_attention`` reports it alone, and model construction lists it with the other bad

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of the image path without host reads (one vision graph per image call), on the
-installed model file.
+"""CPU tests of the image path without host reads (one vision graph per image call).
 
 - SigLIP position ids on the device: the table against the model's host mapping for every grid
   side and every patch grid the image slicer emits; resampler positions against its 2-D cache.
