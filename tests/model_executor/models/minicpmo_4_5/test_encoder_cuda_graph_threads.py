@@ -25,9 +25,9 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 from helpers import logs
 from helpers.scenarios import output_tail, run_adapter_scenario
-import torch
 
 pytestmark = [pytest.mark.core_model]
 

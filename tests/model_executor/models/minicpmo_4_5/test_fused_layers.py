@@ -30,14 +30,13 @@ import pytest
 import torch
 from helpers.tiny_encoders import tiny_audio_model, tiny_siglip_config
 
+from vllm_omni.model_executor.models.minicpmo_4_5 import fused_layers as fused
+from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention, streaming_audio, vision_path
+from vllm_omni.model_executor.models.minicpmo_4_5.ops import fused_add_layer_norm as aln
+
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-fused = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.fused_layers")
-aln = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.ops.fused_add_layer_norm")
-vision_path = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.vision_path")
-streaming_audio = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio")
-siglip_attention = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
 #: float32: the fused and unfused paths differ by summation order only.
 TOL = {"rtol": 1e-5, "atol": 1e-5}

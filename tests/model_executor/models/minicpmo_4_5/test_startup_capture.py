@@ -272,8 +272,8 @@ def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
 
 @pytest.mark.cpu
 def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch):
-    from vllm_omni.worker import gpu_ar_model_runner as runner_mod
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm_omni.worker import gpu_ar_model_runner as runner_mod
 
     order = []
     monkeypatch.setattr(GPUModelRunner, "capture_model", lambda self: order.append("vllm") or 1000)

@@ -19,10 +19,11 @@ import torch
 from helpers import logs
 from helpers.tiny_encoders import ModelConfigTripwire, tiny_siglip_config
 
+from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention as sa
+
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
 
 # project-only
 if not hasattr(llm, "SiglipSdpaAttention"):
@@ -224,3 +225,28 @@ def test_vpm_forward_builds_the_key_padding_mask():
     (mask,) = masks
     assert mask.shape == (2, 1, 1, 12) and mask.dtype == torch.float32
     assert (mask[1, 0, 0, 6:] == torch.finfo(torch.float32).min).all() and (mask[:, 0, 0, :6] == 0).all()
+
+
+# ---------------------------------------------------------------------------
+# Hidden-state layout
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_siglip_hidden_states_are_contiguous_entering_every_layer(attn):
+    """The embedding sum is row-major, so every encoder layer and the post LayerNorm receive a
+    contiguous ``(B, N, hidden)`` tensor: none copies its input, no residual add is strided."""
+    vpm = llm.SiglipVisionTransformer(siglip_config(attn)).eval()
+    seen = []
+
+    def record(_module, args, kwargs):
+        seen.append(args[0] if args else kwargs["hidden_states"])
+
+    for module in [*vpm.encoder.layers, vpm.post_layernorm]:
+        module.register_forward_pre_hook(record, with_kwargs=True)
+    pixels = torch.randn(2, 3, PATCH, 12 * PATCH, generator=torch.Generator().manual_seed(5))
+    patch_mask = padded_valid([12, 6], 12)[:, None, :]
+    with torch.no_grad():
+        vpm(pixels, patch_attention_mask=patch_mask, tgt_sizes=torch.tensor([[3, 4], [2, 3]]))
+    assert len(seen) == len(vpm.encoder.layers) + 1
+    assert [tuple(h.stride()) for h in seen if not h.is_contiguous()] == []

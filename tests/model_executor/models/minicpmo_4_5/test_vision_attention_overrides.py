@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 from helpers.tiny_encoders import ModelConfigTripwire
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as adapter_mod
+from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
+from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention as sa
 
-llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
-adapter_mod = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph")
-sa = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.siglip_attention")
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 
 @pytest.mark.parametrize("value", ["SDPA", "flash_attention_3", "flex_attention", "", None, True, 1])
