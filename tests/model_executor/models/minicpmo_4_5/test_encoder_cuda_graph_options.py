@@ -392,23 +392,6 @@ def test_vision_attn_implementation_is_registered_and_validated_with_the_rest(ec
     assert "vision_attn_implementation" not in ecg.EncoderCudaGraphOptions().describe()
 
 
-def _key(name, kind, default, **extra):
-    return {"name": name, "kind": kind, "default": default, "doc": "d", **extra}
-
-
-FUTURE_KEYS = [
-    _key("encoder_cuda_graph_streaming_audio", "bool", True),
-]
-
-
-@pytest.fixture
-def future_registry(ecg, monkeypatch):
-    """The registry with the keys other changes will add (each one entry)."""
-    for entry in FUTURE_KEYS:
-        monkeypatch.setitem(ecg.HF_OVERRIDE_KEYS, entry["name"], ecg.HfOverrideKey(**entry))
-    return ecg.HF_OVERRIDE_KEYS
-
-
 @pytest.mark.parametrize(
     "key, good, bad, expected",
     [
@@ -424,11 +407,11 @@ def future_registry(ecg, monkeypatch):
          "encoder_cuda_graph_log_interval_s=true: got a boolean, expected a number >= 0 and <= 86400"),
         ("encoder_cuda_graph_log_interval_s", 10, math.nan,
          "encoder_cuda_graph_log_interval_s=NaN: got a float, expected a number >= 0 and <= 86400"),
-        ("encoder_cuda_graph_streaming_audio", False, "no",
-         'encoder_cuda_graph_streaming_audio="no": got a string, expected a JSON boolean (true or false)'),
+        ("encoder_cuda_graph", False, "no",
+         'encoder_cuda_graph="no": got a string, expected a JSON boolean (true or false)'),
     ],
 )  # fmt: skip
-def test_registry_kinds(ecg, future_registry, key, good, bad, expected):
+def test_registry_kinds(ecg, key, good, bad, expected):
     assert ecg.read_hf_overrides(types.SimpleNamespace(**{key: good}))[key] == good
     with pytest.raises(ecg.HfOverridesError) as info:
         ecg.read_hf_overrides(types.SimpleNamespace(**{key: bad}))
@@ -439,7 +422,7 @@ def test_registry_kinds(ecg, future_registry, key, good, bad, expected):
     "typo, suggestion",
     [("vision_attn_impl", "vision_attn_implementation"), ("vision_attention_implementation", "vision_attn_implementation")],
 )  # fmt: skip
-def test_look_alikes_of_any_registered_key_fail(ecg, future_registry, typo, suggestion):
+def test_look_alikes_of_any_registered_key_fail(ecg, typo, suggestion):
     with pytest.raises(ecg.HfOverridesError) as info:
         ecg.read_hf_overrides(types.SimpleNamespace(**{typo: "sdpa"}))
     assert info.value.problems == [f'{typo}="sdpa": unknown key, did you mean {suggestion}?']

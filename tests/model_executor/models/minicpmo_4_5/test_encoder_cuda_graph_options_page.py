@@ -2,9 +2,7 @@
 """The design overview's options table against the ``--hf-overrides`` registry: a row per key the
 adapter registers, with its default and, for numbers, its range.
 
-A key is registered with the change that gives it its effect (streaming audio, start-up capture,
-the duplex batch, fused layers), and the page gains its row in the same change, so the two agree on
-every tree.
+A change that registers a key adds its row to the page, so the two agree.
 """
 
 from __future__ import annotations
