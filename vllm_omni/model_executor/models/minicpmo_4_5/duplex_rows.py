@@ -15,9 +15,9 @@ What a real row reads: its own positions, and zeros. A page is zeroed when a ses
 (:meth:`KVPagePool.reserve`, applied by :meth:`KVPagePool.zero_reserved` before the next write),
 so the positions of its last page past its length are zeros, never another session's K/V; the
 rest of its page table points at the pool's zero page, which nothing writes. Padding rows write
-and read the scratch pages only. A NaN that reaches scratch (or a page another session left) so
-never reaches a real row, whose masked positions would otherwise turn it into NaN (``-inf`` plus
-a NaN score, or a zero weight times a NaN value, is NaN).
+and read the scratch pages only. A NaN in scratch, or in a page another session left, therefore
+never reaches a real row. If it did, the row's masked positions would turn the row into NaN
+(``-inf`` plus a NaN score, or a zero weight times a NaN value, is NaN).
 """
 
 from __future__ import annotations
