@@ -487,8 +487,8 @@ def pytest_commands(files: list[str], levels: tuple[str, ...] = UNIT_MARKS) -> l
     e2e = sorted(f for f in files if f.startswith("tests/e2e/"))
     out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in levels] if units else []
     return out + [
-        f"{conv.E2E_HUB_ENV}=1 pytest -sv {f}  # serving, an 80 GB GPU; skips without the checkpoint "
-        f"(this variable lets it download openbmb/MiniCPM-o-4_5, or {conv.E2E_MODEL_ENV} names a local copy)"
+        f"{conv.E2E_HUB_ENV}=1 pytest -sv {f}  # serving, an 80 GB GPU; downloads openbmb/MiniCPM-o-4_5 "
+        f"(or set {conv.E2E_MODEL_ENV} to a local copy instead); without either it skips"
         for f in e2e
     ]
 
