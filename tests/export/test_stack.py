@@ -748,7 +748,7 @@ def test_the_fused_layers_arrive_with_their_hook_and_its_remark_says_how_close_t
         (REPO / "tests/model_executor/models/minicpmo_4_5/test_fused_layers_cuda.py").read_text(),
         re.MULTILINE,
     )
-    assert bound and f"within {bound.group(1)} of the unfused layers" in stated
+    assert bound and f"within {bound.group(1)} of the original layers" in stated
     assert "not bitwise" in stated
 
 
