@@ -342,18 +342,17 @@ class _StackBuilder:
                 modules[name] = _docstring(text)
             modules.setdefault(name, "")
         grown_names = ", ".join(_model_relative(rel) for rel in grown)
+        verb = _growth_verb([(previous[rel], files[rel]) for rel in grown])
         if modules:
             names = ", ".join(modules)
             body = [para for name, doc in modules.items() for para in _module_overview(name, doc)]
             body = body or [f"New beside the MiniCPM-o 4.5 model file: {names}."]
             # a commit that also changes modules an earlier PR added says so: "add X" alone would hide it
-            verb = _growth_verb([(previous[rel], files[rel]) for rel in grown])
             if grown:
                 body.append(f"It also {verb}s {grown_names} for this change.")
             extend = f" and {verb} {grown_names} for {'it' if len(modules) == 1 else 'them'}" if grown else ""
             title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: add {names}{extend}"
         else:
-            verb = _growth_verb([(previous[rel], files[rel]) for rel in grown])
             body = [f"{verb.capitalize()}s {grown_names} for this change."]
             title = f"{conv.TITLE_PREFIX_MODEL} {conv.MODEL_TITLE}: {grown_names} for {_title_topic(pr.spec.title)}"
         self.repo.commit(title, wrap_body("\n\n".join(body)), changed)
