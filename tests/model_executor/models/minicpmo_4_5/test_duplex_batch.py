@@ -35,6 +35,7 @@ from minicpmo_cg.tolerance import graph_rel_tol, rel_diff
 from vllm_omni.model_executor.models.minicpmo_4_5 import duplex_batch as db
 from vllm_omni.model_executor.models.minicpmo_4_5 import duplex_rows as rows_mod
 from vllm_omni.model_executor.models.minicpmo_4_5 import fused_layers as fused
+from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
 from vllm_omni.model_executor.models.minicpmo_4_5 import streaming_audio as sa
 
 pytestmark = [pytest.mark.core_model]
@@ -748,8 +749,6 @@ def test_preprocess_append_batch_returns_what_each_preprocess_returns(cpu_backen
 
 @pytest.mark.cpu
 def test_startup_capture_captures_every_batch_bucket(cpu_backend):
-    from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
-
     model = batched_model(cpu_backend, sessions=8)
     report = startup.capture_at_startup(model, duplex_config(8))
     assert report.graphs["duplex audio batch"] == 4  # buckets 1, 2, 4, 8
@@ -872,8 +871,6 @@ def test_startup_capture_of_every_bucket_on_cuda_leaves_the_steps_nothing_to_cap
     if not torch.cuda.is_available():
         pytest.skip("encoder CUDA graphs need a CUDA device")
     from minicpmo_cg import duplex, standalone
-
-    from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
 
     config = duplex_config(8)
     model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)

@@ -21,6 +21,7 @@ import torch
 from helpers.tiny_encoders import tiny_audio_model
 
 from minicpmo_cg.duplex import DuplexChunk, DuplexSession, past_lengths
+from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
 from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
 
 pytestmark = [pytest.mark.core_model]
@@ -154,8 +155,6 @@ def assert_bitwise(got, want, what, per_chunk=N // POOL, embed=EMBED):
 
 @pytest.mark.cpu
 def test_option_is_one_registry_entry_default_on():
-    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
-
     spec = ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_streaming_audio"]
     assert (spec.kind, spec.default) == ("bool", True)
     assert ecg.EncoderCudaGraphOptions().streaming_audio is True
@@ -184,8 +183,6 @@ def test_bad_streaming_option_fails_model_construction():
 
 @pytest.mark.cpu
 def test_init_builds_a_third_adapter_with_a_cap_per_past_length(log_records):
-    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
-
     records = log_records(sa.logger)
     model = wired(tiny_model(), max_graphs=3, min_capture_calls=3)
     graph = model._streaming_audio_encoder_graph
@@ -334,8 +331,6 @@ def test_graphed_path_equals_eager_for_interleaved_sessions_on_cpu():
 
 @pytest.mark.cpu
 def test_graph_keys_are_chunk_form_and_past_length_and_sessions_share_them(cpu_backend):
-    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
-
     backend = cpu_backend()
     model = wired(tiny_model(), backend=backend)
     graph = model._streaming_audio_encoder_graph
@@ -482,7 +477,6 @@ def test_the_cost_rule_would_hold_the_checkpoint_schedule_back(cpu_backend):
     estimates that recurrence from the calls seen so far and declines every key at its second
     sighting (about 2 replays expected within its 32-call horizon do not repay a ~24 ms capture);
     the count rule replays the whole second cycle."""
-    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
 
     pasts = past_lengths(2 * CHECKPOINT_CYCLE + 1)
 
@@ -734,7 +728,6 @@ def cuda_model():
 
 def fresh_adapter(model):
     """Rebuild the streaming adapter and its arenas so that a test starts without graphs."""
-    from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as ecg
 
     sa.init_streaming_audio_graph(
         model, vllm_config(), ecg.EncoderCudaGraphOptions.from_hf_config(model.config)
