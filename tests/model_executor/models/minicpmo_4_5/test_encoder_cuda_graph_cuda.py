@@ -9,6 +9,7 @@ modules at checkpoint dimensions are in ``test_encoder_cuda_graph_models.py``.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -275,6 +276,43 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
     fresh = counting(ecg, TinyEncoder(), vllm_config)
     fresh(x), fresh(x)
     assert len(fresh.graphs) == 1
+
+
+class GarbageMakingEncoder(TinyEncoder):
+    """Makes reference cycles while a capture records it: enough new containers that Python's
+    automatic collection would start inside the capture, were it on."""
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            threshold = max(gc.get_threshold()[0], 1)
+            for _ in range(4 * threshold):
+                cycle: list[Any] = []
+                cycle.append(cycle)
+        return super().__call__(x, mask)
+
+
+@torch.inference_mode()
+def test_no_automatic_garbage_collection_runs_inside_a_capture(ecg, vllm_config):
+    """A collection inside a capture may finalize a graph left in a reference cycle, whose reset
+    invalidates the capture (``CUBLAS_STATUS_INTERNAL_ERROR`` at the next GEMM): the backend keeps
+    automatic collection off while it captures and puts it back on after."""
+    inside: list[bool] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            inside.append(torch.cuda.is_current_stream_capturing())
+
+    assert gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        graph = counting(ecg, GarbageMakingEncoder(), vllm_config)
+        x = rand(5, 64)
+        graph(x), graph(x)
+    finally:
+        gc.callbacks.remove(seen)
+    assert len(graph.graphs) == 1
+    assert True not in inside  # no collection started while the capture stream was capturing
+    assert gc.isenabled()
 
 
 class HostSyncEncoder(TinyEncoder):

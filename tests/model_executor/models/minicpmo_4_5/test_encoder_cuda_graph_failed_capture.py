@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of what the CUDA backend does after a capture raised (``backend._release_failed_capture``).
+"""CPU tests of what the CUDA backend does after a capture raised (``backend._release_failed_capture``),
+and of the pause of Python's automatic garbage collection around captures.
 
 torch cannot abort a capture: when ``capture_end`` fails it skips its own bookkeeping, so the
 backend ends the caching allocator's routing into the graph pool (and drops the capture's
@@ -14,6 +15,7 @@ invalidated capture.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 import pytest
@@ -142,14 +144,17 @@ def test_a_failing_step_is_logged_and_never_raised(ecg, log_records, fail, ran):
 
 
 class _FailingManager:
-    """vLLM's manager as a capture that raises meets it: constructed, then ``capture`` raises."""
+    """vLLM's manager as a capture that raises meets it: constructed, then ``capture`` raises
+    (recording whether Python's automatic garbage collection was on)."""
 
     error = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    gc_enabled: list[bool] = []
 
     def __init__(self, *args, **kwargs):
         pass
 
     def capture(self, graph_pool):
+        _FailingManager.gc_enabled.append(gc.isenabled())
         raise self.error
 
 
@@ -185,6 +190,7 @@ def test_the_backend_cleans_up_before_the_capture_error_propagates(ecg, vllm_con
         "close_generator_capture",
     ]
     assert runtime.calls[1] == ("end_allocate_to_pool", x.device, HANDLE)
+    assert _FailingManager.gc_enabled[-1] is False and gc.isenabled()  # off in the capture, back on after
     assert (
         pool.stream.waited == [replay] and replay.waited == []
     )  # the replay stream does not wait on failure
@@ -209,3 +215,23 @@ def test_a_manager_that_cannot_be_built_needs_no_cleanup(ecg, vllm_config, monke
             encoder, vllm_config, x.device, ecg.backend._CudaPool(HANDLE, _Stream())
         )
     assert runtime.calls == []
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_gc_pause_nests_and_restores_what_it_found(ecg, enabled_before):
+    """Captures on two threads overlap: collection stays off until the last ends, then is as before."""
+    pause = ecg.backend._AutomaticGcPause()
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled_before else gc.disable()
+        with pause():
+            assert not gc.isenabled()
+            with pause():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the first capture still runs
+        assert gc.isenabled() is enabled_before
+        with pytest.raises(RuntimeError, match="capture raised"), pause():
+            raise RuntimeError("capture raised")
+        assert gc.isenabled() is enabled_before
+    finally:
+        gc.enable() if was else gc.disable()

@@ -10,12 +10,15 @@ the caching allocator's counters, and cleans up after a failed capture.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import gc
 import inspect
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -315,9 +318,9 @@ class _CaptureRuntime:
 
         cuBLAS keeps one workspace per handle and stream, allocated at its first GEMM there; a GEMM
         inside the failed capture allocated it in the capture's graph pool, whose memory step 1
-        gave back, so the next GEMM on that stream would use memory the allocator hands out again
-        (a later capture then fails with ``CUBLAS_STATUS_INTERNAL_ERROR``). Dropping the cache makes
-        the next GEMM allocate a fresh workspace, as torch's own graph trees do around captures.
+        gave back, so the next GEMM on that stream could use memory the allocator hands out again.
+        Dropping the cache makes the next GEMM allocate a fresh workspace, as torch's own graph
+        trees do around captures.
         """
         stream.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
@@ -343,6 +346,48 @@ class _CaptureRuntime:
 
 
 _CAPTURE_RUNTIME = _CaptureRuntime()
+
+
+class _AutomaticGcPause:
+    """Python's automatic garbage collection off while any capture of this process runs.
+
+    A collection that starts inside a capture runs on the capturing thread and may finalize
+    objects whose destructors make CUDA calls a capture does not permit: a ``torch.cuda.CUDAGraph``
+    left in a reference cycle (for instance by the traceback of an earlier failed capture) resets
+    (torch warns "operation not permitted when stream is capturing (function reset)"), and the
+    capture being made is invalidated: its next cuBLAS call fails with
+    ``CUBLAS_STATUS_INTERNAL_ERROR`` and ``capture_end`` raises. With automatic collection off
+    the garbage is collected later, outside the capture; an explicit ``gc.collect()`` still runs.
+
+    vLLM's ``freeze_gc_for_cudagraph_capture`` guards its start-up captures against the same
+    thing, but it also collects twice and ends with ``gc.unfreeze()``, which would undo the
+    engine's ``gc.freeze()`` of its start-up heap whenever a lazy capture runs while serving; this
+    only switches automatic collection. Captures on several threads at once share one pause:
+    collection comes back on, if it was on before the first began, when the last one ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_automatic_gc_paused = _AutomaticGcPause()
 
 
 def _release_failed_capture(
@@ -472,10 +517,11 @@ class CudaGraphBackend:
       (``torch.cuda.graph_pool_handle()``) with its capture stream. Bytes: the
       pool's reserved segments after the capture minus before it (allocator
       snapshot of that pool; ``memory_reserved`` growth if the snapshot does
-      not name pools), plus the static input and output buffers. A capture that
-      raises is cleaned up by :func:`_release_failed_capture` (graph pool
-      routing, capture stream, the CUDA generator's capture mark) before the
-      exception propagates.
+      not name pools), plus the static input and output buffers. Python's
+      automatic garbage collection is off during the capture
+      (:class:`_AutomaticGcPause`). A capture that raises is cleaned up by
+      :func:`_release_failed_capture` (graph pool routing, capture stream, the
+      CUDA generator's capture mark) before the exception propagates.
     """
 
     def __init__(self) -> None:
@@ -546,12 +592,13 @@ class CudaGraphBackend:
             capture_error_mode=CAPTURE_ERROR_MODE,
         )
         pool.stream.wait_stream(replay_stream)
-        try:
-            with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
-                manager.capture(graph_pool=pool.handle)
-        except BaseException:
-            _release_failed_capture(device, pool)
-            raise
+        with _automatic_gc_paused():  # the cleanup's own one-kernel capture included
+            try:
+                with torch.accelerator.device_index(device.index), torch.cuda.stream(pool.stream):
+                    manager.capture(graph_pool=pool.handle)
+            except BaseException:
+                _release_failed_capture(device, pool)
+                raise
         replay_stream.wait_stream(pool.stream)
         pool_now = _pool_reserved_bytes(device, pool.handle)
         if pool_now is None:  # segments do not name their pool: everything reserved meanwhile
