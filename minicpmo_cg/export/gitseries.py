@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Identity", "SeriesRepo", "git", "series_fingerprint", "wrap_body"]
+__all__ = ["Identity", "SeriesRepo", "authored_series_fingerprint", "git", "series_fingerprint", "wrap_body"]
 
 
 class Identity:
@@ -72,16 +72,39 @@ def git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = 
 
 
 def series_fingerprint(patches: list[Path]) -> str:
-    """sha256 (hex) of a ``git format-patch`` series without what changes from one export to the
-    next: each mbox's ``From <commit id>`` line and its ``Date:`` header. Two exports of the same
-    change set by the same author give the same fingerprint; a changed subject, message or diff
+    """sha256 (hex) of what a ``git format-patch`` series changes and says: each mbox's subject,
+    message and diff, without what an export does not decide from the change set: the ``From
+    <commit id>`` line, the ``Date:`` header, the author (``From:``, folded lines included) and the
+    message's ``Signed-off-by:`` trailers. Two exports of the same change set give the same
+    fingerprint whoever authors them (``export --author``), so a GPU run of one export's series
+    counts for a re-export under the contributor's own name; a changed subject, message or diff
     gives another."""
+    return _fingerprint(patches, authorship=False)
+
+
+def authored_series_fingerprint(patches: list[Path]) -> str:
+    """:func:`series_fingerprint` with the author and the ``Signed-off-by:`` trailers kept: the
+    fingerprint that ``stack`` summaries recorded before it left them out. It matches only an export
+    by the same author as the run."""
+    return _fingerprint(patches, authorship=True)
+
+
+def _fingerprint(patches: list[Path], authorship: bool) -> str:
     digest = hashlib.sha256()
     for patch in patches:
         header, sep, rest = patch.read_bytes().partition(b"\n\n")
-        lines = header.split(b"\n")
-        kept = [line for i, line in enumerate(lines) if not (i == 0 and line.startswith(b"From "))]
-        kept = [line for line in kept if not line.startswith(b"Date: ")]
+        kept, in_author = [], False
+        for i, line in enumerate(header.split(b"\n")):
+            if in_author and line[:1] in (b" ", b"\t"):
+                continue  # a folded line of the From: header
+            in_author = not authorship and line.startswith(b"From: ")
+            if in_author or (i == 0 and line.startswith(b"From ")) or line.startswith(b"Date: "):
+                continue
+            kept.append(line)
+        if not authorship:
+            message, cut, diff = rest.partition(b"\n---\n")
+            lines = [line for line in message.split(b"\n") if not line.startswith(b"Signed-off-by: ")]
+            rest = b"\n".join(lines) + cut + diff
         digest.update(b"\n".join(kept) + sep + rest + b"\0")
     return digest.hexdigest()
 

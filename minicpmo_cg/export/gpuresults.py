@@ -6,8 +6,10 @@ earlier PRs' tests apart, and writes ``OUT/stack-LANE.json``
 (:mod:`minicpmo_cg.offline_gpu.stackrun`). ``export --gpu-results FILE`` turns each run into a
 :class:`~minicpmo_cg.export.prtext.PytestRun` of that PR's Test Result, under its scope (own or
 earlier PRs' tests). An entry counts only for the series it ran: its series fingerprint must equal
-the exported series' (:func:`~minicpmo_cg.export.gitseries.series_fingerprint`); a PR with no
-usable entry keeps its "Not run" line.
+the exported series' (:func:`~minicpmo_cg.export.gitseries.series_fingerprint`, which leaves the
+author out, so a re-export with ``--author`` keeps the runs; a summary recorded before the author was
+left out matches through :func:`~minicpmo_cg.export.gitseries.authored_series_fingerprint`, only an
+export by the run's author); a PR with no usable entry keeps its "Not run" line.
 
 Summaries carry a ``version`` (:data:`READS`). Version 1 (no ``version`` field, written before the
 earlier PRs' tests ran on each tree) has one run per entry, the PR's own tests; its test files are
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 
 from minicpmo_cg.export import pytestlog
-from minicpmo_cg.export.gitseries import series_fingerprint
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint
 from minicpmo_cg.export.prtext import EARLIER, OWN, PytestRun
 from minicpmo_cg.export.pytestlog import Collection
 
@@ -124,7 +126,11 @@ def gpu_runs(paths: list[Path], prs: list) -> tuple[dict[str, list[PytestRun]], 
             notes.append(f"{pr.folder}: in no summary given; its Test Result says its GPU tests were not run")
             continue
         doc, entry, path, runs = by_folder[pr.folder]
-        if entry.get("series_fingerprint") != series_fingerprint(list(pr.series)):
+        series = list(pr.series)
+        if entry.get("series_fingerprint") not in (
+            series_fingerprint(series),
+            authored_series_fingerprint(series),
+        ):
             notes.append(f"{pr.folder}: {path.name} ran another version of this series; not used")
             continue
         if entry.get("status") == "error" or not runs:
