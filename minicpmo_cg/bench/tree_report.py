@@ -114,6 +114,11 @@ def _rel(value: float | None) -> str:
     return "bitwise" if value == 0.0 else f"{value:.1e}"
 
 
+def _replayed(kind: str, row: dict | None) -> bool:
+    """Whether the tree's timed default calls of a row replayed a graph."""
+    return kind == "graphed" and row is not None and row.get("replayed", 0) > 0
+
+
 def _replays(kind: str, row: dict | None) -> str:
     if kind != "graphed" or row is None:
         return "eager"
@@ -129,6 +134,8 @@ def _duplex_cell(kind: str, row: dict | None) -> str:
     if kind == "graphed" and row.get("first_session"):
         first = row["first_session"]
         cell += f"; first session {first['median']:.2f} (worst {first['worst']:.2f})"
+    elif kind == "graphed" and row.get("startup"):  # captured before it: the timed session is the first
+        cell += ", the first session after start-up capture"
     return cell
 
 
@@ -169,7 +176,8 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         )
         noise = (
             " A speed-up marked *within noise* is one where the two trees' block medians overlap: the "
-            "difference is no larger than how much one tree's own blocks moved."
+            "difference is no larger than how much one tree's own blocks moved. Where neither tree replayed "
+            "a graph of a call, its default call is the eager one, and the eager calls' blocks decide."
         )
     else:
         how, noise = "each tree in its own process, one after the other on one host", ""
@@ -209,7 +217,10 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         else:
             cells = [_ms(eb), _ms(ea), _ms(row_b), _ms(row_a)]
         speed = speed_up(row_b, row_a)
-        if speed != "—" and overlap(row_b, row_a):
+        # where neither tree replayed a graph, the default call is the eager path: the eager rows'
+        # blocks measure its noise (a default duplex session is timed once and has none of its own)
+        eager_both = not _replayed(kind_b, row_b) and not _replayed(kind_a, row_a)
+        if speed != "—" and (overlap(row_b, row_a) or (eager_both and overlap(eb, ea))):
             speed += ", within noise"
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
@@ -219,7 +230,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
             lines.append(f"| {call} | {' | '.join(cells[:2])} | {speed} | {output} |")
             continue
         # a graphed output that no replay made is the eager one: nothing to compare
-        replayed = kind_a == "graphed" and row_a is not None and row_a.get("replayed", 0) > 0
+        replayed = _replayed(kind_a, row_a)
         graphed_vs_eager = cmp.get("graphed_vs_eager", {})
         g_vs_e = _rel(graphed_vs_eager[call]) if replayed and call in graphed_vs_eager else "no replay"
         lines.append(

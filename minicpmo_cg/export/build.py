@@ -659,6 +659,7 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
         pr.inputs.measured_vllm = [(by_folder[f].title, f) for f in folders]
     for pr in result.vllm_prs:
         pr.inputs.needed_by = [(p.title, p.folder) for p in result.prs if pr.folder in p.vllm]
+        pr.inputs.requirements = {d: r for d, r in requirements.items() if d == "vllm"}  # its own pins only
 
 
 def _write_texts(cs: ChangeSet, st: stack.Stack, result: ExportResult) -> None:

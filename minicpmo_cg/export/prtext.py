@@ -897,8 +897,9 @@ def omni_pr(inp: PrInputs) -> str:
 
 def vllm_pr(inp: PrInputs) -> str:
     """The vLLM pull request body for the vLLM patches of one PR (from their headers): Purpose, Test
-    Plan, Test Result (its runs and, when checked, whether it applies to vLLM's ``main``) and Not
-    run (what no run of this text covered, vLLM ``main`` first)."""
+    Plan, Test Result (its runs, the versions they used that vLLM's requirements exclude, and, when
+    checked, whether it applies to vLLM's ``main``) and Not run (what no run of this text covered,
+    vLLM ``main`` first)."""
     out = ["## Purpose", ""]
     out += [p for patch in inp.patches for p in (patch.why, "")]
     if inp.needed_by:
@@ -917,6 +918,15 @@ def vllm_pr(inp: PrInputs) -> str:
         out += [f"Against vLLM {inp.vllm_version} with this change applied{collected}:", ""]
         accounting = accounting_lines(inp.runs, ())
         out += run_lines(inp.runs, accounted=bool(accounting)) + accounting + [""]
+        diffs = list(
+            dict.fromkeys(
+                d
+                for run in inp.runs
+                for d in pin_differences(run.environment, inp.requirements, {"vllm": inp.vllm_version})
+            )
+        )
+        if diffs:
+            out += ["Versions that differ from vLLM's pins: " + "; ".join(diffs) + ".", ""]
     else:
         out += ["No test run is recorded for this description.", ""]
     check = inp.main_check

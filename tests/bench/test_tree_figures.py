@@ -150,6 +150,41 @@ def test_block_medians_mark_differences_within_noise_and_state_the_spread(tmp_pa
     assert tree_report.spread([None, {"median": 1.0}]) is None
 
 
+def test_a_call_that_replays_no_graph_on_either_tree_takes_its_noise_from_the_eager_blocks(
+    tmp_path: Path,
+) -> None:
+    """Where neither tree replayed a graph of a call, its default call is the eager one: the eager
+    rows' blocks decide "within noise", also for a duplex session timed once; where a graph replays,
+    a default row without blocks gets no mark; a session after start-up capture says it is the first."""
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    before, after = _tree(10.0, 6.0, replayed=0), _tree(10.0, 5.0, replayed=0)
+    after["graphed"]["image, 1 slice"]["replayed"] = 15  # a graph replays after, none before
+    for tree in (before, after):
+        tree["graphed"][tree_figures.DUPLEX]["replayed"] = 0
+        for call in calls:
+            tree["eager"][call]["blocks"] = [9.0, 10.0, 12.0]
+    compare = {"01-fix": {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}}
+    text = tree_report.sections(_run(tmp_path, {"00-release": before, "01-fix": after}, compare))
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")
+    }
+    speed = 6  # call site | eager b | eager a | default b | default a | path | speed-up | ...
+    assert (
+        rows["audio, 1 s"][speed] == "1.20×, within noise"
+    )  # no replay on either tree: eager blocks overlap
+    assert rows[tree_figures.DUPLEX][speed] == "1.20×, within noise"  # timed once, yet eager on both trees
+    assert rows["image, 1 slice"][speed] == "1.20×"  # replays after: its default rows have no blocks
+    assert "the eager calls' blocks decide" in text
+    # both sessions ran after start-up capture
+    assert rows[tree_figures.DUPLEX][4].endswith(", the first session after start-up capture")
+    # apart eager blocks: no mark, even with no replay on either tree
+    after["eager"]["audio, 1 s"]["blocks"] = [4.0, 4.5, 5.0]
+    (tmp_path / "again").mkdir()
+    text = tree_report.sections(_run(tmp_path / "again", {"00-release": before, "01-fix": after}, compare))
+    row = next(line for line in text.splitlines() if line.startswith("| audio, 1 s "))
+    assert row.split(" | ")[speed] == "1.20×"
+
+
 def test_speed_up_is_divided_from_the_medians_as_shown() -> None:
     """8.794 and 1.9249 show as 8.79 and 1.92: the speed-up is 8.79 / 1.92 = 4.578 -> 4.58×, not
     the unrounded 4.569 -> 4.57×, which a reader dividing the shown figures could not reproduce."""

@@ -216,6 +216,29 @@ def test_the_vllm_pr_says_what_did_not_run_vllm_main_first():
     assert "This change's tests (`pytest -sv tests/v1/test_x.py`)." in prtext.vllm_pr(_vllm_inputs([]))
 
 
+def test_the_vllm_pr_names_the_versions_its_runs_used_outside_vllms_requirements():
+    runs = [
+        prtext.PytestRun(
+            "",
+            "2 passed",
+            environment=f"Python 3.12.3, torch {torch}, transformers 5.17.0, on a host",
+            files=["tests/v1/test_x.py"],
+            on_gpu=True,
+        )
+        for torch in ("2.11.0", "2.11.0")
+    ]
+    inputs = _vllm_inputs(runs)
+    inputs.requirements = {"vllm": ["torch==2.13.0", "transformers>=4.56.0", "python>=3.10"]}
+    result = prtext.vllm_pr(inputs).split("## Test Result\n", 1)[1].split("## Not run", 1)[0]
+    # once, however many runs used it; transformers and Python are inside the requirements
+    assert result.count("Versions that differ from vLLM's pins") == 1
+    assert (
+        "Versions that differ from vLLM's pins: torch 2.11.0 (vLLM 0.30.0 requires torch==2.13.0)." in result
+    )
+    inputs.requirements = {"vllm": ["torch==2.11.0"]}
+    assert "differ from vLLM's pins" not in prtext.vllm_pr(inputs)
+
+
 def test_the_series_is_checked_against_a_vllm_checkout_and_the_text_names_its_commit(tmp_path):
     from minicpmo_cg.export import vllm_main
 
