@@ -14,10 +14,19 @@ Test organization:
     - a "thread_local" capture completes while another thread of the process
       makes CUDA calls that global mode forbids during a capture, and the
       graphs replay what the model computes
+    - the same capture in the default "global" mode does not complete (the
+      control: the other thread's calls are the ones global mode forbids)
+    - "thread_local" still fails a capture whose forward syncs with the host
+  The two failing captures run in a fresh Python process each: torch cannot
+  abort a capture, so a failed one leaves the process unable to capture again.
 """
 
 import contextlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -208,8 +217,11 @@ class _CudaChatter(threading.Thread):
             self.overlapped.set()
 
 
-@pytest.mark.skipif(not current_platform.is_cuda(), reason="requires a CUDA device")
-def test_thread_local_capture_tolerates_another_threads_cuda_calls():
+def _capture_beside_chatter(mode: str):
+    """Capture every budget in ``mode`` while a :class:`_CudaChatter` runs.
+
+    Returns ``(manager, chatter, error)``: ``error`` is what the capture
+    raised (None when it completed)."""
     device = torch.device("cuda", torch.cuda.current_device())
     chatter = _CudaChatter(device)
 
@@ -219,17 +231,75 @@ def test_thread_local_capture_tolerates_another_threads_cuda_calls():
             raise RuntimeError("the other thread never ran during the capture")
 
     model = AffineEncoder(on_capture=wait_for_the_other_thread)
-    manager = _make_manager(model, device, capture_error_mode="thread_local")
+    manager = _make_manager(model, device, capture_error_mode=mode)
     chatter.start()
     stream = torch.cuda.Stream(device)
+    error = None
     try:
         with torch.cuda.stream(stream):
             manager.capture(graph_pool=torch.cuda.graph_pool_handle())
         torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        error = exc
     finally:
         chatter.stop.set()
         chatter.join(_WAIT_S)
+    return manager, chatter, error
 
+
+def _capture_with_host_sync(mode: str) -> RuntimeError | None:
+    """Capture in ``mode`` a forward that reads a value on the host
+    (``.item()``, a device-to-host sync); return what the capture raised."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = AffineEncoder(on_capture=lambda: torch.ones(1, device=device).item())
+    manager = _make_manager(model, device, capture_error_mode=mode)
+    try:
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            manager.capture(graph_pool=torch.cuda.graph_pool_handle())
+    except RuntimeError as exc:
+        return exc
+    return None
+
+
+def _text(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _global_beside_chatter() -> dict:
+    _, chatter, error = _capture_beside_chatter("global")
+    return {"capture_error": _text(error), "chatter_errors": chatter.errors}
+
+
+def _thread_local_host_sync() -> dict:
+    error = _capture_with_host_sync("thread_local")
+    return {"capture_error": _text(error), "chatter_errors": []}
+
+
+# What a fresh process runs (``python THIS_FILE SCENARIO``) and reports as
+# one JSON line: the capture's error and the other thread's.
+_SCENARIOS = {
+    "global-beside-chatter": _global_beside_chatter,
+    "thread-local-host-sync": _thread_local_host_sync,
+}
+
+
+def _run_in_fresh_process(scenario: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), scenario],
+        capture_output=True,
+        text=True,
+        timeout=10 * _WAIT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not current_platform.is_cuda(), reason="requires a CUDA device")
+def test_thread_local_capture_tolerates_another_threads_cuda_calls():
+    device = torch.device("cuda", torch.cuda.current_device())
+    manager, chatter, error = _capture_beside_chatter("thread_local")
+
+    assert error is None, error
     assert chatter.errors == []
     assert chatter.during_capture >= _ITERATIONS_DURING_CAPTURE
     assert chatter.wrong == 0
@@ -241,3 +311,29 @@ def test_thread_local_capture_tolerates_another_threads_cuda_calls():
         meta.graph.replay()
         torch.cuda.synchronize(device)
         torch.testing.assert_close(meta.output_buffer, x * 2 + 1, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not current_platform.is_cuda(), reason="requires a CUDA device")
+def test_global_capture_fails_beside_the_same_cuda_calls():
+    """The control of the test above: in the default mode the other thread's
+    calls are forbidden, so the capture or those calls fail."""
+    report = _run_in_fresh_process("global-beside-chatter")
+    errors = [report["capture_error"] or "", *report["chatter_errors"]]
+    # CUDA's capture errors ("operation not permitted when stream is
+    # capturing", "... invalidated ...") all name the capture
+    assert any("captur" in error for error in errors), report
+
+
+@pytest.mark.skipif(not current_platform.is_cuda(), reason="requires a CUDA device")
+def test_thread_local_capture_still_fails_on_a_host_sync_in_the_forward():
+    """Thread-local mode relaxes only the other threads: the capturing
+    thread's own host sync still fails its capture."""
+    report = _run_in_fresh_process("thread-local-host-sync")
+    assert "captur" in (report["capture_error"] or ""), report
+
+
+if __name__ == "__main__":
+    print(json.dumps(_SCENARIOS[sys.argv[1]]()), flush=True)
+    # Skip interpreter teardown: after a failed capture, freeing its graphs
+    # and pool is not something this check is about.
+    os._exit(0)
