@@ -71,40 +71,46 @@ def git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = 
     return proc.stdout
 
 
+#: a ``git format-patch`` diff section's first line, naming the file it changes
+_DIFF_START = re.compile(rb"^diff --git a/(\S+) b/(\S+)$", re.M)
+#: git's version signature closing an mbox (``-- `` and the version of the git that wrote it)
+_SIGNATURE = re.compile(rb"\n-- \n\d[\w.]*\n*\Z")
+
+
 def series_fingerprint(patches: list[Path]) -> str:
-    """sha256 (hex) of what a ``git format-patch`` series changes and says: each mbox's subject,
-    message and diff, without what an export does not decide from the change set: the ``From
-    <commit id>`` line, the ``Date:`` header, the author (``From:``, folded lines included) and the
-    message's ``Signed-off-by:`` trailers. Two exports of the same change set give the same
-    fingerprint whoever authors them (``export --author``), so a GPU run of one export's series
-    counts for a re-export under the contributor's own name; a changed subject, message or diff
-    gives another."""
-    return _fingerprint(patches, authorship=False)
+    """sha256 (hex) of what a ``git format-patch`` series changes in code: each mbox's diff
+    sections in order, except those of Markdown files (``*.md``: design pages), and nothing of its
+    header or message (commit id, date, author, subject, message, ``Signed-off-by:``).
+
+    It ties a CUDA test run on a GPU host to the series it ran (:mod:`.gpuresults`). Those tests
+    (``core_model and cuda``) observe the code and the tests and read no Markdown file (a test
+    checks that; the design-page test is a CPU one, run on every export), so a re-export under
+    another ``--author``, a reworded commit message or an edited design page keeps the runs, and
+    any other changed line does not."""
+    digest = hashlib.sha256()
+    for patch in patches:
+        data = patch.read_bytes()
+        starts = list(_DIFF_START.finditer(data))
+        for k, start in enumerate(starts):
+            if start.group(2).endswith(b".md"):
+                continue
+            end = starts[k + 1].start() if k + 1 < len(starts) else len(data)
+            section = _SIGNATURE.sub(b"\n", data[start.start() : end])
+            digest.update(section + b"\0")
+        digest.update(b"\1")  # the commit boundary
+    return digest.hexdigest()
 
 
 def authored_series_fingerprint(patches: list[Path]) -> str:
-    """:func:`series_fingerprint` with the author and the ``Signed-off-by:`` trailers kept: the
-    fingerprint that ``stack`` summaries recorded before it left them out. It matches only an export
-    by the same author as the run."""
-    return _fingerprint(patches, authorship=True)
-
-
-def _fingerprint(patches: list[Path], authorship: bool) -> str:
+    """The fingerprint ``stack`` summaries recorded before :func:`series_fingerprint` kept only the
+    code: every mbox whole but its ``From <commit id>`` line and ``Date:`` header. It matches only an
+    export by the run's author, with the same messages and design pages."""
     digest = hashlib.sha256()
     for patch in patches:
         header, sep, rest = patch.read_bytes().partition(b"\n\n")
-        kept, in_author = [], False
-        for i, line in enumerate(header.split(b"\n")):
-            if in_author and line[:1] in (b" ", b"\t"):
-                continue  # a folded line of the From: header
-            in_author = not authorship and line.startswith(b"From: ")
-            if in_author or (i == 0 and line.startswith(b"From ")) or line.startswith(b"Date: "):
-                continue
-            kept.append(line)
-        if not authorship:
-            message, cut, diff = rest.partition(b"\n---\n")
-            lines = [line for line in message.split(b"\n") if not line.startswith(b"Signed-off-by: ")]
-            rest = b"\n".join(lines) + cut + diff
+        lines = header.split(b"\n")
+        kept = [line for i, line in enumerate(lines) if not (i == 0 and line.startswith(b"From "))]
+        kept = [line for line in kept if not line.startswith(b"Date: ")]
         digest.update(b"\n".join(kept) + sep + rest + b"\0")
     return digest.hexdigest()
 

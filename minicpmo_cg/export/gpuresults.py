@@ -6,10 +6,11 @@ earlier PRs' tests apart, and writes ``OUT/stack-LANE.json``
 (:mod:`minicpmo_cg.offline_gpu.stackrun`). ``export --gpu-results FILE`` turns each run into a
 :class:`~minicpmo_cg.export.prtext.PytestRun` of that PR's Test Result, under its scope (own or
 earlier PRs' tests). An entry counts only for the series it ran: its series fingerprint must equal
-the exported series' (:func:`~minicpmo_cg.export.gitseries.series_fingerprint`, which leaves the
-author out, so a re-export with ``--author`` keeps the runs; a summary recorded before the author was
-left out matches through :func:`~minicpmo_cg.export.gitseries.authored_series_fingerprint`, only an
-export by the run's author); a PR with no usable entry keeps its "Not run" line.
+the exported series' (:func:`~minicpmo_cg.export.gitseries.series_fingerprint`: its code and tests,
+not its author, messages or design pages, so a re-export with ``--author`` keeps the runs; a summary
+recorded before the fingerprint left those out matches through
+:func:`~minicpmo_cg.export.gitseries.authored_series_fingerprint`, an export identical to the run's);
+a PR with no usable entry keeps its "Not run" line.
 
 Summaries carry a ``version`` (:data:`READS`). Version 1 (no ``version`` field, written before the
 earlier PRs' tests ran on each tree) has one run per entry, the PR's own tests; its test files are
