@@ -17,7 +17,15 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Identity", "SeriesRepo", "authored_series_fingerprint", "git", "series_fingerprint", "wrap_body"]
+__all__ = [
+    "Identity",
+    "SeriesRepo",
+    "authored_series_fingerprint",
+    "git",
+    "series_fingerprint",
+    "tree_fingerprint",
+    "wrap_body",
+]
 
 
 class Identity:
@@ -82,11 +90,11 @@ def series_fingerprint(patches: list[Path]) -> str:
     sections in order, except those of Markdown files (``*.md``: design pages), and nothing of its
     header or message (commit id, date, author, subject, message, ``Signed-off-by:``).
 
-    It ties a CUDA test run on a GPU host to the series it ran (:mod:`.gpuresults`). Those tests
-    (``core_model and cuda``) observe the code and the tests and read no Markdown file (a test
-    checks that; the design-page test is a CPU one, run on every export), so a re-export under
-    another ``--author``, a reworded commit message or an edited design page keeps the runs, and
-    any other changed line does not."""
+    It ties a CUDA test run on a GPU host to the code it ran (through :func:`tree_fingerprint`,
+    :mod:`.gpuresults`). Those tests (``core_model and cuda``) observe the code and the tests and
+    read no Markdown file (a test checks that; the design-page test is a CPU one, run on every
+    export), so a re-export under another ``--author``, a reworded commit message or an edited
+    design page keeps the runs, and any other changed line does not."""
     digest = hashlib.sha256()
     for patch in patches:
         data = patch.read_bytes()
@@ -101,10 +109,19 @@ def series_fingerprint(patches: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def tree_fingerprint(series: list[list[Path]]) -> str:
+    """sha256 (hex) of a PR's tree as the stack builds it: the :func:`series_fingerprint` of each
+    series applied, in order (the vLLM PRs the tree needs, then the vllm-omni PRs up to this one).
+
+    A test run counts for the tree it ran on, so a change to an earlier PR's code is a change to
+    every later PR's tree, whose own series may be unchanged."""
+    return hashlib.sha256("\n".join(series_fingerprint(patches) for patches in series).encode()).hexdigest()
+
+
 def authored_series_fingerprint(patches: list[Path]) -> str:
-    """The fingerprint ``stack`` summaries recorded before :func:`series_fingerprint` kept only the
-    code: every mbox whole but its ``From <commit id>`` line and ``Date:`` header. It matches only an
-    export by the run's author, with the same messages and design pages."""
+    """The fingerprint ``stack`` summaries recorded per series before they recorded
+    :func:`tree_fingerprint`: every mbox whole but its ``From <commit id>`` line and ``Date:``
+    header. It matches only an export by the run's author, with the same messages and design pages."""
     digest = hashlib.sha256()
     for patch in patches:
         header, sep, rest = patch.read_bytes().partition(b"\n\n")

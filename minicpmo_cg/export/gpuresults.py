@@ -5,11 +5,13 @@ release with it and the earlier PRs applied, not the whole stack), the PR's own 
 earlier PRs' tests apart, and writes ``OUT/stack-LANE.json``
 (:mod:`minicpmo_cg.offline_gpu.stackrun`). ``export --gpu-results FILE`` turns each run into a
 :class:`~minicpmo_cg.export.prtext.PytestRun` of that PR's Test Result, under its scope (own or
-earlier PRs' tests). An entry counts only for the series it ran: its series fingerprint must equal
-the exported series' (:func:`~minicpmo_cg.export.gitseries.series_fingerprint`: its code and tests,
-not its author, messages or design pages, so a re-export with ``--author`` keeps the runs; a summary
-recorded before the fingerprint left those out matches through
-:func:`~minicpmo_cg.export.gitseries.authored_series_fingerprint`, an export identical to the run's);
+earlier PRs' tests). An entry counts only for the tree it ran on: its tree fingerprint must equal
+that of the exported PR's tree (:func:`~minicpmo_cg.export.gitseries.tree_fingerprint`: the code and
+tests of the vLLM PRs it needs and of the vllm-omni PRs up to it, not their authors, messages or
+design pages, so a re-export with ``--author`` keeps the runs and a change to an earlier PR's code
+drops them). A summary written before entries carried a tree fingerprint matches by its series'
+whole-mbox fingerprint (:func:`~minicpmo_cg.export.gitseries.authored_series_fingerprint`), an
+export identical to the run's;
 a PR with no usable entry keeps its "Not run" line.
 
 Summaries carry a ``version`` (:data:`READS`). Version 1 (no ``version`` field, written before the
@@ -23,11 +25,11 @@ import json
 from pathlib import Path
 
 from minicpmo_cg.export import pytestlog
-from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, tree_fingerprint
 from minicpmo_cg.export.prtext import EARLIER, OWN, PytestRun
 from minicpmo_cg.export.pytestlog import Collection
 
-__all__ = ["READS", "gpu_runs"]
+__all__ = ["READS", "gpu_runs", "pr_tree_fingerprints"]
 
 #: the summary versions this reader understands (``stack-run``'s ``SUMMARY_VERSION``)
 READS = (1, 2)
@@ -100,9 +102,23 @@ def _pytest_run(doc: dict, entry: dict, run: dict) -> PytestRun:
     )
 
 
+def pr_tree_fingerprints(prs: list) -> dict[str, str]:
+    """Folder -> :func:`~minicpmo_cg.export.gitseries.tree_fingerprint` of the PR's tree: the series
+    of the vLLM PRs it or an earlier PR needs (``vllm``, in folder order), then those of its earlier
+    PRs (``depends``, stack order) and its own; a PR without those attributes is its own tree. The
+    same tree :mod:`minicpmo_cg.offline_gpu.stackbuild` records for the run."""
+    by_folder = {pr.folder: pr for pr in prs}
+    out = {}
+    for pr in prs:
+        chain = [*getattr(pr, "depends", []), pr.folder]
+        vllm = sorted({v for folder in chain for v in getattr(by_folder[folder], "vllm", [])})
+        out[pr.folder] = tree_fingerprint([list(by_folder[f].series) for f in [*vllm, *chain]])
+    return out
+
+
 def gpu_runs(paths: list[Path], prs: list) -> tuple[dict[str, list[PytestRun]], list[str]]:
     """The GPU runs of ``paths`` (``stack-LANE.json`` files; for a PR in several, the last one's
-    entry counts) for the exported ``prs`` (folder, series).
+    entry counts) for the exported ``prs`` (folder, series; ``depends`` and ``vllm`` where they have them).
 
     Returns:
         ``(runs, notes)``: folder -> its runs (own, then the earlier PRs' tests; only PRs with a
@@ -122,17 +138,20 @@ def gpu_runs(paths: list[Path], prs: list) -> tuple[dict[str, list[PytestRun]], 
             by_folder[entry["folder"]] = (doc, entry, path, runs)
     found: dict[str, list[PytestRun]] = {}
     notes = []
+    trees = pr_tree_fingerprints(prs)
     for pr in prs:
         if pr.folder not in by_folder:
             notes.append(f"{pr.folder}: in no summary given; its Test Result says its GPU tests were not run")
             continue
         doc, entry, path, runs = by_folder[pr.folder]
-        series = list(pr.series)
-        if entry.get("series_fingerprint") not in (
-            series_fingerprint(series),
-            authored_series_fingerprint(series),
-        ):
-            notes.append(f"{pr.folder}: {path.name} ran another version of this series; not used")
+        if entry.get("tree_fingerprint"):
+            same = entry["tree_fingerprint"] == trees[pr.folder]
+        else:
+            same = entry.get("series_fingerprint") == authored_series_fingerprint(list(pr.series))
+        if not same:
+            notes.append(
+                f"{pr.folder}: {path.name} ran another version of its tree (this PR, an earlier one or a vLLM PR it needs); not used"
+            )
             continue
         if entry.get("status") == "error" or not runs:
             notes.append(

@@ -5,8 +5,10 @@ against that PR alone, this writes ``<bundle dir>/stack-LANE/`` (see ``docs/offl
 
 - ``STACK.json``: per PR of the export (the vllm-omni PRs in merge order, then the vLLM PRs), its
   *overlay* (site-relative path -> sha256 of that file's content at the PR, or null where the PR's
-  tree lacks it), its tree's test files (path -> sha256), the test files it runs, the series
-  fingerprint (:func:`minicpmo_cg.export.gitseries.series_fingerprint`), and the sha256 of every
+  tree lacks it), its tree's test files (path -> sha256), the test files it runs, the series and
+  tree fingerprints (:func:`minicpmo_cg.export.gitseries.series_fingerprint`, and
+  :func:`~minicpmo_cg.export.gitseries.tree_fingerprint` of the vLLM PRs it needs, the earlier PRs
+  and itself: what the export matches a run against), and the sha256 of every
   file of the release wheel's ``vllm_omni/`` (the host checks each overlaid package against it);
 - ``blobs.tar.xz``: every content named there once, as ``blobs/<sha256>``.
 
@@ -109,7 +111,7 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
     from minicpmo_cg.export import conventions as conv
     from minicpmo_cg.export import fetch
     from minicpmo_cg.export.changeset import read_change_set
-    from minicpmo_cg.export.gitseries import Identity, series_fingerprint
+    from minicpmo_cg.export.gitseries import Identity, series_fingerprint, tree_fingerprint
     from minicpmo_cg.export.verify import _init_base
     from minicpmo_cg.export.vllm_base import pristine_files
 
@@ -144,6 +146,10 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
         release = {rel: keep(base[rel]) if rel in base else None for rel in paths}
         release.update({rel: keep(data) for rel, data in pristine.items()})
         vllm_of = {pr["folder"]: set(pr["vllm"]) for pr in manifest["prs"]}
+        series_of = {
+            pr["folder"]: [export / s for s in pr["series"]]
+            for pr in [*manifest["prs"], *manifest["vllm_prs"]]
+        }
         entries = []
         for pr in manifest["prs"]:
             series = [export / s for s in pr["series"]]
@@ -164,6 +170,10 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
                     "depends": pr["depends"],
                     "vllm_prs": needs_vllm,
                     "series_fingerprint": series_fingerprint(series),
+                    # the tree the tests run on: the vLLM PRs it needs, the earlier PRs and this one
+                    "tree_fingerprint": tree_fingerprint(
+                        [series_of[f] for f in [*needs_vllm, *pr["depends"], pr["folder"]]]
+                    ),
                     "overlay": overlay,
                     "tests": tests,
                     "run": [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")],
@@ -193,6 +203,7 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
                     "depends": [],
                     "vllm_prs": [pr["folder"]],
                     "series_fingerprint": series_fingerprint(series),
+                    "tree_fingerprint": tree_fingerprint([series]),
                     "overlay": {},
                     "tests": tests,
                     "run": [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")],

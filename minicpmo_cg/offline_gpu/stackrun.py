@@ -481,8 +481,8 @@ def prepare_pr(plan: StackPlan, stack: dict, pr: dict, site: Path, blobs: Path, 
     dest, tree = work / pr["folder"] / "pkgs", work / pr["folder"] / "tree"
     packages = overlay_packages(site, pr, blobs, dest)
     problems, stripped = check_package(stack, pr, site, dest)
-    base = {"kind": pr["kind"], "vllm_prs": pr["vllm_prs"], "series_fingerprint": pr["series_fingerprint"],
-            "packages_overlaid": packages, "stripped_files": stripped,
+    base = {"kind": pr["kind"], "vllm_prs": pr["vllm_prs"], "series_fingerprint": pr.get("series_fingerprint"),
+            "tree_fingerprint": pr.get("tree_fingerprint"), "packages_overlaid": packages, "stripped_files": stripped,
             "marks": pr["marks"] if plan.markers is None else plan.markers}  # fmt: skip
     if problems:
         return _result(pr["folder"], pr["title"], "error", problems=problems, **base)

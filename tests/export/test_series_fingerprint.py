@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint
-from minicpmo_cg.export.gpuresults import gpu_runs
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint, tree_fingerprint
+from minicpmo_cg.export.gpuresults import gpu_runs, pr_tree_fingerprints
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
@@ -100,30 +100,51 @@ def test_no_cuda_test_reads_a_markdown_file() -> None:
 
 
 class _Pr:
-    def __init__(self, folder: str, series: list[Path]) -> None:
-        self.folder, self.series = folder, series
+    def __init__(self, folder: str, series: list[Path], depends=(), vllm=()) -> None:
+        self.folder, self.series, self.depends, self.vllm = folder, series, list(depends), list(vllm)
 
 
-def _summary(path: Path, fingerprint: str) -> Path:
+def _summary(path: Path, fingerprint: str, key: str = "tree_fingerprint") -> Path:
     run = {"scope": "own", "marks": "core_model and cuda", "status": "ok", "summary": "3 passed",
            "counts": {"passed": 3}, "skip_reasons": {}, "files": ["tests/test_a.py"], "warnings": {}}  # fmt: skip
-    entry = {"folder": "02-graphs", "kind": "vllm-omni", "vllm_prs": [], "status": "ok",
-             "series_fingerprint": fingerprint, "runs": [run]}  # fmt: skip
+    entry = {"folder": "02-graphs", "kind": "vllm-omni", "vllm_prs": [], "status": "ok", key: fingerprint,
+             "runs": [run]}  # fmt: skip
     doc = {"version": 2, "lane": "current", "date": "2026-12-05", "device": "a GPU", "prs": [entry]}
     path.write_text(json.dumps(doc))
     return path
 
 
-def test_a_re_export_under_another_author_keeps_the_gpu_runs(tmp_path: Path) -> None:
+def test_a_run_counts_for_its_tree_whoever_authors_the_export(tmp_path: Path) -> None:
+    base = [_patch(tmp_path / "base.patch", "seed", "0" * 40, line="+y = 0")]
+    vllm = [_patch(tmp_path / "vllm.patch", "seed", "9" * 40, line="+z = 0")]
     seed = [_patch(tmp_path / "seed.patch", "seed", "1" * 40)]
     jane = [_patch(tmp_path / "jane.patch", "jane", "2" * 40, page="+# Edited page")]
-    # recorded now: the code fingerprint counts for either export
-    summary = _summary(tmp_path / "new.json", series_fingerprint(seed))
-    for series in (seed, jane):
-        runs, _ = gpu_runs([summary], [_Pr("02-graphs", series)])
+
+    def stack(first: list[Path], second: list[Path]) -> list[_Pr]:
+        return [_Pr("01-base", first), _Pr("02-graphs", second, depends=["01-base"], vllm=["vllm-x"]),
+                _Pr("vllm-x", vllm)]  # fmt: skip
+
+    trees = pr_tree_fingerprints(stack(base, seed))
+    assert trees["02-graphs"] == tree_fingerprint([vllm, base, seed])
+    assert trees["vllm-x"] == tree_fingerprint([vllm]) and trees["01-base"] == tree_fingerprint([base])
+    summary = _summary(tmp_path / "new.json", trees["02-graphs"])
+    for series in (seed, jane):  # another author, another design page: the same tree
+        runs, _ = gpu_runs([summary], stack(base, series))
         assert [run.summary for run in runs["02-graphs"]] == ["3 passed"]
-    # recorded before: the whole-mbox fingerprint counts for an identical export only
-    legacy = _summary(tmp_path / "legacy.json", authored_series_fingerprint(seed))
-    assert list(gpu_runs([legacy], [_Pr("02-graphs", seed)])[0]) == ["02-graphs"]
-    runs, notes = gpu_runs([legacy], [_Pr("02-graphs", jane)])
-    assert runs == {} and "02-graphs: legacy.json ran another version of this series; not used" in notes
+    # the earlier PR's code changed: the same series of its own, another tree
+    other_base = [_patch(tmp_path / "base2.patch", "seed", "0" * 40, line="+y = 1")]
+    runs, notes = gpu_runs([summary], stack(other_base, seed))
+    assert (
+        runs == {}
+        and "02-graphs: new.json ran another version of its tree (this PR, an earlier one or a vLLM PR it needs); not used"
+        in notes
+    )
+    # recorded before trees: the whole-mbox fingerprint of its series counts for an identical export only
+    legacy = _summary(tmp_path / "legacy.json", authored_series_fingerprint(seed), key="series_fingerprint")
+    assert list(gpu_runs([legacy], stack(base, seed))[0]) == ["02-graphs"]
+    runs, notes = gpu_runs([legacy], stack(base, jane))
+    assert (
+        runs == {}
+        and "02-graphs: legacy.json ran another version of its tree (this PR, an earlier one or a vLLM PR it needs); not used"
+        in notes
+    )

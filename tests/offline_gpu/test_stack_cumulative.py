@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from minicpmo_cg.export import gpuresults, prtext
-from minicpmo_cg.export.gitseries import series_fingerprint
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, tree_fingerprint
 from minicpmo_cg.offline_gpu import cli, stackrun
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -86,7 +86,7 @@ def hand_stack(tmp_path: Path) -> tuple[Path, dict[str, list[Path]]]:
         pr_folder = f"0{n}-{key}"
         series[pr_folder] = _series(tmp_path, pr_folder)
         entries.append({"folder": pr_folder, "title": f"[Model] {key}", "kind": "vllm-omni", "depends": [],
-                        "vllm_prs": [], "series_fingerprint": series_fingerprint(series[pr_folder]),
+                        "vllm_prs": [], "tree_fingerprint": tree_fingerprint([series[pr_folder]]),
                         "overlay": {}, "tests": dict(tests), "run": [rel], "marks": "core_model and cuda"})  # fmt: skip
     with tarfile.open(folder / stackrun.BLOBS, "w:xz") as tf:
         for digest, data in blobs.items():
@@ -199,7 +199,7 @@ def test_a_version_1_summary_is_read_as_each_prs_own_run_with_the_warnings_of_it
     (tmp_path / "tests-02-graphs.log").write_text(log)
     entry = {"folder": "02-graphs", "title": "t", "status": "ok", "marks": "core_model and cuda",
              "summary": "2 passed, 1 warning", "counts": {"passed": 2}, "skip_reasons": {}, "kind": "vllm-omni",
-             "vllm_prs": ["vllm-x"], "series_fingerprint": series_fingerprint(series), "log": "tests-02-graphs.log",
+             "vllm_prs": ["vllm-x"], "series_fingerprint": authored_series_fingerprint(series), "log": "tests-02-graphs.log",
              "command": ["python3", "-m", "pytest", "-m", "core_model and cuda", "--junitxml=/o/j.xml",
                          "tests/m/test_a.py", "tests/m/test_b.py"]}  # fmt: skip
     doc = {

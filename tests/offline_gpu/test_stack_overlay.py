@@ -170,7 +170,7 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
     earlier PRs' tests of its tree, junit, summary; the export then reads the summary into that
     PR's runs (and refuses them for another series)."""
     from minicpmo_cg.export.gitseries import series_fingerprint
-    from minicpmo_cg.export.gpuresults import gpu_runs
+    from minicpmo_cg.export.gpuresults import gpu_runs, pr_tree_fingerprints
     from minicpmo_cg.offline_gpu.cli import main
 
     out, manifest, bundles, doc, _, _ = stack
@@ -203,9 +203,12 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
     class Pr:
         def __init__(self, pr: dict) -> None:
             self.folder, self.series = pr["folder"], [out / s for s in pr["series"]]
+            self.depends, self.vllm = pr.get("depends", []), pr.get("vllm", [])
 
-    prs = [Pr(pr) for pr in manifest["prs"]]
+    prs = [Pr(pr) for pr in [*manifest["prs"], *manifest["vllm_prs"]]]
     assert entry["series_fingerprint"] == series_fingerprint(prs[3].series)
+    # the tree the run recorded is the one the export computes: the vLLM PRs, the earlier PRs, this one
+    assert entry["tree_fingerprint"] == pr_tree_fingerprints(prs)[folder]
     runs, notes = gpu_runs([results / "stack-current.json"], prs)
     assert list(runs) == [folder]
     run, earlier_run = runs[folder]
@@ -217,11 +220,25 @@ def test_stack_run_on_the_cpu_end_to_end(stack, tmp_path: Path, capsys) -> None:
         f"{manifest['prs'][0]['folder']}: in no summary given; its Test Result says its GPU tests were not run"
         in notes
     )
-    # another version of the series: not used
-    summary["prs"][0]["series_fingerprint"] = "0" * 64
+    # an earlier PR's code changed: this PR's series is the same, its tree is not
+    changed = [Pr(pr) for pr in [*manifest["prs"], *manifest["vllm_prs"]]]
+    changed[1].series = changed[1].series[:-1]
+    assert series_fingerprint(changed[3].series) == entry["series_fingerprint"]
+    runs, notes = gpu_runs([results / "stack-current.json"], changed)
+    assert (
+        folder not in runs
+        and f"{folder}: stack-current.json ran another version of its tree (this PR, an earlier one or a vLLM PR it needs); not used"
+        in notes
+    )
+    # another version of the tree: not used
+    summary["prs"][0]["tree_fingerprint"] = "0" * 64
     (results / "other.json").write_text(json.dumps(summary))
     runs, notes = gpu_runs([results / "stack-current.json", results / "other.json"], prs)
-    assert runs == {} and f"{folder}: other.json ran another version of this series; not used" in notes
+    assert (
+        runs == {}
+        and f"{folder}: other.json ran another version of its tree (this PR, an earlier one or a vLLM PR it needs); not used"
+        in notes
+    )
 
 
 def test_release_overlay_is_the_wheel(stack, tmp_path: Path) -> None:
