@@ -255,6 +255,14 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
         finally:
             enc.fail_while_capturing = False
 
+    # a graph captured before the failure, as another adapter's (or vLLM's) would be
+    earlier_enc = TinyEncoder(seed=1)
+    earlier = counting(ecg, earlier_enc, vllm_config)
+    y = rand(3, 64)
+    earlier(y), earlier(y)
+    assert len(earlier.graphs) == 1
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True))
     monkeypatch.setattr(EncoderCudaGraphManager, "capture", capture)
     graph = counting(ecg, enc, vllm_config)
     x = rand(2, 64)
@@ -271,6 +279,12 @@ def test_capture_failure_is_fatal_without_retry_or_eager_work(ecg, vllm_config, 
     assert len(attempts) == 1  # no retry
     assert graph.graphs == {} and not graph.admission.history
     assert graph.get_cumulative_stats()["capture_failures"] == 1
+    # the cleanup left cuBLAS's workspaces alone (the earlier graph replays into its stream's), and
+    # that graph still replays what the encoder computes
+    assert cleared == []
+    hits = earlier.get_cumulative_stats()["graph_hits"]
+    torch.testing.assert_close(earlier(y), earlier_enc(y), rtol=0, atol=0)
+    assert earlier.get_cumulative_stats()["graph_hits"] == hits + 1
     # the failure stayed inside that adapter: a fresh one still captures and replays
     monkeypatch.setattr(EncoderCudaGraphManager, "capture", real_capture)
     fresh = counting(ecg, TinyEncoder(), vllm_config)

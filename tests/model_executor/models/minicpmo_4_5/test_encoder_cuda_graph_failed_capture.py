@@ -235,3 +235,20 @@ def test_the_gc_pause_nests_and_restores_what_it_found(ecg, enabled_before):
         assert gc.isenabled() is enabled_before
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_synchronizing_the_capture_stream_keeps_cublas_workspaces(ecg, monkeypatch):
+    """Every live graph of the process (the adapters' earlier ones, vLLM's) replays into the cuBLAS
+    workspace its stream had at capture: the cleanup must not free those blocks to the allocator."""
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True), raising=False)
+
+    class Stream:
+        synchronized = 0
+
+        def synchronize(self):
+            self.synchronized += 1
+
+    stream = Stream()
+    ecg.backend._CaptureRuntime().synchronize(stream)
+    assert stream.synchronized == 1 and cleared == []

@@ -314,16 +314,15 @@ class _CaptureRuntime:
         torch._C._cuda_releasePool(device.index, handle)
 
     def synchronize(self, stream: Any) -> None:
-        """Wait for ``stream``, then drop cuBLAS's cached workspaces.
+        """Wait for ``stream``.
 
-        cuBLAS keeps one workspace per handle and stream, allocated at its first GEMM there; a GEMM
-        inside the failed capture allocated it in the capture's graph pool, whose memory step 1
-        gave back, so the next GEMM on that stream could use memory the allocator hands out again.
-        Dropping the cache makes the next GEMM allocate a fresh workspace, as torch's own graph
-        trees do around captures.
+        cuBLAS's cached workspaces (one per handle and stream) are left as they are. Every graph
+        captured so far, this adapter's and vLLM's, recorded the address of the workspace of its
+        stream, which its replays keep writing to: dropping the cache would free those blocks to
+        the allocator while the graphs still use them. A workspace first allocated inside the
+        failed capture stays allocated too, holding its block of the released pool.
         """
         stream.synchronize()
-        torch._C._cuda_clearCublasWorkspaces()
 
     def close_generator_capture(self, device: torch.device, stream: Any) -> None:
         """Capture (and discard) a one-element in-place add on ``stream``: a complete capture.
@@ -413,8 +412,8 @@ def _release_failed_capture(
     2. Capture stream. ``cudaStreamEndCapture`` ended its capture mode; the eager
        warm-up work vLLM's manager queued on it before capturing may still run. It
        is synchronized, which also surfaces a device error; then step 3 is skipped,
-       since a device in error cannot capture. cuBLAS's cached workspaces are then
-       dropped: one allocated inside the capture lies in the pool step 1 gave back.
+       since a device in error cannot capture. cuBLAS's cached workspaces stay: the
+       live graphs of the process use them (:meth:`_CaptureRuntime.synchronize`).
     3. CUDA RNG. ``capture_begin`` marked the device's default generator as
        capturing (``CUDAGeneratorState::capture_prologue``) and only the epilogue
        in ``capture_end`` clears the mark; until then ``torch.randn``, dropout and
@@ -466,7 +465,7 @@ def _release_failed_capture(
             failed = True
         try:
             runtime.synchronize(pool.stream)
-            done.append("capture stream synchronized and cuBLAS workspaces dropped")
+            done.append("capture stream synchronized")
             runtime.close_generator_capture(device, pool.stream)
             done.append("CUDA generator's capture mark cleared")
         except Exception as exc:  # noqa: BLE001
