@@ -265,6 +265,23 @@ def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
         assert ecg.capture_now(adapter, x, 5)[1] == "ineligible"
 
 
+@pytest.mark.cpu
+def test_capture_now_counts_the_pool_growth_against_the_byte_budget(cpu_backend, ecg, vllm_config):
+    """As for a lazy capture, the budget counts the graph pool's growth (about the eager call's peak,
+    in 2 MiB segments) on top of the static buffers, not the static buffers alone."""
+    x = torch.ones(4, 8)  # 128 bytes in, 128 bytes out
+
+    def adapter(max_bytes):
+        backend = cpu_backend(peak_bytes=8 << 20)  # the eager call's peak: four 2 MiB segments
+        return ecg.EncoderCudaGraph(lambda t: t * 2, vllm_config, backend=backend, max_bytes=max_bytes)
+
+    tight = adapter(4 << 20)  # the buffers fit, the pool's growth does not
+    with torch.inference_mode():
+        out, outcome = ecg.capture_now(tight, x)
+        assert outcome == "budget" and torch.equal(out, x * 2) and tight.graphs == {}
+        assert ecg.capture_now(adapter(16 << 20), x)[1] == "captured"
+
+
 # ---------------------------------------------------------------------------
 # The hooks: the runner's capture_model and the stage model
 # ---------------------------------------------------------------------------
