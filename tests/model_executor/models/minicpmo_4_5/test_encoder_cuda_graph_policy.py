@@ -225,6 +225,60 @@ def test_capture_failure_is_fatal(ecg, vllm_config, cpu_backend):
     assert graph.capture_failed
 
 
+class _Held:
+    """An object a failing capture's frame holds (weakly referenceable, unlike an exception)."""
+
+
+@torch.inference_mode()
+def test_a_failed_capture_keeps_no_reference_to_what_its_frames_held(ecg, vllm_config, cpu_backend):
+    """The adapter keeps the failure's text, not the exception: its traceback would keep the failed
+    capture's buffers (on CUDA, their graph pool) alive for the adapter's lifetime."""
+    import gc
+    import weakref
+
+    held = []
+
+    class Backend(cpu_backend):
+        def capture(self, encoder, vllm_config, device, pool):
+            buffers = _Held()  # what a capture's frame holds while it fails
+            held.append(weakref.ref(buffers))
+            raise RuntimeError("capture exploded")
+
+    graph = ecg.EncoderCudaGraph(CountingForward(), vllm_config, backend=Backend(), admission="count")
+    x = torch.ones(2)
+    graph(x)
+    with pytest.raises(RuntimeError, match="capture exploded"):
+        graph(x)
+    gc.collect()
+    assert held and held[0]() is None
+    with pytest.raises(ecg.EncoderCudaGraphCaptureFailedError, match=r"\(RuntimeError: capture exploded\)"):
+        graph(x)
+
+
+@torch.inference_mode()
+def test_a_key_whose_eager_calls_all_raised_is_not_captured_until_one_returns(ecg, vllm_config, cpu_backend):
+    """Admission counts a call before its eager forward runs; when every counted call raised (a
+    transient error), the capture threshold is a warmup miss, not a capture of an unknown output."""
+
+    class FlakyForward(CountingForward):
+        def __call__(self, x, mask=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("transient")
+            return x * 2
+
+    fwd = FlakyForward()
+    graph = cpu_graph(ecg, cpu_backend, fwd, vllm_config, min_capture_calls=2, max_bytes=1 << 30)
+    x = torch.ones(2)
+    with pytest.raises(RuntimeError, match="transient"):
+        graph(x)
+    assert torch.equal(graph(x), x * 2)  # at the threshold: eager, no capture, no failure
+    stats = graph.get_cumulative_stats()
+    assert (stats["capture_failures"], stats["num_graphs"], stats["warmup_misses"]) == (0, 0, 2)
+    assert torch.equal(graph(x), x * 2)  # now captured and replayed
+    assert graph.get_cumulative_stats()["num_graphs"] == 1 and not graph.capture_failed
+
+
 @torch.inference_mode()
 def test_key_records_only_kept_for_keys_in_history(ecg, vllm_config, cpu_backend):
     graph = cpu_graph(ecg, cpu_backend, CountingForward(), vllm_config, max_graphs=1, min_capture_calls=2)

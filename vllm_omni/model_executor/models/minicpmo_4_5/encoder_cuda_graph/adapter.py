@@ -229,7 +229,9 @@ class EncoderCudaGraph:
         self._records: dict[GraphKey, _KeyRecord] = {}
         # (device, replay stream id) -> the backend's pool, with share_pools
         self._capture_pools: dict[tuple[torch.device, Hashable], Any] = {}
-        self._failure: BaseException | None = None
+        # "TypeName: message" of the capture that failed; the exception itself is not kept, since its
+        # traceback would hold the failed capture's buffers (and their graph pool) for good
+        self._failure: str | None = None
         self._eager_reason: str | None = None
         self._deferrals: Counter[str] = Counter()
         self._cap_logged = False
@@ -259,7 +261,7 @@ class EncoderCudaGraph:
         if self._failure is not None:
             raise EncoderCudaGraphCaptureFailedError(
                 f"{self.name} encoder CUDA graph capture failed earlier "
-                f"({type(self._failure).__name__}: {self._failure}); this adapter is unusable. "
+                f"({self._failure}); this adapter is unusable. "
                 "Restart the worker, optionally with --hf-overrides "
                 "'{\"encoder_cuda_graph\": false}' to run the encoders eagerly."
             )
@@ -454,6 +456,10 @@ class EncoderCudaGraph:
 
     def _deferral(self, key: GraphKey, record: _KeyRecord, device: torch.device) -> str | None:
         """Why a key at its capture threshold is not captured on this call (a miss kind), or None."""
+        if record.output is None:
+            # no eager call of the key has returned (each one raised): its output's shape and dtype,
+            # which the capture and the byte estimate need, are not known yet
+            return "warmup"
         if self.options.admission == "cost":
             verdict = record.verdict = self._cost_verdict(key, record)
             if verdict is None:
@@ -611,7 +617,7 @@ class EncoderCudaGraph:
             encoder = ExactShapeEncoder(self.forward, inputs, *record.output)
             captured = self.backend.capture(encoder, self.vllm_config, device, pool)
         except BaseException as exc:
-            self._failure = exc
+            self._failure = f"{type(exc).__name__}: {exc}"
             self.admission.record_failure()
             self._records.clear()
             logger.error(
