@@ -305,6 +305,26 @@ def test_tables_built_in_inference_mode_serve_no_grad_calls():
     assert torch.equal(first, second) and first.is_inference() and not second.is_inference()
 
 
+def test_training_mode_keeps_the_image_call_off_the_graph():
+    """As the audio paths: a model in training runs the call eagerly, even under no_grad."""
+    model = vision_model(llm)
+    data = vision_data(GRID_SETS["three_padded"])
+    with torch.no_grad():
+        want = model.get_vision_hidden_states(data)
+
+    def forbidden(*inputs):
+        raise AssertionError("a model in training reached the vision graph")
+
+    model.vpm._encoder_graph = forbidden
+    model.train()
+    with torch.no_grad():
+        got = model.get_vision_hidden_states(data)
+    assert torch.equal(got, want)  # no dropout in these modules: training changes no value here
+    model.eval()
+    with torch.no_grad(), pytest.raises(AssertionError, match="reached the vision graph"):
+        model.get_vision_hidden_states(data)
+
+
 def test_resampler_accepts_more_patches_than_any_slice_has():
     model = vision_model(llm)
     x = torch.randn(2, 30, 64, generator=torch.Generator().manual_seed(6))

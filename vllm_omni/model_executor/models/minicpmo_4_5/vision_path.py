@@ -343,8 +343,8 @@ def get_vision_hidden_states(model: nn.Module, data: dict) -> torch.Tensor:
     padded follows from their lengths), and position ids, masks and resampler positions are
     computed on the device from ``tgt_sizes``. The whole call from pixels to resampler output
     (``model._encode_images``) goes through the vision CUDA graph adapter
-    ``model.vpm._encoder_graph`` when one is set, keyed by the shapes alone, except FA2 with
-    padding, which unpads on lengths read on the host.
+    ``model.vpm._encoder_graph`` when one is set, keyed by the shapes alone, except in training
+    and for FA2 with padding, which unpads on lengths read on the host.
     """
     pixel_values, padded = pad_vision_slices(data["pixel_values"])
     device = pixel_values.device
@@ -359,7 +359,8 @@ def get_vision_hidden_states(model: nn.Module, data: dict) -> torch.Tensor:
     pos_embed_table(model.resampler, num_patches, device, pixel_values.dtype)
 
     graph = model.vpm._encoder_graph
-    if graph is None or (model.vpm._use_flash_attention_2 and padded):
+    # in training (dropout, as the audio paths) the call stays eager, whatever autograd's mode
+    if graph is None or model.training or (model.vpm._use_flash_attention_2 and padded):
         return model._encode_images(pixel_values, tgt_sizes, patch_valid)
     return graph(pixel_values, tgt_sizes, patch_valid)
 
