@@ -386,13 +386,51 @@ def test_an_encoder_error_reaches_every_parked_request(cpu_backend, monkeypatch)
     monkeypatch.setattr(
         model._duplex_batch, "_encode_batch", lambda rows: (_ for _ in ()).throw(ValueError("boom"))
     )
-    with torch.inference_mode(), pytest.raises(ValueError, match="boom"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="step failed: ValueError: boom") as info:
         db.run_batched(model, [lambda n=n: sess[n].encode(model, chunks[n][0]) for n in "ab"])
+    assert isinstance(info.value.__cause__, ValueError)
     assert model.audio_past_key_values is marker
     monkeypatch.undo()
     with torch.inference_mode():  # nothing is left parked: the next step runs
         outs = db.run_batched(model, [lambda n=n: sess[n].encode(model, chunks[n][0]) for n in "ab"])
     assert len(outs) == 2
+
+
+@pytest.mark.cpu
+def test_a_failed_step_is_no_signature_error_and_each_call_gets_its_own_cache_back(cpu_backend, monkeypatch):
+    """vllm-omni's duplex stage retries a chunk call that raised TypeError, with other framing and on
+    whatever cache the model's attribute holds: a batched step's failure reaches each parked call as
+    a RuntimeError, with that session's own cache back in the attribute, even for a TypeError."""
+    model = batched_model(cpu_backend)
+    chunks = {name: stream(2, seed) for seed, name in enumerate("ab")}
+    caches: dict[str, object] = {"a": None, "b": None}
+    retried, restored = [], {}
+
+    def stage_call(name, index):  # what the stage does around its chunk call
+        model.audio_past_key_values = caches[name]
+        chunk = chunks[name][index]
+        try:
+            out = model.get_audio_embedding_streaming(chunk.data, use_extra_context=True,
+                                                      prefix_extra_frames=chunk.prefix_extra_frames,
+                                                      suffix_extra_frames=chunk.suffix_extra_frames)  # fmt: skip
+        except TypeError:
+            retried.append(name)
+            raise
+        except RuntimeError:
+            restored[name] = model.audio_past_key_values is caches[name]
+            raise
+        caches[name] = model.audio_past_key_values
+        return out
+
+    with torch.inference_mode():
+        db.run_batched(model, [lambda n=n: stage_call(n, 0) for n in "ab"])
+    assert caches["a"] is not None and caches["b"] is not None and caches["a"] is not caches["b"]
+    monkeypatch.setattr(
+        model._duplex_batch, "_encode_batch", lambda rows: (_ for _ in ()).throw(TypeError("bad arg"))
+    )
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="step failed: TypeError: bad arg"):
+        db.run_batched(model, [lambda n=n: stage_call(n, 1) for n in "ab"])
+    assert retried == [] and restored == {"a": True, "b": True}
 
 
 @pytest.mark.cpu

@@ -454,14 +454,28 @@ _POOL = _TaskPool()
 def route(model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_len: int, context: tuple):
     """``streaming_audio.encode_streaming_chunk``'s first question: the chunk's embeddings when a
     batched step encodes it (the call parks until then), else None (encode it alone; a paged
-    cache goes back to the per-session layout first)."""
+    cache goes back to the per-session layout first).
+
+    Raises:
+        RuntimeError: the batched step failed (its error chained as the cause); the model's
+            ``audio_past_key_values`` is this session's cache again.
+    """
     task = getattr(_local, "task", None)
     if task is not None:
         request = task.park(
             ChunkRequest(model, wavforms, positions, total_seq_len, context, model.audio_past_key_values)
         )
         if request.error is not None:
-            raise request.error
+            # this session's cache back in the shared attribute (another parked call set it since),
+            # and an error no caller takes for its own call's signature: vllm-omni's duplex stage
+            # retries a chunk call that raised TypeError with other framing, on whatever cache the
+            # attribute then holds
+            model.audio_past_key_values = request.cache
+            if not isinstance(request.error, Exception):
+                raise request.error  # KeyboardInterrupt, SystemExit: as they are
+            raise RuntimeError(
+                f"batched duplex audio step failed: {type(request.error).__name__}: {request.error}"
+            ) from request.error
         model.audio_past_key_values = request.new_cache
         return request.embeds
     cache = model.audio_past_key_values
@@ -479,7 +493,8 @@ def run_batched(model: nn.Module, calls: Sequence[Callable[[], Any]]) -> list[An
     the same after as before. Without a batch encoder the calls run one after the other here.
 
     Raises:
-        the first exception a call raised (after every call has ended).
+        the first exception a call raised (after every call has ended); a call parked at a chunk
+        whose batched step failed raises ``RuntimeError`` from that failure (:func:`route`).
     """
     encoder = getattr(model, "_duplex_batch", None)
     if encoder is None or torch.is_autocast_enabled():
