@@ -340,12 +340,15 @@ def test_a_full_page_pool_sends_the_extra_sessions_alone(cpu_backend):
     for name in "abc":
         sessions.join(name)
     streams = {name: stream(11, seed) for seed, name in enumerate("abc")}
-    for t in range(11):  # from about chunk 8 on, the three caches no longer fit: one goes alone
+    # two sessions' worth of pages: a full cache (8 pages of 16), or at a reset the cycle's last
+    # cache (118 positions, 8 pages) and the new first chunk (1 page): 9 each
+    per_session = max(math.ceil(POSITIONS / 16), math.ceil((POSITIONS - N) / 16) + math.ceil(N / 16))
+    for t in range(11):  # from chunk 9 on (100 positions: 7 pages each) the three caches no longer fit
         sessions.step({name: streams[name][t] for name in "abc"})
     stats = model._duplex_batch.stats()
-    assert stats["batched_rows"] + stats["single_rows"] == 33 and stats["single_rows"] == 3
+    assert stats["batched_rows"] + stats["single_rows"] == 33 and stats["single_rows"] == 2
     pool = next(iter(model._duplex_batch._pools.values()))
-    assert pool.scratch_start == 2 * math.ceil(POSITIONS / rows_mod.PAGE_SIZE)  # two sessions' worth
+    assert rows_mod.PAGE_SIZE == 16 and pool.scratch_start == 2 * per_session == 18
     sessions.caches_match()
 
 
@@ -637,6 +640,25 @@ def poison(pool, sessions):
     others = [p for p in range(pool.num_pages) if p not in owned and p != pool.zero_page]
     pool.kv[:, :, torch.tensor(others)] = float("nan")
     return len(others)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("count", [2, 4])
+def test_a_full_deployment_whose_caches_reset_in_one_step_stays_batched(cpu_backend, count):
+    """``duplex_max_sessions`` sessions that started together reset in the same step; each still
+    holds its cycle's last cache while its reset chunk is encoded (the caller swaps the new one in
+    after the call), so the pool has room for that cache and the new cycle's first chunk at once."""
+    model = batched_model(cpu_backend, sessions=count)
+    sessions = Sessions(model)
+    names = "abcd"[:count]
+    streams = {name: stream(CYCLE + 2, seed) for seed, name in enumerate(names)}
+    for name in names:
+        sessions.join(name)
+    for t in range(CYCLE + 2):  # every session resets at its chunk 12
+        sessions.step({name: chunks[t] for name, chunks in streams.items()})
+    sessions.caches_match()
+    stats = model._duplex_batch.stats()
+    assert stats["single_rows"] == 0 and stats["batched_rows"] == count * (CYCLE + 2)
 
 
 @pytest.mark.cpu

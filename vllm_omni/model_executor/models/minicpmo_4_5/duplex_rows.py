@@ -69,7 +69,7 @@ class KVPagePool:
     inference mode (calls under ``no_grad`` write it in place).
 
     Args:
-        sessions: sessions whose full cache (``max_positions``) the pool holds at once.
+        sessions: sessions whose caches the pool holds at once (:meth:`page_count`).
         rows: the largest bucket (scratch pages for that many padding rows of ``chunk`` positions).
     """
 
@@ -106,8 +106,15 @@ class KVPagePool:
 
     @staticmethod
     def page_count(*, sessions: int, rows: int, chunk: int, max_positions: int) -> int:
-        """Pages of a pool for ``sessions`` full caches, the scratch of ``rows`` padding rows and the zero page."""
-        return sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE) + 1
+        """Pages of a pool for ``sessions`` sessions, the scratch of ``rows`` padding rows and the zero page.
+
+        A session holds at most a full cache (``max_positions``), except in the step its cache
+        resets: the caller still holds the cycle's last cache (``max_positions - chunk``
+        positions) until the call returns, while the new cycle's first chunk takes its pages.
+        """
+        full = math.ceil(max_positions / PAGE_SIZE)
+        resetting = math.ceil((max_positions - chunk) / PAGE_SIZE) + math.ceil(chunk / PAGE_SIZE)
+        return sessions * max(full, resetting) + math.ceil(rows * chunk / PAGE_SIZE) + 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kv.device}, {self.scratch_start} pages of {PAGE_SIZE})"
