@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
 import sys
 import threading
 import types
@@ -137,6 +138,17 @@ class Sessions:
 # ---------------------------------------------------------------------------
 # Per-row parity and bookkeeping (CPU)
 # ---------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_duplex_rows_can_be_imported_first():
+    """streaming_audio imports duplex_batch, which imports streaming_audio and duplex_rows: the
+    last may not need the others imported before it (in a fresh interpreter; the modules the tests
+    here import first load the others in an order that works)."""
+    module = "vllm_omni.model_executor.models.minicpmo_4_5.duplex_rows"
+    code = f"import importlib; importlib.import_module({module!r}); print('imported')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.cpu

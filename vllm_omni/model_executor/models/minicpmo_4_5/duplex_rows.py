@@ -26,13 +26,17 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import fused_layers
-from . import streaming_audio as sa
+
+if TYPE_CHECKING:
+    # streaming_audio imports duplex_batch, which imports this module: importing it here at
+    # import time would leave this module half-initialized when it is the first one imported
+    from . import streaming_audio as sa
 
 __all__ = [
     "ATTENTION",
@@ -214,7 +218,9 @@ class PagedStreamingCache:
     def to_blocks(self) -> sa.StreamingAudioKVCache:
         """The same positions as a per-session :class:`~.streaming_audio.StreamingAudioKVCache`
         (one block, a copy); this cache's pages go back to the pool."""
-        blocks = sa.StreamingAudioKVCache()
+        from .streaming_audio import StreamingAudioKVCache
+
+        blocks = StreamingAudioKVCache()
         if self.length:
             blocks.blocks.append(self.pool.positions(self).unsqueeze(2).contiguous())
             blocks.length = self.length
