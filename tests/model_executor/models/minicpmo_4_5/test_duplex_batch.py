@@ -412,6 +412,41 @@ def test_an_encoder_error_reaches_every_parked_request(cpu_backend, monkeypatch)
 
 
 @pytest.mark.cpu
+def test_a_worker_that_cannot_start_leaves_no_call_parked(cpu_backend, monkeypatch):
+    """When the second call's worker thread cannot start, the first call, parked at its chunk, is
+    resumed with that error and ends: no thread of the step stays blocked for good."""
+    model = batched_model(cpu_backend)
+    sess = {name: DuplexSession() for name in "ab"}
+    chunks = {name: stream(1, seed) for seed, name in enumerate("ab")}
+    seen = []
+    real_submit, submitted = db._POOL.submit, []
+
+    def submit(task):
+        if submitted:
+            raise RuntimeError("can't start new thread")
+        submitted.append(task)
+        real_submit(task)
+
+    def call(name):
+        try:
+            return sess[name].encode(model, chunks[name][0])
+        except RuntimeError as exc:
+            seen.append((name, str(exc)))
+            raise
+
+    monkeypatch.setattr(db._POOL, "submit", submit)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="can't start new thread"):
+        db.run_batched(model, [lambda n=n: call(n) for n in "ab"])
+    assert seen == [("a", "batched duplex audio step failed: RuntimeError: can't start new thread")]
+    assert submitted[0].done
+    monkeypatch.undo()
+    with torch.inference_mode():  # the next step runs
+        assert (
+            len(db.run_batched(model, [lambda n=n: sess[n].encode(model, chunks[n][0]) for n in "ab"])) == 2
+        )
+
+
+@pytest.mark.cpu
 def test_a_failed_step_is_no_signature_error_and_each_call_gets_its_own_cache_back(cpu_backend, monkeypatch):
     """vllm-omni's duplex stage retries a chunk call that raised TypeError, with other framing and on
     whatever cache the model's attribute holds: a batched step's failure reaches each parked call as

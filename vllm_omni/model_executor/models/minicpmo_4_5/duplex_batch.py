@@ -484,6 +484,15 @@ def route(model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_le
     return None
 
 
+def _end_parked(tasks: Sequence[_Task], exc: BaseException) -> None:
+    """Resume each call of ``tasks`` parked at a chunk with ``exc`` as that chunk's error
+    (:func:`route` raises from it), until every one has ended."""
+    while parked := [t for t in tasks if not t.done and t.request is not None]:
+        for task in parked:
+            task.request.error = exc
+            task.advance()
+
+
 def run_batched(model: nn.Module, calls: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run ``calls`` (each one request's code) with their streaming chunks encoded together.
 
@@ -503,9 +512,14 @@ def run_batched(model: nn.Module, calls: Sequence[Callable[[], Any]]) -> list[An
     tasks = [_Task(call, state) for call in calls]
     saved = model.audio_past_key_values
     try:
-        running = list(tasks)
-        for task in running:
-            _POOL.submit(task)
+        running: list[_Task] = []
+        for task in tasks:
+            try:
+                _POOL.submit(task)  # may fail to start a thread
+            except BaseException as exc:
+                _end_parked(running, exc)  # no call of this step stays parked in a worker for good
+                raise
+            running.append(task)
             task.advance()
         while True:
             parked = [t for t in running if not t.done and t.request is not None]
