@@ -109,13 +109,14 @@ def series_fingerprint(patches: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def tree_fingerprint(series: list[list[Path]]) -> str:
-    """sha256 (hex) of a PR's tree as the stack builds it: the :func:`series_fingerprint` of each
-    series applied, in order (the vLLM PRs the tree needs, then the vllm-omni PRs up to this one).
+def tree_fingerprint(series_fingerprints: list[str]) -> str:
+    """sha256 (hex) of a PR's tree as the stack builds it, from the :func:`series_fingerprint` of
+    each series applied, in order (the vLLM PRs the tree needs, then the vllm-omni PRs up to this
+    one).
 
     A test run counts for the tree it ran on, so a change to an earlier PR's code is a change to
     every later PR's tree, whose own series may be unchanged."""
-    return hashlib.sha256("\n".join(series_fingerprint(patches) for patches in series).encode()).hexdigest()
+    return hashlib.sha256("\n".join(series_fingerprints).encode()).hexdigest()
 
 
 def authored_series_fingerprint(patches: list[Path]) -> str:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from minicpmo_cg.export import pytestlog
-from minicpmo_cg.export.gitseries import authored_series_fingerprint, tree_fingerprint
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint, tree_fingerprint
 from minicpmo_cg.export.prtext import EARLIER, OWN, PytestRun
 from minicpmo_cg.export.pytestlog import Collection
 
@@ -108,11 +108,12 @@ def pr_tree_fingerprints(prs: list) -> dict[str, str]:
     PRs (``depends``, stack order) and its own; a PR without those attributes is its own tree. The
     same tree :mod:`minicpmo_cg.offline_gpu.stackbuild` records for the run."""
     by_folder = {pr.folder: pr for pr in prs}
+    series = {pr.folder: series_fingerprint(list(pr.series)) for pr in prs}  # each series read once
     out = {}
     for pr in prs:
         chain = [*getattr(pr, "depends", []), pr.folder]
         vllm = sorted({v for folder in chain for v in getattr(by_folder[folder], "vllm", [])})
-        out[pr.folder] = tree_fingerprint([list(by_folder[f].series) for f in [*vllm, *chain]])
+        out[pr.folder] = tree_fingerprint([series[f] for f in [*vllm, *chain]])
     return out
 
 

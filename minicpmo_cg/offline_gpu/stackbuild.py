@@ -146,8 +146,9 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
         release = {rel: keep(base[rel]) if rel in base else None for rel in paths}
         release.update({rel: keep(data) for rel, data in pristine.items()})
         vllm_of = {pr["folder"]: set(pr["vllm"]) for pr in manifest["prs"]}
-        series_of = {
-            pr["folder"]: [export / s for s in pr["series"]]
+        # each series' fingerprint, read once: an entry's own and its tree's are made of them
+        fingerprint_of = {
+            pr["folder"]: series_fingerprint([export / s for s in pr["series"]])
             for pr in [*manifest["prs"], *manifest["vllm_prs"]]
         }
         entries = []
@@ -169,10 +170,10 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
                     "kind": "vllm-omni",
                     "depends": pr["depends"],
                     "vllm_prs": needs_vllm,
-                    "series_fingerprint": series_fingerprint(series),
+                    "series_fingerprint": fingerprint_of[pr["folder"]],
                     # the tree the tests run on: the vLLM PRs it needs, the earlier PRs and this one
                     "tree_fingerprint": tree_fingerprint(
-                        [series_of[f] for f in [*needs_vllm, *pr["depends"], pr["folder"]]]
+                        [fingerprint_of[f] for f in [*needs_vllm, *pr["depends"], pr["folder"]]]
                     ),
                     "overlay": overlay,
                     "tests": tests,
@@ -202,8 +203,8 @@ def build_stack(export: Path, repo: Path, bundle_dir: Path, site_packages: Path 
                     "kind": "vllm",
                     "depends": [],
                     "vllm_prs": [pr["folder"]],
-                    "series_fingerprint": series_fingerprint(series),
-                    "tree_fingerprint": tree_fingerprint([series]),
+                    "series_fingerprint": fingerprint_of[pr["folder"]],
+                    "tree_fingerprint": tree_fingerprint([fingerprint_of[pr["folder"]]]),
                     "overlay": {},
                     "tests": tests,
                     "run": [t for t in pr["tests"] if PurePosixPath(t).name.startswith("test_")],

@@ -125,8 +125,14 @@ def test_a_run_counts_for_its_tree_whoever_authors_the_export(tmp_path: Path) ->
                 _Pr("vllm-x", vllm)]  # fmt: skip
 
     trees = pr_tree_fingerprints(stack(base, seed))
-    assert trees["02-graphs"] == tree_fingerprint([vllm, base, seed])
-    assert trees["vllm-x"] == tree_fingerprint([vllm]) and trees["01-base"] == tree_fingerprint([base])
+    fingerprints = {
+        name: series_fingerprint(s) for name, s in (("vllm", vllm), ("base", base), ("seed", seed))
+    }
+    assert trees["02-graphs"] == tree_fingerprint(
+        [fingerprints["vllm"], fingerprints["base"], fingerprints["seed"]]
+    )
+    assert trees["vllm-x"] == tree_fingerprint([fingerprints["vllm"]])
+    assert trees["01-base"] == tree_fingerprint([fingerprints["base"]])
     summary = _summary(tmp_path / "new.json", trees["02-graphs"])
     for series in (seed, jane):  # another author, another design page: the same tree
         runs, _ = gpu_runs([summary], stack(base, series))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from minicpmo_cg.export import gpuresults, prtext
-from minicpmo_cg.export.gitseries import authored_series_fingerprint, tree_fingerprint
+from minicpmo_cg.export.gitseries import authored_series_fingerprint, series_fingerprint, tree_fingerprint
 from minicpmo_cg.offline_gpu import cli, stackrun
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -86,7 +86,7 @@ def hand_stack(tmp_path: Path) -> tuple[Path, dict[str, list[Path]]]:
         pr_folder = f"0{n}-{key}"
         series[pr_folder] = _series(tmp_path, pr_folder)
         entries.append({"folder": pr_folder, "title": f"[Model] {key}", "kind": "vllm-omni", "depends": [],
-                        "vllm_prs": [], "tree_fingerprint": tree_fingerprint([series[pr_folder]]),
+                        "vllm_prs": [], "tree_fingerprint": tree_fingerprint([series_fingerprint(series[pr_folder])]),
                         "overlay": {}, "tests": dict(tests), "run": [rel], "marks": "core_model and cuda"})  # fmt: skip
     with tarfile.open(folder / stackrun.BLOBS, "w:xz") as tf:
         for digest, data in blobs.items():
