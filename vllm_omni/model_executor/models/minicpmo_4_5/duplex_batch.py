@@ -484,10 +484,15 @@ def route(model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_le
     return None
 
 
+def _parked(tasks: Sequence[_Task]) -> list[_Task]:
+    """The calls of ``tasks`` parked at a chunk, waiting for its encode."""
+    return [t for t in tasks if not t.done and t.request is not None]
+
+
 def _end_parked(tasks: Sequence[_Task], exc: BaseException) -> None:
     """Resume each call of ``tasks`` parked at a chunk with ``exc`` as that chunk's error
     (:func:`route` raises from it), until every one has ended."""
-    while parked := [t for t in tasks if not t.done and t.request is not None]:
+    while parked := _parked(tasks):
         for task in parked:
             task.request.error = exc
             task.advance()
@@ -521,10 +526,7 @@ def run_batched(model: nn.Module, calls: Sequence[Callable[[], Any]]) -> list[An
                 raise
             running.append(task)
             task.advance()
-        while True:
-            parked = [t for t in running if not t.done and t.request is not None]
-            if not parked:
-                break
+        while parked := _parked(running):
             requests = [t.request for t in parked]
             try:
                 encoder.encode(requests)

@@ -62,18 +62,17 @@ def capture_now(adapter: EncoderCudaGraph, *inputs: Any) -> tuple[torch.Tensor, 
         return _replay_uncounted(adapter, manager, inputs), "present"
     if len(adapter.graphs) >= adapter.options.max_graphs:
         return adapter.forward(*inputs), "capacity"
+    measurements = []
     if adapter.options.max_bytes:
         # measured, so that the budget counts the graph pool's growth (about the eager call's peak)
         # on top of the static buffers, as for a lazy capture
         out, measurement = adapter.backend.measure_eager(device, lambda: adapter.forward(*inputs))
-        record = _KeyRecord(
-            first_call=adapter._calls, output=(out.shape, out.dtype), measurements=[measurement]
-        )
-        if adapter._over_budget(key, record):
-            return out, "budget"
+        measurements.append(measurement)
     else:
         out = adapter.forward(*inputs)
-        record = _KeyRecord(first_call=adapter._calls, output=(out.shape, out.dtype))
+    record = _KeyRecord(first_call=adapter._calls, output=(out.shape, out.dtype), measurements=measurements)
+    if adapter.options.max_bytes and adapter._over_budget(key, record):
+        return out, "budget"
     if not adapter._capture(key, record, inputs, device, log_level=logging.DEBUG):
         return out, "hooks"
     return _replay_uncounted(adapter, adapter.graphs[key], inputs), "captured"
