@@ -240,6 +240,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
     lines.append("")
     declined = [c for c in CALLS if _declined(after_t, c)]
     admitted = [c for c in CALLS if _declined(before_t, c) and not _declined(after_t, c)]
+    lost = [c for c in CALLS if _declined(after_t, c) and _replayed(*_default(before_t, c))]
     if declined:
         lines += [
             f"No graph replayed ({'; '.join(declined)}): the encoder graphs are on, but by default a shape is "
@@ -251,6 +252,15 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         lines += [
             f"Graphed here, no graph replayed before ({'; '.join(admitted)}): the cost admission declined these "
             "shapes on the tree before and admits them on this one, whose calls it measured to save enough.",
+            "",
+        ]
+    if lost:
+        lines += [
+            f"Graphed before, no graph replayed here ({'; '.join(lost)}): the cost admission admitted these "
+            "shapes on the tree before and declined them on this one. Each process decides from its own "
+            "measurements of the call (the saving per replay against the capture time and the memory), so a "
+            "shape whose saving is close to that price can go either way between two processes; the eager "
+            "columns compare the two trees' code.",
             "",
         ]
     if blocked:

@@ -122,6 +122,24 @@ def test_report_explains_calls_whose_graphs_the_cost_rule_declined_or_admitted(t
     assert "No graph replayed (audio, 1 s):" in second
     others = [c for c in tree_figures.CALLS if c != "audio, 1 s"]
     assert f"Graphed here, no graph replayed before ({'; '.join(others)}):" in second
+    assert "Graphed before, no graph replayed here" not in text  # no shape lost its graph
+
+
+def test_report_explains_a_shape_the_cost_rule_admitted_before_and_declines_now(tmp_path: Path) -> None:
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    admitted, declined = _tree(8.0, 2.0), _tree(8.0, 2.0)
+    declined["graphed"]["image, 1 slice"]["replayed"] = 0
+    compare = {
+        f: {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
+        for f in ("01-a", "02-b")
+    }
+    text = tree_report.sections(
+        _run(tmp_path, {"00-release": _tree(8.0, None), "01-a": admitted, "02-b": declined}, compare)
+    )
+    first, second = text.split("<!-- pr: b -->")
+    assert "Graphed before, no graph replayed here" not in first
+    assert "Graphed before, no graph replayed here (image, 1 slice): the cost admission admitted" in second
+    assert "No graph replayed (image, 1 slice):" in second
 
 
 def test_block_medians_mark_differences_within_noise_and_state_the_spread(tmp_path: Path) -> None:
