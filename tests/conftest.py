@@ -7,6 +7,8 @@
   ``cuda`` too). The CI levels select tests by these marks (``-m "core_model and cpu"``,
   ``-m "core_model and cuda"``), so a test without one would run in no level, and one with both
   in two. Collection fails and names every such test.
+- A fresh interpreter a test starts (``helpers.scenarios``) imports ``helpers`` as the session
+  does: this directory goes first on ``PYTHONPATH`` for the session's child processes.
 - A test run leaves no temporary files behind. torch's inductor cache, which vLLM's import creates
   as ``<tmp>/torchinductor_<user>``, goes to a directory of the session that is removed at its end
   (unless ``TORCHINDUCTOR_CACHE_DIR`` is set). Under ``tools/test.sh``, which gives pytest a
@@ -30,7 +32,17 @@ _INDUCTOR_DIR = pytest.StashKey[str]()
 _RUN_TMPDIR = pytest.StashKey[str]()
 
 
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+_PYTHONPATH = pytest.StashKey[str | None]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest puts this directory on sys.path, not on PYTHONPATH: without it a scenario that a test
+    # runs in a fresh interpreter fails on its first ``import helpers``
+    paths = os.environ.get("PYTHONPATH", "")
+    if _TESTS_DIR not in paths.split(os.pathsep):
+        config.stash[_PYTHONPATH] = paths or None
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS_DIR, paths]))
     # the outermost session checks; a pytest that a test starts (and xdist workers) must not
     run_tmp = os.environ.pop(ENV_RUN_TMPDIR, None)
     if run_tmp:
@@ -42,6 +54,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _PYTHONPATH in config.stash:
+        previous = config.stash[_PYTHONPATH]
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
     path = config.stash.get(_INDUCTOR_DIR, None)
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
