@@ -61,6 +61,12 @@ PARTS: dict[str, PartSpec] = {
 }
 
 
+def _names_tests(word: str) -> bool:
+    """Whether an argument of the tests part names test files: ``tests`` or a path under it
+    (a node id such as ``tests/x/test_y.py::test_z`` too)."""
+    return word == "tests" or word.startswith("tests/")
+
+
 @dataclass
 class RunPlan:
     """What ``run`` does for one lane (also what ``check`` and ``run --dry-run`` print).
@@ -91,7 +97,10 @@ class RunPlan:
         spec = PARTS[part]
         fill = {"out": str(self.out), "lane": self.lane, "markers": self.markers}
         argv = [self.python, *(word.format(**fill) for word in spec.words())]
-        return argv + (["--quick"] if self.quick and spec.quick else []) + self.extra.get(part, [])
+        extra = self.extra.get(part, [])
+        if part == "tests" and any(_names_tests(word) for word in extra):
+            argv.remove("tests")  # the given test paths replace the whole suite
+        return argv + (["--quick"] if self.quick and spec.quick else []) + extra
 
     def timeout(self, part: str) -> int:
         return self.timeouts.get(part, PARTS[part].timeout_s)

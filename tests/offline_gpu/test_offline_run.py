@@ -79,6 +79,18 @@ def test_default_parts_quick_budget_and_extra_args(tmp_path: Path, capsys) -> No
 
 
 @pytest.mark.cpu
+def test_test_paths_in_the_tests_args_replace_the_whole_suite(tmp_path: Path, capsys) -> None:
+    base = ["run", "current", "tests", "--dry-run", "--out", "/o", "--bundle-dir", str(tmp_path)]
+    node = "tests/model_executor/test_x.py::test_y"
+    assert offline_gpu([*base, "--tests-args", f"{node} -x"]) == 0
+    (line,) = plan_lines(capsys.readouterr().out)
+    assert "-m pytest -m " in line and f"--ignore=tests/patches {node} -x >" in line
+    assert offline_gpu([*base, "--tests-args", "-k capture"]) == 0  # no path: the whole suite
+    (line,) = plan_lines(capsys.readouterr().out)
+    assert "-m pytest tests -m " in line and "--ignore=tests/patches -k capture >" in line
+
+
+@pytest.mark.cpu
 def test_parts_keep_the_given_order_once_each(tmp_path: Path, capsys) -> None:
     assert (
         offline_gpu(["run", "current", "bench", "tests", "bench", "--dry-run", "--bundle-dir", str(tmp_path)])
