@@ -220,6 +220,7 @@ class _StackBuilder:
         ] = {}  # owned file -> its last version in the tree (before formatting)
         self.tests_exported: dict[str, str] = {}  # test file -> its text as exported (before formatting)
         self.built: list[PrResult] = []  # the PRs built so far, in stack order
+        self.multi_gpu_tests: set[str] = set()  # test files of the PRs so far marked multi_gpu
         self.known = set(cs.design_pages) | {
             p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts
         }
@@ -293,6 +294,16 @@ class _StackBuilder:
         result.inputs.earlier_marks = testmarks.levels_with_tests(
             prtext.UNIT_MARKS,
             [self.tests_exported[rel] for rel in earlier if not rel.startswith("tests/e2e/")],
+        )
+        # two-GPU tests among the earlier PRs' tests skip on this tree's one-GPU runs too (the mark is
+        # the project's: the exported text no longer has it)
+        self.multi_gpu_tests |= {
+            rel
+            for rel, path in pr.tests.items()
+            if "pytest.mark.multi_gpu" in path.read_text(encoding="utf-8")
+        }
+        result.inputs.multi_gpu = result.inputs.multi_gpu or any(
+            rel in self.multi_gpu_tests for rel in earlier
         )
         self.built.append(result)
         return result

@@ -440,7 +440,9 @@ def plain_links_keep_anchors(text: str) -> str:
     )
 
 
-def _vllm_changes(inp: PrInputs, changes: list[tuple[str, str]], needs: str, merge: str) -> list[str]:
+def _vllm_changes(
+    inp: PrInputs, changes: list[tuple[str, str]], needs: str, merge: str, tests: str
+) -> list[str]:
     """The paragraph of :func:`_depends_on` on vLLM changes (the PR's own, or its earlier PRs')."""
     count = "a change" if len(changes) == 1 else f"{len(changes)} changes"
     return [
@@ -450,7 +452,9 @@ def _vllm_changes(inp: PrInputs, changes: list[tuple[str, str]], needs: str, mer
         *(f"- {inp.ref(title, folder)}" for title, folder in changes),
         "",
         f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}. On a vLLM without it "
-        "nothing breaks: the encoders run eagerly, as before, and the model logs one WARNING saying why.",
+        "nothing breaks: the encoders run eagerly, as before, and the model logs one WARNING saying why. "
+        f"{tests} ran against vLLM {inp.vllm_version} with the change applied; on a vLLM without it, the tests "
+        "that build vLLM's manager with the new argument fail, so CI can pass only after the pin bump.",
         "",
     ]
 
@@ -463,13 +467,14 @@ def _depends_on(inp: PrInputs) -> list[str]:
         out += [f"{i}. {inp.ref(title, folder)}" for i, (title, folder) in enumerate(inp.earlier, 1)]
         out.append("")
     if inp.vllm_deps:
-        out += _vllm_changes(inp, inp.vllm_deps, "It needs", "So it can merge only once")
+        out += _vllm_changes(inp, inp.vllm_deps, "It needs", "So it can merge only once", "Its tests")
     if inp.vllm_via:
         out += _vllm_changes(
             inp,
             inp.vllm_via,
             "Through the earlier pull requests it also needs",
             "So it can merge only after them, once",
+            "The tests on its tree, its own and the earlier PRs'",
         )
     if not inp.earlier and not inp.vllm_deps:
         out += [
@@ -635,9 +640,7 @@ def accounting_lines(runs: list[PytestRun], levels: tuple[str, ...] = UNIT_MARKS
     if acc is None:
         return []
     used = list(dict.fromkeys([r.marks for r in runs if r.marks] + [lv for lv, _ in acc.unrun]))
-    out = [
-        f'- `-m "{level}"` selects {len(nodes)} of them: not run for this text.' for level, nodes in acc.unrun
-    ]
+    out = [f'- `-m "{level}"` selects {len(nodes)} of them: not run.' for level, nodes in acc.unrun]
     for path, nodes, why in _unselected_groups(acc, used):
         count = "1 test" if len(nodes) == 1 else f"{len(nodes)} tests"
         out.append(f"- No run selects {count} of `{path}`: {why}.")
@@ -850,7 +853,9 @@ def _not_run(inp: PrInputs) -> list[str]:
         serving += f"; {', '.join(f'`{f}`' for f in e2e)} is this PR's serving test (an 80 GB GPU and the checkpoint)"
     items.append(serving + ".")
     if inp.multi_gpu:
-        items.append("The tests that need two GPUs (they skip on one GPU).")
+        items.append(
+            "The tests that need two GPUs, this PR's or the earlier PRs' on its tree (they skip on one GPU)."
+        )
     if not inp.results_headings:
         items.append(
             f"{conv.PR_NO_MEASUREMENTS}: no GPU measurement of them is recorded for this PR; the "
@@ -879,7 +884,7 @@ def _omni_main(inp: PrInputs) -> str:
     text = f"vllm-omni `main`: {subject} built and tested on the v{inp.omni_version} release"
     check = inp.main_check
     if check is None:
-        return text + f"; whether {it} {applies} to `main` was not checked for this description."
+        return text + f"; whether {it} {applies} to `main` was not checked."
     if check.applies:
         return text + f"; {it} {applies} to {check.where} (`{check.how}`), but no test ran there."
     negated = "does not apply" if it == "it" else "do not apply"
@@ -950,7 +955,7 @@ def _vllm_not_run(inp: PrInputs) -> list[str]:
         main = f"vLLM `main`: the series was made against vLLM {inp.vllm_version}, not `main`"
     check = inp.main_check
     if check is None:
-        main += "; whether the series applies to `main` was not checked for this description."
+        main += "; whether the series applies to `main` was not checked."
     elif check.applies:
         main += f" (the series applies to {check.where}, but its tests did not run there)."
     else:
@@ -1000,14 +1005,18 @@ def stack_overview(prs: list, vllm_prs: list) -> str:
         "tests from its tree |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    needed: list[str] = []  # the vLLM PRs of the PRs so far: a PR needs those of the PRs it applies on
     for i, pr in enumerate(prs, 1):
         size = pr.size
         ref = pr.inputs.refs.get(pr.folder) if pr.inputs else None
+        inherited = [v for v in needed if v not in pr.vllm]
+        needs = [f"`{v}`" for v in pr.vllm] + [f"`{v}` (through the PRs before it)" for v in inherited]
+        needed += [v for v in pr.vllm if v not in needed]
         lines.append(
             f"| {i} | `{pr.folder}` | {pr.title} | {_ref_cell(ref)} | "
             f"{f'`{ref.branch}`' if ref and ref.branch else '—'} | {len(pr.commits)} | {size.get('files', 0)} | "
             f"+{size.get('insertions', 0)} / −{size.get('deletions', 0)} | {size.get('bytes', 0)} | "
-            f"{', '.join(f'`{v}`' for v in pr.vllm) or '—'} | {_runs_cell(pr)} |"
+            f"{', '.join(needs) or '—'} | {_runs_cell(pr)} |"
         )
     if vllm_prs:
         lines += [

@@ -149,7 +149,7 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
         rows = (
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
             f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
-            f"gathered pages (measured on an H200); with the unfused layers it is {off_path}; with vLLM's "
+            f"gathered pages (measured on an H200 and on an H100); with the unfused layers it is {off_path}; with vLLM's "
             "FlashAttention (chosen where its compiled op is registered) the tests assert the same bound, "
             "which no run has measured"
         )
@@ -303,6 +303,9 @@ STACK: tuple[OmniPr, ...] = (
             "`test_vision_graph_cuda.py` encodes real photos from scikit-image's bundled sample data "
             "(`skimage.data`, no download) through the model's own image processor; scikit-image is not a "
             "vllm-omni dependency, so without it those CUDA tests skip (with that reason).",
+            "The serving e2e test (`tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py`) needs the "
+            "checkpoint and skips without it; its `--enforce-eager` server runs only with "
+            "`MINICPMO45_E2E_ENFORCE_EAGER=1` (one more model load) and skips otherwise.",
         ),
     ),
     OmniPr(
@@ -333,16 +336,20 @@ STACK: tuple[OmniPr, ...] = (
         results=(_BEFORE_AFTER,),
         remarks=(
             _fused_layers_default,
-            "`test_fused_layers_cuda.py` reports one check as an expected failure when it misses, rather than "
-            "failing: the numerics bound on the vision configuration that is not the option's default (the "
-            "default's configuration must hold it). It prints the single-slice image graph's memory (graph pool "
-            "and static buffers) and where the pool's bytes go, without a bound: the pool holds whole 20 MiB "
-            "allocator segments.",
+            "`test_fused_layers_cuda.py` holds every vision configuration that fuses a layer to the numerics "
+            "bound, the option's default and the other one. It prints the single-slice image graph's memory "
+            "(graph pool and static buffers) and where the pool's bytes go, without a bound: the pool holds whole "
+            "20 MiB allocator segments.",
             "Until a later PR of this stack (duplex-scale) captures a session's graphs at start-up, the first duplex "
             "session after start-up captures them lazily, and with the fused layers its first chunks also "
-            "compile their Triton kernels: on this PR's tree that session's worst chunk took 440 ms and its median "
-            "chunk 66 ms (the Test Result's duplex row), against 12.0 ms and 10.3 ms before it; later sessions "
-            "replay in 1.7 ms.",
+            'compile their Triton kernels: in the Test Result\'s duplex row, that session ("first session") is '
+            "many times slower than the first session before this PR, while later sessions replay faster than "
+            "before. Merged without duplex-scale, a server's first duplex session pays that once.",
+            "With the encoder graphs off (`encoder_cuda_graph` false, or a shape the admission leaves eager), the "
+            "one-slice image call and the audio calls, duplex chunks included, measured slower with the fused "
+            "layers than without them on the GPU host (the Test Result's eager columns), and the multi-slice "
+            "image calls much faster; the cause was not measured. The default calls, graphs on, are faster in "
+            "every row apart from the first duplex session.",
         ),
     ),
     OmniPr(
@@ -384,7 +391,16 @@ STACK: tuple[OmniPr, ...] = (
             "compiled vLLM ops, so every batched step measured and tested ran the SDPA reference over the "
             "gathered pages; the tolerance the tests assert for FlashAttention rows is unmeasured.",
         ),
-        remarks=(_duplex_batch_default,),
+        remarks=(
+            _duplex_batch_default,
+            "How a step's appends are batched: the model runner hands the model every duplex append of the step "
+            "it accepts. Each one's own preprocess runs in a worker thread of the model (`duplex-append`), one "
+            "at a time and in request order, under the runner thread's autograd mode, CUDA device and stream and "
+            "context variables; where its audio chunk reaches the encoder it parks. Once every request has "
+            "parked or finished, the runner's thread encodes the parked chunks in one batched call and resumes "
+            "the requests in order (an append with two chunks parks twice). A step that fails ends every parked "
+            "call with the error, each session's own cache restored.",
+        ),
     ),
 )
 

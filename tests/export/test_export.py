@@ -217,6 +217,7 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
     out, manifest, report = exported
     resolved = stack.resolve(read_change_set(REPO, "current")).omni
     earlier: list[str] = []
+    two_gpu = False  # a two-GPU test of this PR or of one before it: its tree's one-GPU runs skip it
     for pr, check, source in zip(manifest["prs"], report.checks, resolved):
         text = (out / pr["folder"] / "PR.md").read_text()
         where = pr["folder"]
@@ -254,8 +255,10 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         not_run = text.split("### Not run", 1)[1]
         assert "checkpoint" in not_run and "Buildkite" in not_run
         assert (conv.PR_NO_MEASUREMENTS in not_run) == (not source.results), where
-        two_gpu = any("pytest.mark.multi_gpu" in path.read_text() for path in source.tests.values())
-        assert ("two GPUs" in not_run) == two_gpu
+        two_gpu = two_gpu or any(
+            "pytest.mark.multi_gpu" in path.read_text() for path in source.tests.values()
+        )
+        assert ("two GPUs" in not_run) == two_gpu, where
 
 
 @pytest.mark.cpu
@@ -390,6 +393,17 @@ def test_stack_overview_lists_each_pr_with_its_size(exported):
             pr["title"] in row and f"+{pr['size']['insertions']}" in row and str(pr["size"]["bytes"]) in row
         )
         assert pr["size"]["bytes"] == sum((out / s).stat().st_size for s in pr["series"])
+    # a PR needs the vLLM PRs of the PRs it applies on: the table says so, and through which
+    needed: list[str] = []
+    for pr in manifest["prs"]:
+        row = next(line for line in overview.splitlines() if f"`{pr['folder']}` |" in line)
+        cell = row.split(" | ")[-2]
+        for v in needed:
+            assert f"`{v}`" in cell and (v in pr["vllm"] or "through the PRs before it" in cell), row
+        if not needed and not pr["vllm"]:
+            assert cell == "—"
+        needed += [v for v in pr["vllm"] if v not in needed]
+    assert needed  # the stack needs a vLLM change: the check above ran on a PR that inherits it
 
 
 def _copy_checkout(dest: Path) -> Path:

@@ -65,7 +65,7 @@ def test_every_collected_test_is_accounted_for_and_the_unselected_ones_are_named
     result = text.split("## Test Result", 1)[1].split("### Not run", 1)[0]
     own, earlier = result.split("The earlier PRs' tests on this tree", 1)
     assert "This PR's tests (the test files it adds or changes); they collect 7 tests:" in own
-    assert f'-m "{CUDA}"` selects 2 of them: not run for this text.' in own
+    assert f'-m "{CUDA}"` selects 2 of them: not run.' in own
     assert (
         "No run selects 2 tests of `tests/e2e/online_serving/test_serve.py`: marked `advanced_model`, `cuda`, "
         "not `core_model`, which each unit level requires; the serving end to end tests" in own
@@ -92,7 +92,7 @@ def test_a_gpu_run_closes_the_account_of_its_level():
                            files=OWN_FILES, collection=_own_collection(CUDA))  # fmt: skip
     text = prtext.omni_pr(_inputs([_cpu_run(), gpu]))
     assert "In all, the 7 collected tests: 5 selected by the runs, 2 by none." in text
-    assert "not run for this text" not in text and f'with `-m "{CUDA}"` from its own tree' not in text
+    assert "of them: not run." not in text and f'with `-m "{CUDA}"` from its own tree' not in text
 
 
 def test_without_a_record_of_the_collection_the_levels_not_run_are_still_named():
@@ -200,7 +200,7 @@ def test_the_vllm_pr_says_what_did_not_run_vllm_main_first():
     items = [line for line in not_run.splitlines() if line.startswith("- ")]
     assert items[0] == (
         "- vLLM `main`: the tests ran against vLLM 0.30.0 with this change applied, not `main`; "
-        "whether the series applies to `main` was not checked for this description."
+        "whether the series applies to `main` was not checked."
     )
     assert (
         "- The tests that need a GPU: no run of Test Result had one, so they skipped (1 × requires a CUDA device)."
@@ -333,7 +333,7 @@ def test_the_vllm_omni_main_item_says_when_it_was_not_checked():
     inp = _inputs([])
     assert (
         "- vllm-omni `main`: this PR and the ones before it are built and tested on the v0.30.0 release; "
-        "whether they apply to `main` was not checked for this description."
+        "whether they apply to `main` was not checked."
     ) in prtext.omni_pr(inp)
     inp.number = 1
     assert "- vllm-omni `main`: this PR is built and tested on the v0.30.0 release; whether it applies" in (
