@@ -95,6 +95,12 @@ def _blocks(row: dict | None) -> list[float]:
     return list((row or {}).get("blocks") or [])
 
 
+def _range(row: dict | None) -> str:
+    """``lowest–highest`` of a row's block medians (ms)."""
+    b = _blocks(row)
+    return f"{min(b):.2f}–{max(b):.2f}"
+
+
 def overlap(before: dict | None, after: dict | None) -> bool:
     """Whether the two rows' ranges of block medians overlap: the trees' difference is then no larger
     than how much one tree's own blocks moved (False where either row has no blocks)."""
@@ -207,6 +213,7 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
             "| default path with this PR | speed-up (default) | output vs before | graphed vs eager |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+    judged: list[str] = []  # per call: the block-median ranges its "within noise" mark compares
     for call in [*CALLS, DUPLEX]:
         kind_b, row_b = _default(before_t, call)
         kind_a, row_a = _default(after_t, call)
@@ -222,6 +229,13 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         eager_both = not _replayed(kind_b, row_b) and not _replayed(kind_a, row_a)
         if speed != "—" and (overlap(row_b, row_a) or (eager_both and overlap(eb, ea))):
             speed += ", within noise"
+        # the blocks that decide the mark: the default rows', or the eager rows' where both are eager
+        if eager_both and (overlap(eb, ea) or not (_blocks(row_b) and _blocks(row_a))):
+            rb, ra = eb, ea
+        else:
+            rb, ra = row_b, row_a
+        if speed != "—" and _blocks(rb) and _blocks(ra):
+            judged.append(f"{call} {_range(rb)} → {_range(ra)}")
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)
@@ -261,6 +275,13 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
             "measurements of the call (the saving per replay against the capture time and the memory), so a "
             "shape whose saving is close to that price can go either way between two processes; the eager "
             "columns compare the two trees' code.",
+            "",
+        ]
+    if judged:
+        lines += [
+            "The block medians each speed-up was judged on (ms, lowest–highest, before → with this PR): "
+            + "; ".join(judged)
+            + ".",
             "",
         ]
     if blocked:

@@ -675,6 +675,7 @@ def _link(result: ExportResult, st: stack.Stack, cs: ChangeSet) -> None:
 
 def _write_texts(cs: ChangeSet, st: stack.Stack, result: ExportResult) -> None:
     for pr in result.prs:
+        pr.inputs.hand_commits = upstream_edits.hand_commits(pr.files, pr.page)
         (result.out / pr.folder / "PR.md").write_text(prtext.omni_pr(pr.inputs), encoding="utf-8")
         (result.out / pr.folder / "PR-title.txt").write_text(pr.title + "\n", encoding="utf-8")
         edits = upstream_edits.render(pr.files, pr.page, cs.lane.vllm_omni)

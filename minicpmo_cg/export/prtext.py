@@ -295,6 +295,8 @@ class PrInputs:
     earlier_test_files: list[str] = field(default_factory=list)
     earlier_marks: tuple[str, ...] = ()
     multi_gpu: bool = False
+    #: (title, what it edits) of the commits made by hand on the branch (:func:`.upstream_edits.hand_commits`)
+    hand_commits: list[tuple[str, str]] = field(default_factory=list)
     #: (title, folder) of the earlier PRs of the stack, of the vLLM PRs it needs, of the PRs needing it
     earlier: list[tuple[str, str]] = field(default_factory=list)
     vllm_deps: list[tuple[str, str]] = field(default_factory=list)
@@ -404,6 +406,15 @@ def _purpose(inp: PrInputs) -> list[str]:
         )  # fmt: skip
         out += [f"The design page `{page}` gains {which}.", ""]
     out += ["### Commits", ""] + [f"{i}. {t}" for i, t in enumerate(inp.commits, 1)] + [""]
+    if inp.hand_commits:
+        first = len(inp.commits) + 1
+        out += [
+            f"Made by hand on the branch, after the series: edits to files that are in vllm-omni's git tree but "
+            f"not in the v{inp.omni_version} wheel the series was built on:",
+            "",
+            *(f"{i}. {title} ({what})" for i, (title, what) in enumerate(inp.hand_commits, first)),
+            "",
+        ]
     return out + _depends_on(inp)
 
 
@@ -452,7 +463,8 @@ def _vllm_changes(
         *(f"- {inp.ref(title, folder)}" for title, folder in changes),
         "",
         f"{merge} vllm-omni's vLLM pin includes that change; {conv.TRACKER_RULE}. On a vLLM without it "
-        "nothing breaks: the encoders run eagerly, as before, and the model logs one WARNING saying why. "
+        "nothing breaks: the encoder graphs stay off, the encoders run eagerly and the model logs one WARNING "
+        "saying why. "
         f"{tests} ran against vLLM {inp.vllm_version} with the change applied; on a vLLM without it, the tests "
         "that build vLLM's manager with the new argument fail, so CI can pass only after the pin bump.",
         "",
@@ -474,7 +486,7 @@ def _depends_on(inp: PrInputs) -> list[str]:
             inp.vllm_via,
             "Through the earlier pull requests it also needs",
             "So it can merge only after them, once",
-            "The tests on its tree, its own and the earlier PRs'",
+            "The tests on its tree (its own and the earlier PRs')",
         )
     if not inp.earlier and not inp.vllm_deps:
         out += [
@@ -574,6 +586,35 @@ class Accounting:
     unselected: list[str]
 
 
+def _union(collections: list[Collection]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The tests of several runs' collections, once each (node id -> marks), and the ids that name
+    one of them differently (id -> the id kept).
+
+    A parametrized test's id is built from its values by the pytest of the host that collects it,
+    and two hosts' pytest versions may build it differently: the k-th case of a test function
+    collected under an id that another run collected as the k-th case under another id is the same
+    test, kept under the id of the run given first.
+    """
+    tests: dict[str, list[str]] = {}
+    alias: dict[str, str] = {}
+    cases: dict[str, list[str]] = {}  # test function -> its cases kept, in collection order
+    for collection in collections:
+        seen: dict[str, int] = {}
+        for node, marks in collection.tests.items():
+            function = node.split("[", 1)[0]
+            k = seen.get(function, 0)
+            seen[function] = k + 1
+            kept = cases.setdefault(function, [])
+            if node in tests:
+                continue
+            if "[" in node and k < len(kept) and kept[k] not in collection.tests:
+                alias[node] = kept[k]
+                continue
+            tests[node] = marks
+            kept.append(node)
+    return tests, alias
+
+
 def _selects(expression: str, marks: list[str]) -> bool:
     return not expression or testmarks.expression_selects(expression, frozenset(marks))
 
@@ -582,15 +623,13 @@ def account(runs: list[PytestRun], levels: tuple[str, ...] = UNIT_MARKS) -> Acco
     """Account for every test the runs of one scope collected: which each run selected, which a
     unit level of ``levels`` that no run used would select, and which none selects. None when no
     run recorded its collection."""
-    tests: dict[str, list[str]] = {}
-    for run in runs:
-        tests.update(run.collection.tests if run.collection else {})
+    tests, alias = _union([run.collection for run in runs if run.collection is not None])
     if not tests:
         return None
     selected = []
     for run in runs:
         if run.collection is not None:
-            selected.append(run.collection.selected)
+            selected.append([alias.get(n, n) for n in run.collection.selected])
             continue
         try:  # no record of its own: its expression on the others' marks
             selected.append([n for n, marks in tests.items() if _selects(run.marks, marks)])

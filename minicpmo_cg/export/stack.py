@@ -144,14 +144,18 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
     key = keys["encoder_cuda_graph_duplex_batch"]
     fused = keys["encoder_fused_layers"].default
     per_session = "each session's chunk is encoded on its own, bitwise equal to eager"
-    off_path = "held by the tests within four bf16 steps of each session's own encode, not bitwise"
+    off_path = (
+        "not bitwise: the option's description bounds them within four bf16 steps of each session's own "
+        "encode (`4 · 2⁻⁸` of the output's largest magnitude)"
+    )
     if fused in ("all", "audio"):
         rows = (
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
             f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
-            f"gathered pages (measured on an H200 and on an H100); with the unfused layers it is {off_path}; with vLLM's "
-            "FlashAttention (chosen where its compiled op is registered) the tests assert the same bound, "
-            "which no run has measured"
+            f"gathered pages (the Test Result's table, and the CUDA test asserts it); with the unfused layers "
+            f"the rows are {off_path}, a bound no test or run has exercised (the tests build the default fused "
+            f"layers); with vLLM's FlashAttention (chosen where its compiled op is registered) the "
+            "tests assert that four-step bound, which no run has measured"
         )
     else:
         rows = f"the rows run the unfused Whisper layers (`encoder_fused_layers` defaults to {_js(fused)}), {off_path}"
@@ -242,7 +246,7 @@ STACK: tuple[OmniPr, ...] = (
             "higher precision through the softmax, and on one attention layer its largest and mean errors "
             "against float32 are no larger than the eager attention's (a CPU test checks both). The Test "
             "Result's image rows give the image call's output difference after the resampler, with random "
-            "weights at the checkpoint's dimensions; SigLIP's own output, before the resampler, moves more. No "
+            "weights at the checkpoint's dimensions; SigLIP's own output, before the resampler, was not compared. No "
             'run compared the checkpoint\'s answers. `--hf-overrides \'{"vision_attn_implementation": "eager"}\'` '
             "keeps the former numerics bitwise; the contiguous hidden states change no bit.",
         ),
@@ -338,18 +342,18 @@ STACK: tuple[OmniPr, ...] = (
             _fused_layers_default,
             "`test_fused_layers_cuda.py` holds every vision configuration that fuses a layer to the numerics "
             "bound, the option's default and the other one. It prints the single-slice image graph's memory "
-            "(graph pool and static buffers) and where the pool's bytes go, without a bound: the pool holds whole "
-            "20 MiB allocator segments.",
-            "Until a later PR of this stack (duplex-scale) captures a session's graphs at start-up, the first duplex "
-            "session after start-up captures them lazily, and with the fused layers its first chunks also "
-            'compile their Triton kernels: in the Test Result\'s duplex row, that session ("first session") is '
-            "many times slower than the first session before this PR, while later sessions replay faster than "
-            "before. Merged without duplex-scale, a server's first duplex session pays that once.",
+            "(graph pool and static buffers) and where the pool's bytes go, without asserting a bound on them.",
+            "With the fused layers, the first chunks of a server's first duplex session also compile their Triton "
+            'kernels: in the Test Result\'s duplex row, that session ("first session") is many times slower '
+            "than the first session before this PR, while later sessions replay faster than before. PR 6 of this "
+            "stack runs that compilation, and the captures every session needs, at start-up instead; merged "
+            "without it, each server's first duplex session pays it once.",
             "With the encoder graphs off (`encoder_cuda_graph` false, or a shape the admission leaves eager), the "
-            "one-slice image call and the audio calls, duplex chunks included, measured slower with the fused "
-            "layers than without them on the GPU host (the Test Result's eager columns), and the multi-slice "
-            "image calls much faster; the cause was not measured. The default calls, graphs on, are faster in "
-            "every row apart from the first duplex session.",
+            "one-slice image call measured slower with the fused layers than without them on the GPU host (the "
+            "Test Result's eager columns; the two trees' block medians of that call are apart), the audio calls "
+            "moved within their blocks' spread and the multi-slice image calls got much faster; the cause of the "
+            "one-slice slowdown was not measured. The default calls, graphs on, are faster in every row apart "
+            "from the first duplex session.",
         ),
     ),
     OmniPr(

@@ -71,6 +71,26 @@ def _page_title(design_rel: str) -> str:
     return f"{conv.MODEL_TITLE} Input Encoder CUDA Graphs"
 
 
+def hand_commits(files: list[str], design_rel: str | None) -> list[tuple[str, str]]:
+    """(commit title, what it edits) of the commits :func:`render` asks for, in its order."""
+    out = []
+    if e2e_command(files):
+        out.append(
+            (
+                commit_title(conv.BUILDKITE_READY),
+                f"`{conv.BUILDKITE_READY}`: a CI step that runs the serving test",
+            )
+        )
+    if design_rel:
+        out.append(
+            (commit_title(conv.NAV_FILE), f"`{conv.NAV_FILE}`: the design page in the docs navigation")
+        )
+        out.append(
+            (commit_title(conv.DESIGN_INDEX_FILE), f"`{conv.DESIGN_INDEX_FILE}`: a link to the design page")
+        )
+    return out
+
+
 def render(files: list[str], design_rel: str | None, release: str | None = None) -> str | None:
     """``UPSTREAM-EDITS.md`` of a PR whose files are ``files`` and which adds the design page
     ``design_rel`` (or none), made against vllm-omni ``release``: for the person opening the PR,

@@ -252,6 +252,11 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         _tables_have_captions(text, where)
         assert all(remark in text for remark in source.remarks), where
         assert transform.project_mentions({where: text}, words=transform.POSITIONAL) == []
+        # the commits UPSTREAM-EDITS.md asks for by hand are named in the text too
+        edits = out / pr["folder"] / "UPSTREAM-EDITS.md"
+        titles = re.findall(r"Commit title: `([^`]+)`", edits.read_text()) if edits.exists() else []
+        assert ("Made by hand on the branch" in text) == bool(titles), where
+        assert all(title in text for title in titles), where
         not_run = text.split("### Not run", 1)[1]
         assert "checkpoint" in not_run and "Buildkite" in not_run
         assert (conv.PR_NO_MEASUREMENTS in not_run) == (not source.results), where

@@ -483,3 +483,30 @@ def test_a_sentence_starting_with_a_code_name_keeps_its_case():
     assert sentence_start("vpm.forward() runs") == "`vpm.forward()` runs"
     assert sentence_start("serving could never") == "Serving could never"
     assert sentence_start("") == ""
+
+
+def test_a_parametrized_id_that_another_host_builds_differently_is_one_test():
+    """Two hosts' pytest may build one case's id differently: the CPU run and the GPU run then
+    collect the same test under two ids, and it must neither count twice nor read as selected by
+    no run."""
+
+    def collection(case: str, deselect: str) -> Collection:
+        tests = {
+            f"tests/m/test_path.py::test_kinds[{v}]": ["core_model", "cpu", "parametrize"]
+            for v in ("a", case)
+        }
+        tests |= {"tests/m/test_path.py::test_gpu": ["core_model", "cuda"]}
+        return Collection(tests, [n for n, m in tests.items() if deselect in m])
+
+    cpu = prtext.PytestRun(CPU, "2 passed, 1 deselected", files=OWN_FILES[:1],
+                           collection=collection('b-expected "x"', "cuda"))  # fmt: skip
+    gpu = prtext.PytestRun(CUDA, "1 passed, 2 deselected", environment="on an offline GPU host",
+                           files=OWN_FILES[:1], collection=collection("b-expected0", "cpu"))  # fmt: skip
+    acc = prtext.account([cpu, gpu])
+    assert acc is not None and len(acc.tests) == 3 and acc.unselected == []
+    assert "tests/m/test_path.py::test_kinds[b-expected0]" not in acc.tests
+    inputs = _inputs([cpu, gpu])
+    inputs.test_files = OWN_FILES[:1]
+    text = prtext.omni_pr(inputs)
+    assert "In all, the 3 collected tests: 3 selected by the runs." in text
+    assert "No run selects" not in text.split("The earlier PRs' tests", 1)[0]
