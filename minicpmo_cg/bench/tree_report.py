@@ -227,13 +227,10 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         # where neither tree replayed a graph, the default call is the eager path: the eager rows'
         # blocks measure its noise (a default duplex session is timed once and has none of its own)
         eager_both = not _replayed(kind_b, row_b) and not _replayed(kind_a, row_a)
-        if speed != "—" and (overlap(row_b, row_a) or (eager_both and overlap(eb, ea))):
-            speed += ", within noise"
         # the blocks that decide the mark: the default rows', or the eager rows' where both are eager
-        if eager_both and (overlap(eb, ea) or not (_blocks(row_b) and _blocks(row_a))):
-            rb, ra = eb, ea
-        else:
-            rb, ra = row_b, row_a
+        rb, ra = (eb, ea) if eager_both else (row_b, row_a)
+        if speed != "—" and overlap(rb, ra):
+            speed += ", within noise"
         if speed != "—" and _blocks(rb) and _blocks(ra):
             judged.append(f"{call} {_range(rb)} → {_range(ra)}")
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")

@@ -382,7 +382,7 @@ def _purpose(inp: PrInputs) -> list[str]:
         why = sentence_start(patch.why)
         out += [f"**{subject[0].upper()}{subject[1:]}.** {why}" if many else why, ""]
     for name, doc in inp.modules:
-        summary = first_paragraph(doc)
+        summary = _plain_roles(first_paragraph(doc))
         if summary:
             out += [f"New module `{name}`: {summary}", ""]
     for remark in inp.remarks:
@@ -396,6 +396,7 @@ def _purpose(inp: PrInputs) -> list[str]:
         lead = re.sub(
             r"^Part of .*?\.\s+(?=[A-Z])", "", " ".join(lead.split())
         )  # the link back to the overview
+        lead = lead.replace("This page ", "The page ")  # the PR text is not the page
         out += [f"New design page `{page}`: {lead}", ""]
     by_page: dict[str, list[str]] = {}
     for page, heading in inp.sections_added:
@@ -409,13 +410,19 @@ def _purpose(inp: PrInputs) -> list[str]:
     if inp.hand_commits:
         first = len(inp.commits) + 1
         out += [
-            f"Made by hand on the branch, after the series: edits to files that are in vllm-omni's git tree but "
-            f"not in the v{inp.omni_version} wheel the series was built on:",
+            f"To add by hand on the branch, after the series: edits to files that are in vllm-omni's git tree "
+            f"but not in the v{inp.omni_version} wheel the series was built on (not made yet):",
             "",
             *(f"{i}. {title} ({what})" for i, (title, what) in enumerate(inp.hand_commits, first)),
             "",
         ]
     return out + _depends_on(inp)
+
+
+def _plain_roles(text: str) -> str:
+    """Sphinx roles of a docstring as plain code spans (``:func:`.x``` -> ```x```): GitHub shows
+    the roles literally."""
+    return re.sub(r":(?:func|mod|class|meth|data|attr|exc|obj):`[~.]*([^`]+)`", r"`\1`", text)
 
 
 def _design_parts(inp: PrInputs) -> list[str]:

@@ -153,9 +153,10 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
             f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
             f"gathered pages (the Test Result's table, and the CUDA test asserts it); with the unfused layers "
-            f"the rows are {off_path}, a bound no test or run has exercised (the tests build the default fused "
-            f"layers); with vLLM's FlashAttention (chosen where its compiled op is registered) the "
-            "tests assert that four-step bound, which no run has measured"
+            f"the rows are {off_path}, which no test exercises (the tests build the default fused layers; one "
+            f"run on an H200, before the fused layers were the default, measured 7.2e-3 relative); with vLLM's "
+            "FlashAttention (chosen where its compiled op is registered) the tests assert that four-step bound, which no run has "
+            "measured"
         )
     else:
         rows = f"the rows run the unfused Whisper layers (`encoder_fused_layers` defaults to {_js(fused)}), {off_path}"
@@ -306,7 +307,9 @@ STACK: tuple[OmniPr, ...] = (
         remarks=(
             "`test_vision_graph_cuda.py` encodes real photos from scikit-image's bundled sample data "
             "(`skimage.data`, no download) through the model's own image processor; scikit-image is not a "
-            "vllm-omni dependency, so without it those CUDA tests skip (with that reason).",
+            "vllm-omni dependency, so without it those CUDA tests skip (with that reason), all but "
+            "`test_cost_admission_captures_a_duplex_frame_and_no_grad_replays_it`, which loads its photo outside "
+            "that fixture and fails: the agents that run `core_model and cuda` need scikit-image.",
             "The serving e2e test (`tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py`) needs the "
             "checkpoint and skips without it; its `--enforce-eager` server runs only with "
             "`MINICPMO45_E2E_ENFORCE_EAGER=1` (one more model load) and skips otherwise.",
@@ -340,8 +343,9 @@ STACK: tuple[OmniPr, ...] = (
         results=(_BEFORE_AFTER,),
         remarks=(
             _fused_layers_default,
-            "`test_fused_layers_cuda.py` holds every vision configuration that fuses a layer to the numerics "
-            "bound, the option's default and the other one. It prints the single-slice image graph's memory "
+            "`test_fused_layers_cuda.py` holds the image call's output to the numerics bound both with SigLIP's "
+            'fused layers (`encoder_fused_layers` `"all"`) and without them (`"audio"`, Whisper\'s alone). It prints '
+            "the single-slice image graph's memory "
             "(graph pool and static buffers) and where the pool's bytes go, without asserting a bound on them.",
             "With the fused layers, the first chunks of a server's first duplex session also compile their Triton "
             'kernels: in the Test Result\'s duplex row, that session ("first session") is many times slower '
@@ -350,9 +354,8 @@ STACK: tuple[OmniPr, ...] = (
             "without it, each server's first duplex session pays it once.",
             "With the encoder graphs off (`encoder_cuda_graph` false, or a shape the admission leaves eager), the "
             "one-slice image call measured slower with the fused layers than without them on the GPU host (the "
-            "Test Result's eager columns; the two trees' block medians of that call are apart), the audio calls "
-            "moved within their blocks' spread and the multi-slice image calls got much faster; the cause of the "
-            "one-slice slowdown was not measured. The default calls, graphs on, are faster in every row apart "
+            "Test Result's eager columns) and the multi-slice image calls much faster; the cause of the one-slice "
+            "slowdown was not measured. The default calls, graphs on, are faster in every row apart "
             "from the first duplex session.",
         ),
     ),
@@ -380,7 +383,7 @@ STACK: tuple[OmniPr, ...] = (
     ),
     OmniPr(
         key="duplex-batch",
-        title="MiniCPM-o 4.5: opt-in batched duplex audio steps, one graph replay per engine step",
+        title="MiniCPM-o 4.5: opt-in batching of the duplex audio chunks of an engine step",
         # [Core]: its worker patch changes vllm-omni's model runner (a batched preprocess hook any model can
         # answer); it applies between this PR's model patches and is tested with them
         prefixes=("[Model]", "[Core]", "[Perf]"),

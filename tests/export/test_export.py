@@ -255,7 +255,7 @@ def test_each_pr_text_reads_once_a_maintainer(exported):
         # the commits UPSTREAM-EDITS.md asks for by hand are named in the text too
         edits = out / pr["folder"] / "UPSTREAM-EDITS.md"
         titles = re.findall(r"Commit title: `([^`]+)`", edits.read_text()) if edits.exists() else []
-        assert ("Made by hand on the branch" in text) == bool(titles), where
+        assert ("To add by hand on the branch" in text) == bool(titles), where
         assert all(title in text for title in titles), where
         not_run = text.split("### Not run", 1)[1]
         assert "checkpoint" in not_run and "Buildkite" in not_run

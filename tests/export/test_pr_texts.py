@@ -510,3 +510,9 @@ def test_a_parametrized_id_that_another_host_builds_differently_is_one_test():
     text = prtext.omni_pr(inputs)
     assert "In all, the 3 collected tests: 3 selected by the runs." in text
     assert "No run selects" not in text.split("The earlier PRs' tests", 1)[0]
+
+
+def test_a_module_summary_shows_sphinx_roles_as_code():
+    assert prtext._plain_roles("Immediate capture: :func:`capture_now` and :mod:`.immediate`.") == (
+        "Immediate capture: `capture_now` and `immediate`."
+    )

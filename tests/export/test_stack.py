@@ -772,13 +772,16 @@ def test_the_duplex_batch_remark_states_the_registrys_default(st):
     assert f"default `{json.dumps(key.default)}`" in text, owner.key
     assert text.startswith("Batched duplex steps are " + ("on by default" if key.default else "opt-in"))
     assert f"`encoder_fused_layers` defaults to `{json.dumps(fused)}`" in text and key.doc in text
-    assert "not bitwise: the option's description bounds them within four bf16 steps of each session's own" in text
+    assert (
+        "not bitwise: the option's description bounds them within four bf16 steps of each session's own"
+        in text
+    )
     if fused in ("all", "audio"):
         hook = next(pr for pr in st.omni if _calls_added(pr, "configure_fused_layers"))
         assert st.keys.index(hook.key) < st.keys.index(owner.key)  # the rows' fused layers are in its tree
         assert "bitwise equal to its session's own encode where it runs the fused Whisper layers" in text
         assert "SDPA reference attention" in text
-        assert "a bound no test or run has exercised (the tests build the default fused layers)" in text
+        assert "which no test exercises (the tests build the default fused layers" in text
         # the FlashAttention rows' bound is what the tests assert, not what a run measured
         assert "no run has measured" in text
 
