@@ -231,6 +231,8 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         rb, ra = (eb, ea) if eager_both else (row_b, row_a)
         if speed != "—" and overlap(rb, ra):
             speed += ", within noise"
+        elif speed != "—" and blocked and call == DUPLEX and not (_blocks(rb) and _blocks(ra)):
+            speed += ", one measurement each"  # a default duplex session is timed once: no blocks to judge by
         if speed != "—" and _blocks(rb) and _blocks(ra):
             judged.append(f"{call} {_range(rb)} → {_range(ra)}")
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")

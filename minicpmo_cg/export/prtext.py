@@ -512,7 +512,7 @@ def pytest_commands(files: list[str], levels: tuple[str, ...] = UNIT_MARKS) -> l
     out = [f'pytest -sv {" ".join(units)} -m "{marks}"' for marks in levels] if units else []
     return out + [
         f"{conv.E2E_HUB_ENV}=1 pytest -sv {f}  # serving, an 80 GB GPU; downloads openbmb/MiniCPM-o-4_5 "
-        f"(or set {conv.E2E_MODEL_ENV} to a local copy instead); without either it skips"
+        f"(or set {conv.E2E_MODEL_ENV} to a local copy instead); without either, and without the checkpoint in the Hugging Face cache, it skips"
         for f in e2e
     ]
 

@@ -135,8 +135,8 @@ def _fused_layers_default(keys: Mapping[str, HfKey]) -> str:
         "random weights at the checkpoint's dimensions only: no run put the checkpoint's own weights through "
         "the fused layers, so a maintainer who wants that evidence first can merge this PR with the default "
         'set to `"none"`: its `encoder_fused_layers` entry in `encoder_cuda_graph/options.py` and that key\'s '
-        "row of the options table in `docs/design/minicpmo_encoder_cuda_graph.md` (a test holds the two "
-        "equal)."
+        "row of the options table in `docs/design/minicpmo_encoder_cuda_graph.md`, both (the options-page "
+        "test checks that the row names the key's default, not which value it states as the default)."
     )
 
 
@@ -153,8 +153,8 @@ def _duplex_batch_default(keys: Mapping[str, HfKey]) -> str:
             "each row is bitwise equal to its session's own encode where it runs the fused Whisper layers "
             f"(`encoder_fused_layers` defaults to {_js(fused)}) with the SDPA reference attention over the "
             f"gathered pages (the Test Result's table, and the CUDA test asserts it); with the unfused layers "
-            f"the rows are {off_path}, which no test exercises (the tests build the default fused layers; one "
-            f"run on an H200, before the fused layers were the default, measured 7.2e-3 relative); with vLLM's "
+            f"the rows are {off_path}, which no test checks (the CUDA tests build the default fused layers, and the "
+            f"CPU tests' tiny float32 models run unfused rows within 1e-4); with vLLM's "
             "FlashAttention (chosen where its compiled op is registered) the tests assert that four-step bound, which no run has "
             "measured"
         )

@@ -292,3 +292,27 @@ def test_the_stack_results_page_holds_the_sections_of_its_recorded_run() -> None
     assert summary["date"] in setup
     for part in summary["environment"].split(", ")[:3]:  # Python, torch, transformers
         assert part in setup, part
+
+
+def test_a_speed_up_of_single_measurements_says_so(tmp_path: Path) -> None:
+    """A run measured in blocks whose default duplex sessions are one measurement each: the speed-up
+    cell says that, rather than reading as a change beyond noise."""
+    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
+    before, after = _tree(10.0, 5.0), _tree(10.0, 2.5)
+    for tree in (before, after):
+        for call in calls:
+            tree["eager"][call]["blocks"] = [9.5, 10.0, 10.5]
+        for call in tree_figures.CALLS:
+            tree["graphed"][call]["blocks"] = [tree["graphed"][call]["median"]] * 3
+    compare = {
+        f: {"vs_previous": {f"graphed/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
+        for f in ("01-a", "02-b")
+    }
+    text = tree_report.sections(
+        _run(tmp_path, {"00-release": _tree(10.0, None), "01-a": before, "02-b": after}, compare)
+    )
+    second = text.split("<!-- pr: b -->")[1]
+    duplex = next(line for line in second.splitlines() if line.startswith(f"| {tree_figures.DUPLEX} |"))
+    image = next(line for line in second.splitlines() if line.startswith("| image, 1 slice |"))
+    assert "2.00×, one measurement each" in duplex
+    assert "| 2.00× |" in image  # blocks apart: a plain speed-up

@@ -781,7 +781,7 @@ def test_the_duplex_batch_remark_states_the_registrys_default(st):
         assert st.keys.index(hook.key) < st.keys.index(owner.key)  # the rows' fused layers are in its tree
         assert "bitwise equal to its session's own encode where it runs the fused Whisper layers" in text
         assert "SDPA reference attention" in text
-        assert "which no test exercises (the tests build the default fused layers" in text
+        assert "which no test checks (the CUDA tests build the default fused layers" in text
         # the FlashAttention rows' bound is what the tests assert, not what a run measured
         assert "no run has measured" in text
 
