@@ -229,12 +229,13 @@ def pr_section(folder: str, before: str, trees: dict[str, dict], compare: dict) 
         eager_both = not _replayed(kind_b, row_b) and not _replayed(kind_a, row_a)
         # the blocks that decide the mark: the default rows', or the eager rows' where both are eager
         rb, ra = (eb, ea) if eager_both else (row_b, row_a)
-        if speed != "—" and overlap(rb, ra):
-            speed += ", within noise"
-        elif speed != "—" and blocked and call == DUPLEX and not (_blocks(rb) and _blocks(ra)):
-            speed += ", one measurement each"  # a default duplex session is timed once: no blocks to judge by
-        if speed != "—" and _blocks(rb) and _blocks(ra):
-            judged.append(f"{call} {_range(rb)} → {_range(ra)}")
+        if speed != "—":
+            if _blocks(rb) and _blocks(ra):
+                judged.append(f"{call} {_range(rb)} → {_range(ra)}")
+                if overlap(rb, ra):
+                    speed += ", within noise"
+            elif blocked and call == DUPLEX:  # a default duplex session is timed once: no blocks to judge by
+                speed += ", one measurement each"
         vs_before = cmp.get("vs_previous", {}).get(f"{kind_a}/{call}", "n/a")
         if kind_a != kind_b:  # the default path changed: compare the PR's default with the eager before
             vs_before = _eager_vs(trees, before, folder, call, compare)

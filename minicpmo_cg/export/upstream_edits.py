@@ -52,6 +52,15 @@ def e2e_command(files: list[str]) -> str | None:
 STEP_KEY = "minicpmo-4-5-encoder-cuda-graph"
 
 
+#: What the hand edit of each file adds: the heading of its section in ``UPSTREAM-EDITS.md`` and
+#: the PR text's note on its commit (:func:`hand_commits`).
+EDIT_SUMMARY = {
+    conv.BUILDKITE_READY: "a CI step for the eager vs graphed serving test",
+    conv.NAV_FILE: "the design page in the docs navigation",
+    conv.DESIGN_INDEX_FILE: "a link to the design page",
+}
+
+
 def commit_title(rel: str) -> str:
     """The title of the commit that makes the edit of ``rel`` (one commit per edited file)."""
     what = {
@@ -73,22 +82,10 @@ def _page_title(design_rel: str) -> str:
 
 def hand_commits(files: list[str], design_rel: str | None) -> list[tuple[str, str]]:
     """(commit title, what it edits) of the commits :func:`render` asks for, in its order."""
-    out = []
-    if e2e_command(files):
-        out.append(
-            (
-                commit_title(conv.BUILDKITE_READY),
-                f"`{conv.BUILDKITE_READY}`: a CI step that runs the serving test",
-            )
-        )
-    if design_rel:
-        out.append(
-            (commit_title(conv.NAV_FILE), f"`{conv.NAV_FILE}`: the design page in the docs navigation")
-        )
-        out.append(
-            (commit_title(conv.DESIGN_INDEX_FILE), f"`{conv.DESIGN_INDEX_FILE}`: a link to the design page")
-        )
-    return out
+    edited = ([conv.BUILDKITE_READY] if e2e_command(files) else []) + (
+        [conv.NAV_FILE, conv.DESIGN_INDEX_FILE] if design_rel else []
+    )
+    return [(commit_title(rel), f"`{rel}`: {EDIT_SUMMARY[rel]}") for rel in edited]
 
 
 def render(files: list[str], design_rel: str | None, release: str | None = None) -> str | None:
@@ -114,7 +111,7 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
     if command:
         n += 1
         lines += [
-            f"## {n}. `{conv.BUILDKITE_READY}`: a CI step for the eager vs graphed serving test",
+            f"## {n}. `{conv.BUILDKITE_READY}`: {EDIT_SUMMARY[conv.BUILDKITE_READY]}",
             "",
             f"Commit title: `{commit_title(conv.BUILDKITE_READY)}`",
             "",
@@ -141,7 +138,7 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
         nav_page = design_rel.removeprefix("docs/")
         title = _page_title(design_rel)
         lines += [
-            f"## {n + 1}. `{conv.NAV_FILE}`: the design page in the docs navigation",
+            f"## {n + 1}. `{conv.NAV_FILE}`: {EDIT_SUMMARY[conv.NAV_FILE]}",
             "",
             f"Commit title: `{commit_title(conv.NAV_FILE)}`",
             "",
@@ -150,7 +147,7 @@ def render(files: list[str], design_rel: str | None, release: str | None = None)
             "",
             f"    - {title}: {nav_page}",
             "",
-            f"## {n + 2}. `{conv.DESIGN_INDEX_FILE}`: a link to the design page",
+            f"## {n + 2}. `{conv.DESIGN_INDEX_FILE}`: {EDIT_SUMMARY[conv.DESIGN_INDEX_FILE]}",
             "",
             f"Commit title: `{commit_title(conv.DESIGN_INDEX_FILE)}`",
             "",

@@ -106,18 +106,26 @@ def test_report_sections_tag_each_pr_and_compare_default_paths(tmp_path: Path) -
     )
 
 
-def test_report_explains_calls_whose_graphs_the_cost_rule_declined_or_admitted(tmp_path: Path) -> None:
+def _two_prs(tmp_path: Path, first: dict, second: dict, kind: str = "eager") -> tuple[str, str]:
+    """The report's sections of PRs ``a`` (tree ``first``) and ``b`` (tree ``second``) on the release,
+    every output bitwise equal to the tree before's (``kind``: the path compared)."""
     calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
-    declined, admitted = _tree(8.0, 8.0, replayed=0), _tree(8.0, 2.0)
-    admitted["graphed"]["audio, 1 s"]["replayed"] = 0
     compare = {
-        f: {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
+        f: {"vs_previous": {f"{kind}/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
         for f in ("01-a", "02-b")
     }
     text = tree_report.sections(
-        _run(tmp_path, {"00-release": _tree(8.0, None), "01-a": declined, "02-b": admitted}, compare)
+        _run(tmp_path, {"00-release": _tree(8.0, None), "01-a": first, "02-b": second}, compare)
     )
-    first, second = text.split("<!-- pr: b -->")
+    a, b = text.split("<!-- pr: b -->")
+    return a, b
+
+
+def test_report_explains_calls_whose_graphs_the_cost_rule_declined_or_admitted(tmp_path: Path) -> None:
+    declined, admitted = _tree(8.0, 8.0, replayed=0), _tree(8.0, 2.0)
+    admitted["graphed"]["audio, 1 s"]["replayed"] = 0
+    first, second = _two_prs(tmp_path, declined, admitted)
+    text = first + second
     assert f"No graph replayed ({'; '.join(tree_figures.CALLS)}):" in first
     assert "No graph replayed (audio, 1 s):" in second
     others = [c for c in tree_figures.CALLS if c != "audio, 1 s"]
@@ -126,17 +134,9 @@ def test_report_explains_calls_whose_graphs_the_cost_rule_declined_or_admitted(t
 
 
 def test_report_explains_a_shape_the_cost_rule_admitted_before_and_declines_now(tmp_path: Path) -> None:
-    calls = [*tree_figures.CALLS, tree_figures.DUPLEX]
     admitted, declined = _tree(8.0, 2.0), _tree(8.0, 2.0)
     declined["graphed"]["image, 1 slice"]["replayed"] = 0
-    compare = {
-        f: {"vs_previous": {f"eager/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
-        for f in ("01-a", "02-b")
-    }
-    text = tree_report.sections(
-        _run(tmp_path, {"00-release": _tree(8.0, None), "01-a": admitted, "02-b": declined}, compare)
-    )
-    first, second = text.split("<!-- pr: b -->")
+    first, second = _two_prs(tmp_path, admitted, declined)
     assert "Graphed before, no graph replayed here" not in first
     assert "Graphed before, no graph replayed here (image, 1 slice): the cost admission admitted" in second
     assert "No graph replayed (image, 1 slice):" in second
@@ -304,14 +304,7 @@ def test_a_speed_up_of_single_measurements_says_so(tmp_path: Path) -> None:
             tree["eager"][call]["blocks"] = [9.5, 10.0, 10.5]
         for call in tree_figures.CALLS:
             tree["graphed"][call]["blocks"] = [tree["graphed"][call]["median"]] * 3
-    compare = {
-        f: {"vs_previous": {f"graphed/{c}": 0.0 for c in calls}, "graphed_vs_eager": {}}
-        for f in ("01-a", "02-b")
-    }
-    text = tree_report.sections(
-        _run(tmp_path, {"00-release": _tree(10.0, None), "01-a": before, "02-b": after}, compare)
-    )
-    second = text.split("<!-- pr: b -->")[1]
+    second = _two_prs(tmp_path, before, after, kind="graphed")[1]
     duplex = next(line for line in second.splitlines() if line.startswith(f"| {tree_figures.DUPLEX} |"))
     image = next(line for line in second.splitlines() if line.startswith("| image, 1 slice |"))
     assert "2.00×, one measurement each" in duplex
