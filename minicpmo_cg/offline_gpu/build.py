@@ -3,7 +3,8 @@
 Per lane, in a temporary directory: the lane's pinned vLLM and vllm-omni wheels are unpacked
 through the strip rules (:mod:`.strip`), this checkout's patch series is applied by the patch
 tool (``python -m minicpmo_cg.patchtool apply --site-packages SITE``, then ``check``), the
-dependency wheels of ``deps.txt`` are installed for CPython 3.12, the stubs are copied, the
+dependency wheels of ``deps.txt`` are installed for CPython 3.12, vLLM's compiled kernels are
+slimmed to sm_90 (:mod:`.native`), the stubs are copied, the
 GPU-side modules are imported with a host-like Python 3.12 (:mod:`.hostlike`), and the site is
 packed into ``<out>/<lane>/site.tar.xz`` with a ``MANIFEST.json``. Packing (xz, the slow step)
 of one lane overlaps the preparation of the next. Downloads are cached.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minicpmo_cg.lanes import Lane
-from minicpmo_cg.offline_gpu import hostlike, payload, strip, wheels
+from minicpmo_cg.offline_gpu import hostlike, native, payload, strip, wheels
 
 
 def default_cache() -> Path:
@@ -111,6 +112,9 @@ def prepare_site(lane: Lane, opts: BuildOptions, work: Path) -> dict:
     stats = [strip.extract_wheel(wheel, site) for wheel in upstream]
     for item in stats:
         _print_strip_stats(item)
+    slimmed = [native.slim(site / rel) for rel in native.CARRIED if (site / rel).is_file()]
+    for line in slimmed:
+        print(f"  {line}")
     if opts.patched:
         apply_patches(site, opts.repo, work / "patch.log")
     wheels.install_target(dep_wheels, site)
@@ -130,6 +134,7 @@ def prepare_site(lane: Lane, opts: BuildOptions, work: Path) -> dict:
         "python": f"cp{wheels.PYTHON_VERSION.replace('.', '')}",
         "deps": deps,
         "strip": stats,
+        "native": slimmed,
         "import_check": import_check(opts, site, work / "importcheck.log"),
         "git_head": payload.git_head(opts.repo),
     }

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from minicpmo_cg.offline_gpu import payload
+from minicpmo_cg.offline_gpu import native, payload
 
 STAMP = ".offline-gpu-install.json"
 
@@ -119,6 +119,28 @@ def repatch(site: Path, repo: Path, python: str, status: payload.BundleStatus) -
     return "WARNING: re-patched the unpacked bundle from this checkout (patch series, adapter, stubs)"
 
 
+KERNEL_PROBE = "import torch, vllm._C_stable_libtorch; torch.ops._C.rms_norm.default"
+
+
+def load_kernels(site: Path, python: str) -> str:
+    """Check that vLLM's compiled kernels load from ``site`` here; otherwise fall back to the stub.
+
+    The check runs in a fresh interpreter. On failure the extension is renamed (``.unloadable``) so
+    that the import stub beside it (``stubs/vllm/_C_stable_libtorch.py``) is imported instead: vLLM
+    then imports, and any call of one of its kernels fails. Returns a report line.
+    """
+    so = site / native.CARRIED[0]
+    if not so.is_file():
+        return f"WARNING: the bundle carries no {so.name}: the import stub stands in, vLLM's kernels fail when called"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([python, "-c", KERNEL_PROBE], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        return f"install: vLLM's compiled kernels load ({so.name})"
+    so.rename(so.with_name(so.name + ".unloadable"))
+    why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    return f"WARNING: vLLM's compiled kernels do not load here ({why}): the import stub stands in, vLLM's kernels fail when called"
+
+
 def install(lane_dir: Path, site: Path, repo: Path, python: str = sys.executable) -> Installed:
     """Make ``site`` hold the bundle of ``lane_dir`` matching the checkout ``repo``."""
     status = payload.bundle_status(lane_dir, repo)
@@ -141,5 +163,6 @@ def install(lane_dir: Path, site: Path, repo: Path, python: str = sys.executable
         except (RuntimeError, OSError) as exc:
             lines.append(f"FATAL: stale bundle, re-patching here failed: {exc}")
             return Installed(payload.STALE, "\n".join(lines), status)
+    lines.append(load_kernels(site, python))
     stamp_file.write_text(json.dumps(stamp) + "\n")
     return Installed(0, "\n".join(lines), status)

@@ -42,6 +42,17 @@ DEFAULT_MODULES = (
     "vllm_omni.model_executor.models.minicpmo_4_5",
     "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm",
     "vllm_omni.worker.gpu_model_runner",
+    # the engine: vLLM's in-process engine with vllm-omni's stage arguments, and both servers
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.entrypoints.llm",
+    "vllm.entrypoints.openai.api_server",
+    "vllm_omni.engine.arg_utils",
+    "vllm_omni.worker.gpu_ar_worker",
+    "vllm_omni.entrypoints.omni",
+    "vllm_omni.entrypoints.cli.main",
+    "vllm_omni.entrypoints.openai.api_server",
     "?vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph",
     "?minicpmo_cg.vllm_config",
     "?minicpmo_cg.standalone",
@@ -79,14 +90,22 @@ def fake_nvml() -> types.ModuleType:
     return m
 
 
+KERNELS = "vllm._C_stable_libtorch"
+
+
 class _FakeNvmlFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves the fake under both names vLLM imports it by (its vendored copy is loaded while
-    ``import vllm`` runs), through the normal machinery so parents bind the attribute."""
+    ``import vllm`` runs), through the normal machinery so parents bind the attribute. vLLM's
+    compiled kernels need a CUDA driver, so their import stub stands in, as on a host where they
+    do not load."""
 
     def __init__(self) -> None:
         self.module = fake_nvml()
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname == KERNELS:
+            stub = next(Path(p, "_C_stable_libtorch.py") for p in path if Path(p, "_C_stable_libtorch.py").is_file())
+            return importlib.util.spec_from_file_location(fullname, stub)
         return importlib.util.spec_from_loader(fullname, self) if fullname in FAKE_NVML_NAMES else None
 
     def create_module(self, spec):

@@ -1,8 +1,9 @@
 """What of the upstream wheels goes into an offline GPU bundle, and what is dropped (and why).
 
-The pinned vLLM wheel is mostly native code built against the torch it pins; a host with
-another torch cannot load it, so the bundle carries only vLLM's and vllm-omni's pure-Python
-code plus the data files that code reads. :func:`classify` is the one place that decides.
+The pinned vLLM wheel is mostly native code. The bundle carries vLLM's and vllm-omni's pure-Python
+code, the data files that code reads, and the one compiled extension built on torch's stable C ABI
+(:data:`.native.CARRIED`, slimmed by :func:`.native.slim`), which loads under the host's torch.
+:func:`classify` is the one place that decides.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
-#: Native code: built for the torch / Python the wheel pins, not loadable against another torch.
+from minicpmo_cg.offline_gpu.native import CARRIED
+
+#: Native code: built against torch's unstable C++ ABI, or kernels MiniCPM-o 4.5 does not use.
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".a", ".o", ".lib")
 #: C/C++/CUDA sources and headers (inputs of kernel builds; nothing imports them).
 SOURCE_SUFFIXES = (".h", ".hpp", ".hh", ".cuh", ".inl", ".cu", ".cpp", ".cc", ".cxx", ".c")
@@ -53,8 +56,10 @@ def classify(name: str, head: bytes = b"") -> tuple[bool, str]:
         return (True, KEEP) if DIST_INFO_KEEP.search(name) else (False, "dist-info RECORD/misc")
     if "/__pycache__/" in f"/{name}" or lower.endswith((".pyc", ".pyo")):
         return False, "bytecode cache"
+    if name in CARRIED:
+        return True, KEEP
     if lower.endswith(NATIVE_SUFFIXES) or re.search(r"\.so\.\d", lower):
-        return False, "native extension (built for another torch)"
+        return False, "native extension (not carried)"
     if head[:4] == ELF_MAGIC:
         return False, "native executable"
     if lower.endswith(SOURCE_SUFFIXES) or "/csrc/" in f"/{name}":

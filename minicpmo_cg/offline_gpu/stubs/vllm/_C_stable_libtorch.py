@@ -1,5 +1,8 @@
-# STUB (offline GPU bundle, minicpmo_cg/offline_gpu/). Stands in for vllm/_C_stable_libtorch.abi3.so
-# (74 MB, 53 MB zipped, built for the torch vLLM pins, not loadable with another), which is not carried.
+# STUB (offline GPU bundle, minicpmo_cg/offline_gpu/): a fallback for vllm/_C_stable_libtorch.abi3.so.
+# The bundle carries that extension (built on torch's stable C ABI, it loads under the host's torch;
+# slimmed to sm_90 by minicpmo_cg/offline_gpu/native.py), and Python imports it before this file.
+# Only where it does not load does the host-side install rename it, with a WARNING, so that this
+# stub is imported instead (hostenv.load_kernels).
 #
 # Why it exists: vllm/platforms/cuda.py imports this module unconditionally at module level, and
 # vllm/model_executor/layers/quantization/utils/w8a8_utils.py asks CUTLASS capability queries at
