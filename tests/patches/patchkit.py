@@ -5,8 +5,9 @@ Every test that writes works on a temporary site-packages directory made of *cop
 (:func:`shutil.copy2`) of the lane's target files and the two ``*.dist-info`` directories,
 never on the lane venv itself (whose files may be hard links shared with other venvs).
 
-Only the command line and :mod:`minicpmo_cg.resources` are used here, so the tests built on
-these helpers judge any revision of the tool by what it does to a site.
+Only the command line (run as a process, or in-process through ``cli.run``) and
+:mod:`minicpmo_cg.resources` are used here, so the tests built on these helpers judge any revision of
+the tool by what it does to a site.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sysconfig
 from pathlib import Path
 
 from minicpmo_cg import resources
+from minicpmo_cg.patchtool import cli as tool_cli
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 ADAPTER_REL = resources.ADAPTER_RELPATH.as_posix()
@@ -41,6 +43,10 @@ WIRING_LINE_EDITED = f"{WIRING_LINE}  # edited"
 STATE_DIR = "minicpmo_cg_patch_state"
 TMP_SUFFIX = ".minicpmo-cg-tmp"
 GOOD_STATES = {"applied", "upstream", "n/a"}
+#: the commands that act on an installation
+COMMANDS = ("status", "check", "apply", "revert")
+#: a bound on a subprocess that used to hang, so a regression fails instead of blocking the suite
+HANG_GUARD_S = 120
 
 #: pre-apply text of MODEL_REL and INIT_REL, filled by :func:`make_site`
 SITE_SOURCE: dict[str, str] = {}
@@ -56,6 +62,39 @@ def cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedPr
         timeout=kwargs.pop("timeout", 300),
         **kwargs,
     )
+
+
+def tool(capsys, *args: str) -> tuple[int, str]:
+    """Run the command line in-process; (exit code, stdout + stderr)."""
+    capsys.readouterr()
+    code = tool_cli.run(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def sp(site: Path, *extra: str) -> list[str]:
+    return ["--site-packages", str(site), *extra]
+
+
+def refused(capsys, site: Path, *names: str, commands=COMMANDS, extra: tuple[str, ...] = ()) -> None:
+    """Every command exits 2 naming each of ``names``, and the site stays byte-identical."""
+    before = full_tree(site)
+    for command in commands:
+        code, text = tool(capsys, command, *sp(site, *extra))
+        assert code == 2, f"{command}: {code}\n{text}"
+        assert "Traceback" not in text
+        for name in names:
+            assert name in text, f"{command} does not name {name}:\n{text}"
+    assert full_tree(site) == before
+
+
+def edit_record(site: Path, edit) -> Path:
+    """Apply ``edit`` to the parsed ``state.json`` of ``site`` and write it back; return its path."""
+    path = site / STATE_DIR / "state.json"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record, indent=2))
+    return path
 
 
 def cli_json(*args: str) -> tuple[int, dict]:
@@ -197,6 +236,25 @@ def make_site(tmp_path: Path, name: str = "site-packages") -> Path:
     SITE_SOURCE.clear()
     SITE_SOURCE.update({rel: (site / rel).read_text() for rel in (MODEL_REL, INIT_REL)})
     return site
+
+
+class Sites:
+    """A pristine and an applied copy of the lane's files, made once per test module; tests copy them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.pristine = make_site(root, "pristine")
+        self.applied = root / "applied"
+        shutil.copytree(self.pristine, self.applied, symlinks=True)
+        proc = cli("apply", "--site-packages", str(self.applied))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        self.count = 0
+
+    def copy(self, which: str) -> Path:
+        self.count += 1
+        target = self.root / f"case-{self.count}"
+        shutil.copytree(getattr(self, which), target, symlinks=True)
+        return target
 
 
 def custom_patches(tmp_path: Path, *extra: tuple[str, Path], folder: str = "vllm-omni") -> Path:

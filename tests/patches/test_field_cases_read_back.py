@@ -18,7 +18,6 @@ subprocess where the defect was a hang.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,76 +27,32 @@ from pathlib import Path
 
 import patchkit
 import pytest
-from patchkit import MODEL_REL, STATE_DIR, full_tree, sha
+from patchkit import (
+    COMMANDS,
+    HANG_GUARD_S,
+    MODEL_REL,
+    STATE_DIR,
+    edit_record,
+    full_tree,
+    refused,
+    sha,
+    sp,
+    tool,
+)
 
 from minicpmo_cg import resources
-from minicpmo_cg.patchtool import cli
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-COMMANDS = ("status", "check", "apply", "revert")
-#: a bound on a subprocess that used to hang, so a regression fails instead of blocking the suite
-HANG_GUARD_S = 120
-
-
-class Sites:
-    """A pristine and an applied copy of the lane's files, made once; tests copy them."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.pristine = patchkit.make_site(root, "pristine")
-        self.applied = root / "applied"
-        shutil.copytree(self.pristine, self.applied, symlinks=True)
-        assert cli.run(["apply", "--site-packages", str(self.applied)]) == 0
-        self.count = 0
-
-    def copy(self, which: str) -> Path:
-        self.count += 1
-        target = self.root / f"case-{self.count}"
-        shutil.copytree(getattr(self, which), target, symlinks=True)
-        return target
-
 
 @pytest.fixture(scope="module")
-def sites(tmp_path_factory) -> Sites:
-    return Sites(tmp_path_factory.mktemp("read-back"))
-
-
-def tool(capsys, *args: str) -> tuple[int, str]:
-    """Run the command line in-process; (exit code, stdout + stderr)."""
-    capsys.readouterr()
-    code = cli.run(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
-
-
-def sp(site: Path, *extra: str) -> list[str]:
-    return ["--site-packages", str(site), *extra]
-
-
-def refused(capsys, site: Path, *names: str, commands=COMMANDS, extra: tuple[str, ...] = ()) -> None:
-    """Every command exits 2 naming each of ``names``, and the site stays byte-identical."""
-    before = full_tree(site)
-    for command in commands:
-        code, text = tool(capsys, command, *sp(site, *extra))
-        assert code == 2, f"{command}: {code}\n{text}"
-        assert "Traceback" not in text
-        for name in names:
-            assert name in text, f"{command} does not name {name}:\n{text}"
-    assert full_tree(site) == before
+def sites(tmp_path_factory) -> patchkit.Sites:
+    return patchkit.Sites(tmp_path_factory.mktemp("read-back"))
 
 
 # ---------------------------------------------------------------------------------------------
 # 8. paths read back from state.json
 # ---------------------------------------------------------------------------------------------
-
-
-def _edit_record(site: Path, edit) -> Path:
-    path = site / STATE_DIR / "state.json"
-    record = json.loads(path.read_text())
-    edit(record)
-    path.write_text(json.dumps(record, indent=2))
-    return path
 
 
 def _claims_created(record: dict, rel: str, data_path: Path) -> None:
@@ -130,9 +85,9 @@ def test_8_a_path_in_the_journal_outside_the_patched_packages_is_refused_as_dama
         (outside / "emptydir").mkdir()
         victim = outside / "emptydir"
     if entry == "created-dir":
-        state = _edit_record(site, lambda r: r["created_dirs"].append(rel))
+        state = edit_record(site, lambda r: r["created_dirs"].append(rel))
     else:
-        state = _edit_record(site, lambda r: _claims_created(r, rel, victim))
+        state = edit_record(site, lambda r: _claims_created(r, rel, victim))
     outside_before = full_tree(outside)
     refused(capsys, site, "damaged", str(state), rel)
     assert victim.exists() and full_tree(outside) == outside_before
@@ -145,7 +100,7 @@ def test_8_malformed_hashes_and_roles_in_the_journal_are_damage(sites, capsys):
         entry = record["files"][MODEL_REL]
         entry["written_sha256"], entry["role"] = "../../etc/passwd", "owner"
 
-    state = _edit_record(site, damage)
+    state = edit_record(site, damage)
     refused(capsys, site, "damaged", str(state), MODEL_REL)
 
 
