@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minicpmo_cg import resources
-from minicpmo_cg.patchtool import commands, index
+from minicpmo_cg.patchtool import commands, fsops, index
 from minicpmo_cg.patchtool.errors import EXIT_CODES_HELP, EXIT_CONFLICT, EXIT_OK, PROG, ToolError
 from minicpmo_cg.patchtool.gnupatch import PatchToolMissingError, ScratchDirError
 from minicpmo_cg.patchtool.install import discover_installation
@@ -113,7 +113,14 @@ def _run_index(args: argparse.Namespace) -> tuple[int, str, str]:
         path.write_text(text, encoding="utf-8")
         return EXIT_OK, f"index: wrote {path}\n", ""
     if args.check:
-        current = path.read_text(encoding="utf-8") if path.is_file() else None
+        try:
+            current = fsops.read_regular(path).decode("utf-8")
+        except FileNotFoundError:
+            current = None
+        except UnicodeDecodeError as exc:
+            raise ToolError(f"{PROG}: {path} is not UTF-8 text ({exc}); run `{PROG} index --write`") from None
+        except fsops.NotRegularFileError as exc:
+            raise ToolError(f"{PROG}: {exc}; remove it and run `{PROG} index --write`") from None
         if current != text:
             return EXIT_CONFLICT, "", f"{PROG}: {path} is out of date; run `{PROG} index --write`\n"
         return EXIT_OK, f"index: {path} is up to date\n", ""

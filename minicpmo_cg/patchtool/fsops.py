@@ -9,9 +9,10 @@ calls. A temporary file left by a killed run is removed by the next ``apply``/``
 (:func:`remove_litter`).
 
 Reading is the other direction of the same distrust: :func:`read_regular` is how the tool reads
-a file of the installation or of its state directory, opening it without blocking and refusing
-anything that is not a regular file (a FIFO would block every command, a device would be read
-forever), and, for its own state, refusing a symbolic link instead of following it.
+every file (the installation's, its state directory's, the dist-info metadata, the series and the
+owned tree), opening it without blocking and refusing anything that is not a regular file (a FIFO
+would block every command, a device would be read forever) or larger than its caller allows, and,
+for its own state, refusing a symbolic link instead of following it.
 
 Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
 ``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
@@ -34,6 +35,7 @@ __all__ = [
     "TMP_SUFFIX",
     "NotRegularFileError",
     "SimulatedKill",
+    "TooLargeError",
     "file_kind",
     "find_litter",
     "make_dirs",
@@ -60,6 +62,10 @@ class NotRegularFileError(OSError):
     """A path that should hold a regular file holds something else; the message names it and what it is."""
 
 
+class TooLargeError(OSError):
+    """A file is larger than its reader accepts; the message names it and both sizes."""
+
+
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISLNK, "a symbolic link"),
@@ -76,45 +82,38 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
 
 
-def read_regular(path: Path, *, follow_links: bool = True) -> bytes:
+def read_regular(path: Path, *, follow_links: bool = True, limit: int | None = None) -> bytes:
     """The bytes of the regular file at ``path``, read without ever blocking on it.
 
-    The file is opened with ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a
-    writer) and checked with ``fstat`` on the open descriptor before anything is read, so what
-    is read is what was checked.
+    What is at ``path`` is checked before it is opened, so nothing but a regular file is ever
+    opened; it is opened with ``O_NONBLOCK`` (a FIFO swapped in meanwhile opens at once instead of
+    waiting for a writer) and checked again with ``fstat`` on the open descriptor before anything
+    is read, so what is read is what was checked.
 
     Args:
         follow_links: False refuses a symbolic link at ``path`` itself (``O_NOFOLLOW``).
+        limit: the most bytes the caller accepts; a larger file is refused before it is read.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         NotRegularFileError: a directory, FIFO, socket or device (or a link, without
-            ``follow_links``); the message names the path and its kind.
-        OSError: any other error of ``open``/``read``.
+            ``follow_links``); the message names the path and what it is.
+        TooLargeError: a file larger than ``limit``.
+        OSError: any other error of ``stat``/``open``/``read``.
     """
+    mode = os.stat(path, follow_symlinks=follow_links).st_mode
+    if stat.S_ISLNK(mode):
+        raise NotRegularFileError(f"{path} is not a regular file (a symbolic link to {os.readlink(path)})")
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(f"{path} is not a regular file ({file_kind(mode)})")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    if not follow_links:
-        flags |= os.O_NOFOLLOW
+    fd = os.open(path, flags | (0 if follow_links else os.O_NOFOLLOW))
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # a link refused by O_NOFOLLOW (ELOOP), a socket (ENXIO), ...
-        try:
-            mode = os.stat(path, follow_symlinks=follow_links).st_mode
-        except OSError:
-            raise exc from None
-        if stat.S_ISLNK(mode):
-            raise NotRegularFileError(
-                f"{path} is not a regular file (a symbolic link to {os.readlink(path)})"
-            ) from None
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"{path} is not a regular file ({file_kind(mode)})") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"{path} is not a regular file ({file_kind(mode)})")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFileError(f"{path} is not a regular file ({file_kind(info.st_mode)})")
+        if limit is not None and info.st_size > limit:
+            raise TooLargeError(f"{path} is {info.st_size} bytes, more than the {limit} such a file holds")
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
@@ -144,7 +143,7 @@ def _step(step: str, path: Path) -> None:
 def _fsync_dir(directory: Path) -> None:
     """Make a rename or unlink durable; best effort, as the step itself has happened."""
     with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
         try:
             os.fsync(fd)
         finally:

@@ -2,24 +2,35 @@
 
 Nothing here imports vLLM or vllm-omni (their import takes ~10 s): the directory comes from
 :func:`importlib.util.find_spec` on the top-level names, the versions and the RECORD hashes
-from the ``*.dist-info`` metadata (:mod:`importlib.metadata`).
+from the ``*.dist-info`` metadata of that directory. The metadata is read as the rest of the
+installation is (nothing read back is trusted): ``METADATA`` and ``RECORD`` must be regular
+files of a sane size (a FIFO is never waited on), UTF-8, and well-formed (a ``Version`` field;
+CSV rows whose hashes are sha256 digests); anything else is a one-line error naming the file
+(exit 2). RECORD rows outside the patched packages' directories (scripts in ``../../bin``) are
+not the tool's business and are skipped.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import csv
-import importlib.metadata
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minicpmo_cg import lanes
+from minicpmo_cg.patchtool import fsops
 from minicpmo_cg.patchtool.errors import PROG, ToolError
 from minicpmo_cg.patchtool.series import KNOWN_PACKAGES
 
 __all__ = ["Installation", "WheelFile", "discover_installation"]
+
+#: the largest METADATA / RECORD read (vLLM's are about 0.1 / 2 MiB)
+MAX_METADATA_BYTES = 16 << 20
+MAX_RECORD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -53,19 +64,18 @@ class Installation:
     site: Path
     versions: dict[str, str]
     lane: str
-    _wheel: dict[str, tuple[str, str, str]] | None = field(default=None, compare=False, repr=False)
+    _wheel: dict[str, WheelFile] | None = field(default=None, compare=False, repr=False)
 
     def wheel_file(self, rel: str) -> WheelFile | None:
-        """What RECORD says about ``rel`` (None: not a file pip installed, or no hash recorded)."""
+        """What RECORD says about ``rel`` (None: not a file pip installed, or no hash recorded).
+
+        Raises:
+            ToolError: a RECORD is not a regular file, too large, not UTF-8 or malformed (exit 2).
+        """
         if self._wheel is None:
             object.__setattr__(self, "_wheel", _record_entries(self.site))
         assert self._wheel is not None
-        entry = self._wheel.get(rel)
-        if entry is None:
-            return None
-        dist, version, value = entry
-        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
-        return WheelFile(dist, version, raw.hex())
+        return self._wheel.get(rel)
 
     def wheel_has_dir(self, rel_dir: str) -> bool | None:
         """Whether RECORD lists a file below ``rel_dir`` (None when there is no RECORD at all)."""
@@ -78,19 +88,97 @@ class Installation:
         return any(rel.startswith(prefix) for rel in self._wheel)
 
 
-def _record_entries(site: Path) -> dict[str, tuple[str, str, str]]:
-    """rel -> (distribution, version, urlsafe-base64 sha256) from the RECORD files of vllm and vllm-omni.
+def _dist_infos(dist: str, site: Path) -> list[Path]:
+    """The ``*.dist-info`` directories of ``dist`` directly in ``site`` (names matched as pip does)."""
+    wanted = re.sub(r"[-_.]+", "_", dist).lower()
+    return sorted(
+        child
+        for child in site.iterdir()
+        if child.name.lower().endswith(".dist-info")
+        and re.sub(r"[-_.]+", "_", child.name.partition("-")[0]).lower() == wanted
+        and child.is_dir()
+    )
 
-    A distribution without RECORD (or with entries without hashes) contributes nothing;
-    the tool then relies on its own state record alone.
+
+def _reinstall(dist: str) -> str:
+    return f"reinstall {dist} (pip install --force-reinstall --no-deps {dist})"
+
+
+def _metadata_text(path: Path, dist: str, limit: int) -> str:
+    """The UTF-8 text of a dist-info file; a one-line :class:`ToolError` naming it when unusable."""
+    reinstall = _reinstall(dist)
+    try:
+        return fsops.read_regular(path, limit=limit).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ToolError(f"{PROG}: {path} is not UTF-8 text ({exc}); {reinstall}") from None
+    except (fsops.NotRegularFileError, fsops.TooLargeError) as exc:
+        raise ToolError(f"{PROG}: {exc}; {reinstall}") from None
+
+
+def _version_of(info: Path, dist: str) -> str:
+    """The ``Version`` field of ``info/METADATA`` (the header block before the first blank line)."""
+    path = info / "METADATA"
+    try:
+        text = _metadata_text(path, dist, MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise ToolError(f"{PROG}: {info} has no METADATA; {_reinstall(dist)}") from None
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        name, sep, value = line.partition(":")
+        if sep and name.strip().lower() == "version" and value.strip():
+            return value.strip()
+    raise ToolError(f"{PROG}: {path} has no Version field in its header; {_reinstall(dist)}")
+
+
+def _sha256_hex(value: str) -> str | None:
+    """The hex of RECORD's ``urlsafe-base64`` sha256 (unpadded), or None when it is not one."""
+    try:
+        raw = base64.b64decode(value + "=" * (-len(value) % 4), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 32 else None
+
+
+def _record_entries(site: Path) -> dict[str, WheelFile]:
+    """rel -> what the RECORD files of vllm and vllm-omni say about it (files with a sha256 only).
+
+    A distribution without RECORD contributes nothing; the tool then relies on its own state
+    record alone. Rows outside the patched packages' import directories are skipped.
+
+    Raises:
+        ToolError: a RECORD that is not a regular file, too large, not UTF-8, not CSV, or with a
+            hash that is not a sha256 digest; the message names the file and the line.
     """
-    found: dict[str, tuple[str, str, str]] = {}
+    found: dict[str, WheelFile] = {}
+    packages = set(KNOWN_PACKAGES.values())
     for dist_name in KNOWN_PACKAGES:
-        for dist in importlib.metadata.distributions(name=dist_name, path=[str(site)]):
-            version, text = dist.version, dist.read_text("RECORD") or ""
-            for row in csv.reader(text.splitlines()):
-                if len(row) >= 2 and row[1].startswith("sha256=") and ".." not in row[0].split("/"):
-                    found[row[0]] = (dist_name, version, row[1][len("sha256=") :])
+        for info in _dist_infos(dist_name, site):
+            version = _version_of(info, dist_name)
+            path = info / "RECORD"
+            try:
+                text = _metadata_text(path, dist_name, MAX_RECORD_BYTES)
+            except FileNotFoundError:
+                continue
+            reader = csv.reader(text.splitlines())
+            try:
+                for row in reader:
+                    if len(row) < 2 or not row[1].startswith("sha256="):
+                        continue
+                    parts = row[0].split("/")
+                    if parts[0] not in packages or any(p in ("", ".", "..") for p in parts):
+                        continue
+                    digest = _sha256_hex(row[1][len("sha256=") :])
+                    if digest is None:
+                        raise ToolError(
+                            f"{PROG}: {path}: line {reader.line_num}: {row[1][:80]!r} is not a sha256 "
+                            f"digest; {_reinstall(dist_name)}"
+                        )
+                    found[row[0]] = WheelFile(dist_name, version, digest)
+            except csv.Error as exc:
+                raise ToolError(
+                    f"{PROG}: {path}: line {reader.line_num}: not a RECORD row ({exc}); {_reinstall(dist_name)}"
+                ) from None
     return found
 
 
@@ -101,7 +189,7 @@ def _supported_text() -> str:
 
 
 def _dist_version(dist: str, site: Path) -> str | None:
-    found = {d.version for d in importlib.metadata.distributions(name=dist, path=[str(site)]) if d.version}
+    found = {_version_of(info, dist) for info in _dist_infos(dist, site)}
     if len(found) > 1:
         raise ToolError(
             f"{PROG}: {site} holds several {dist} distributions ({', '.join(sorted(found))}); "

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from minicpmo_cg.patchtool.fsops import file_kind
+from minicpmo_cg.patchtool.fsops import NotRegularFileError, file_kind, read_regular
 
 __all__ = [
     "KNOWN_PACKAGES",
@@ -479,11 +479,8 @@ def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
             ``Upstream-Probe``, or a malformed diff; the message names the file.
     """
     where = str(path)
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PatchFormatError(f"{where}: not UTF-8 ({exc})") from None
+    data = _read(path)
+    text = _utf8(data, where)
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -509,6 +506,21 @@ def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
         files=files,
         sha256=hashlib.sha256(data).hexdigest(),
     )
+
+
+def _read(path: Path) -> bytes:
+    """A series or patch file's bytes; one that is not a regular file is a format error."""
+    try:
+        return read_regular(path)
+    except NotRegularFileError as exc:
+        raise PatchFormatError(str(exc)) from None
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchFormatError(f"{where}: not UTF-8 ({exc})") from None
 
 
 def _kind(path: Path) -> str:
@@ -546,7 +558,7 @@ def load_series(folder: Path) -> list[Patch]:
         )
     patches: list[Patch] = []
     seen: set[str] = set()
-    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, raw in enumerate(_utf8(_read(series), str(series)).splitlines(), start=1):
         entry = raw.split("#", 1)[0].strip()
         if not entry:
             continue

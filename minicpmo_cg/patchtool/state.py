@@ -27,13 +27,13 @@ e.g. an older revision of a patch); ``complete: true`` is written after the last
 stale (pip replaced the files) and is ignored.
 
 Nothing read back is trusted. Every path (``files`` keys, ``created_dirs``) must be a plain
-site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``), every hash
-64 hex digits or null, every role known; the state directory and every directory below it must
-be directories, not symbolic links, and ``state.json`` a regular file (a link or a FIFO is
-never opened as the record). Anything else makes :meth:`StateStore.load` raise
-:class:`StateError` (the state is damaged) before a command acts on the record. A stored
-original that is not a regular file is damaged like one with the wrong hash
-(:meth:`StateStore.load_original`).
+site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``); every
+hash 64 hex digits or null, every role known; the state directory and every directory below it
+must be directories, not symbolic links, and ``state.json`` a regular file (a link or a FIFO is
+never opened as the record) of at most :data:`MAX_RECORD_BYTES` holding JSON the parser can
+read. Anything else makes :meth:`StateStore.load` raise :class:`StateError` (the state is
+damaged) before a command acts on the record. A stored original that is not a regular file is
+damaged like one with the wrong hash (:meth:`StateStore.load_original`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from minicpmo_cg.patchtool import fsops
 from minicpmo_cg.patchtool.series import KNOWN_PACKAGES, package_relpath_problem
 
 __all__ = [
+    "MAX_RECORD_BYTES",
     "STATE_DIRNAME",
     "FileRecord",
     "StateError",
@@ -69,6 +70,8 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _ROLES = {"patch": "patch", "owned": "owned", "adapter": "owned"}  # "adapter": format 1
 #: owned files are this project's modules in vllm-omni's tree
 _OWNED_DIRS = (KNOWN_PACKAGES["vllm-omni"],)
+#: the largest ``state.json`` read (the tool's own records are a few KiB)
+MAX_RECORD_BYTES = 16 << 20
 
 
 class StateError(RuntimeError):
@@ -202,7 +205,7 @@ def _damaged_hint(root: Path) -> str:
 
 def _holds(path: Path, digest: str | None) -> bool:
     try:
-        return not path.is_symlink() and path.is_file() and sha256_or_none(path.read_bytes()) == digest
+        return sha256_or_none(fsops.read_regular(path, follow_links=False)) == digest
     except OSError:
         return False
 
@@ -268,17 +271,23 @@ class StateStore:
         """
         self.check_tree()
         try:
-            data = fsops.read_regular(self.json_path, follow_links=False)
+            data = fsops.read_regular(self.json_path, follow_links=False, limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StateError(f"cannot read {self.json_path} ({exc}): {_damaged_hint(self.root)}") from None
         try:
-            return _record_from_json(json.loads(data.decode("utf-8")))
+            record = _record_from_json(json.loads(data.decode("utf-8")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
             raise StateError(
                 f"{self.json_path} is not a valid record ({exc}): {_damaged_hint(self.root)}"
             ) from None
+        except (RecursionError, MemoryError) as exc:  # nested deeper, or larger, than any record
+            raise StateError(
+                f"{self.json_path} is not a valid record (too deeply nested or too large to read: "
+                f"{type(exc).__name__}): {_damaged_hint(self.root)}"
+            ) from None
+        return record
 
     def load_original(self, rel: str, record: FileRecord) -> bytes | None:
         """The stored pre-apply bytes of ``rel``, verified against the record.

@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The second round of hostile cases, numbered after ``test_field_cases_read_back.py``.
+
+15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``;
+20. malformed input (a deeply nested or huge ``state.json``, a non-UTF-8 ``series`` or
+    ``INDEX.md``, a malformed dist-info ``METADATA`` or ``RECORD``): one line naming the file, exit 2;
+
+As in the earlier rounds: the documented exit code, a message naming the culprit, no traceback,
+and the installation (and everything outside it) left as it was. A subprocess runs a command that
+used to hang, with :data:`~patchkit.HANG_GUARD_S` as a safety net; no test measures time.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+from pathlib import Path
+
+import patchkit
+import pytest
+from patchkit import (
+    COMMANDS,
+    HANG_GUARD_S,
+    MODEL_REL,
+    STATE_DIR,
+    full_tree,
+    sp,
+)
+
+from minicpmo_cg import resources
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
+
+
+#: words that send a user to the patches or the packages; an I/O failure must not use them
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory) -> patchkit.Sites:
+    return patchkit.Sites(tmp_path_factory.mktemp("escapes"))
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> None:
+    """Exit 2 with a one-line message on stderr naming each of ``names``, no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, f"{proc.returncode}\n{proc.stdout}{proc.stderr}"
+    assert len(lines) == 1, proc.stderr
+    for name in names:
+        assert name in lines[0], f"{name} not named: {proc.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. FIFOs in the dist-info metadata
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dist_info, name",
+    [("vllm-*.dist-info", "METADATA"), ("vllm_omni-*.dist-info", "METADATA"), ("vllm-*.dist-info", "RECORD")],
+)
+def test_15_a_fifo_in_place_of_dist_info_metadata_is_refused_instead_of_hanging(sites, dist_info, name):
+    site = sites.copy("pristine")
+    (info,) = site.glob(dist_info)
+    fifo = info / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    before = full_tree(site)
+    for command in COMMANDS:
+        proc = patchkit.cli(command, *sp(site), timeout=HANG_GUARD_S)
+        one_line_error(proc, str(fifo), "not a regular file")
+    assert full_tree(site) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 20. malformed input: one line naming the file, exit 2
+# ---------------------------------------------------------------------------------------------
+
+
+def _rewrite_record(path: Path, edit) -> None:
+    rows = list(csv.reader(io.StringIO(path.read_text())))
+    with open(path, "w", newline="") as handle:
+        csv.writer(handle, lineterminator="\n").writerows(edit(rows))
+
+
+def _bad_hash(rows: list[list[str]]) -> list[list[str]]:
+    return [[r[0], "sha256=!!not-base64!!", *r[2:]] if r and r[0] == MODEL_REL else r for r in rows]
+
+
+def _huge_field(rows: list[list[str]]) -> list[list[str]]:
+    return [
+        *rows,
+        ["vllm_omni/" + "x" * 200_000, "sha256=" + base64.urlsafe_b64encode(bytes(32)).decode(), "1"],
+    ]
+
+
+def _within_1_gib() -> None:
+    """A machine without a GiB to spare: the tool must never read a huge file whole."""
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+def _damage(site: Path, case: str) -> Path:
+    """Damage ``site`` as ``case`` says; return the file the message must name."""
+    (vllm_info,) = site.glob("vllm-*.dist-info")
+    (omni_info,) = site.glob("vllm_omni-*.dist-info")
+    if case == "deeply nested state.json":
+        path = site / STATE_DIR / "state.json"
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "1 GB state.json":
+        path = site / STATE_DIR / "state.json"
+        with open(path, "r+b") as handle:
+            handle.truncate(1 << 30)  # sparse: no disk space used
+    elif case == "non-UTF-8 METADATA":
+        path = vllm_info / "METADATA"
+        path.write_bytes(path.read_bytes().replace(b"Version:", b"Summary: \xff\xfe\nVersion:", 1))
+    elif case == "METADATA without a version":
+        path = omni_info / "METADATA"
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if not line.startswith("Version:")))
+    elif case == "non-UTF-8 RECORD":
+        path = omni_info / "RECORD"
+        path.write_bytes(path.read_bytes() + b"vllm_omni/\xff.py,,\n")
+    elif case == "RECORD field over the CSV limit":
+        path = omni_info / "RECORD"
+        _rewrite_record(path, _huge_field)
+    else:
+        assert case == "RECORD hash that is not base64"
+        path = omni_info / "RECORD"
+        _rewrite_record(path, _bad_hash)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "deeply nested state.json",
+        "1 GB state.json",
+        "non-UTF-8 METADATA",
+        "METADATA without a version",
+        "non-UTF-8 RECORD",
+        "RECORD field over the CSV limit",
+        "RECORD hash that is not base64",
+    ],
+)
+def test_20_malformed_state_or_dist_info_is_one_line_naming_the_file(sites, case):
+    site = sites.copy("applied")
+    named = _damage(site, case)
+    before = full_tree(site)
+    for command in COMMANDS:
+        proc = patchkit.cli(command, *sp(site), timeout=HANG_GUARD_S, preexec_fn=_within_1_gib)
+        one_line_error(proc, str(named))
+        proc = patchkit.cli(command, *sp(site), "--json", timeout=HANG_GUARD_S, preexec_fn=_within_1_gib)
+        assert proc.returncode == 2 and str(named) in json.loads(proc.stdout)["error"], proc.stdout
+    assert full_tree(site) == before
+
+
+def test_20_a_non_utf8_series_or_index_is_one_line_naming_the_file(sites, tmp_path):
+    site = sites.copy("applied")
+    patches = tmp_path / "patches"
+    shutil.copytree(resources.patches_dir(), patches)
+    index = patches / "INDEX.md"
+    index.write_bytes(index.read_bytes() + b"\xff\xfe\n")
+    one_line_error(patchkit.cli("index", "--check", "--patches-dir", str(patches)), str(index))
+    series = patches / "vllm-omni" / "series"
+    series.write_bytes(series.read_bytes() + b"# \xff\xfe\n")
+    before = full_tree(site)
+    for command in COMMANDS:
+        one_line_error(patchkit.cli(command, *sp(site), "--patches-dir", str(patches)), str(series))
+        proc = patchkit.cli(command, *sp(site), "--patches-dir", str(patches), "--json")
+        assert proc.returncode == 2 and str(series) in json.loads(proc.stdout)["error"], proc.stdout
+    one_line_error(patchkit.cli("index", "--patches-dir", str(patches)), str(series))
+    assert full_tree(site) == before
