@@ -12,7 +12,9 @@ Reading is the other direction of the same distrust: :func:`read_regular` is how
 every file (the installation's, its state directory's, the dist-info metadata, the series and the
 owned tree), opening it without blocking and refusing anything that is not a regular file (a FIFO
 would block every command, a device would be read forever) or larger than its caller allows, and,
-for its own state, refusing a symbolic link instead of following it.
+for its own state, refusing a symbolic link instead of following it. :func:`resolves_outside` is
+how a path read back from somewhere (the state record, the owned tree) is checked against the
+directory it must stay in, every symbolic link on its way resolved.
 
 Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
 ``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
@@ -43,6 +45,7 @@ __all__ = [
     "remove_dir",
     "remove_file",
     "remove_litter",
+    "resolves_outside",
     "set_hook",
     "write_file",
 ]
@@ -120,6 +123,14 @@ def read_regular(path: Path, *, follow_links: bool = True, limit: int | None = N
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def resolves_outside(root: Path, path: Path) -> Path | None:
+    """Where ``path`` really is, every symbolic link on its way resolved, when that is outside
+    ``root`` (itself resolved); None when it is ``root`` or lies below it."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    return None if real == real_root or real_root in real.parents else real
 
 
 def set_hook(hook: Hook | None) -> None:

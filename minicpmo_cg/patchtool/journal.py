@@ -30,7 +30,7 @@ from pathlib import Path
 from minicpmo_cg.patchtool import fsops
 from minicpmo_cg.patchtool.errors import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK
 from minicpmo_cg.patchtool.state import FileRecord, StateRecord, sha256_or_none
-from minicpmo_cg.patchtool.views import Plan, read_file
+from minicpmo_cg.patchtool.views import Plan, link_problem, read_file
 
 __all__ = ["WriteResult", "describe_files", "execute"]
 
@@ -94,9 +94,17 @@ def _order(plan: Plan, rels: list[str], reverting: bool) -> list[str]:
 
 
 def _remove_dirs(site: Path, rels: list[str]) -> list[str]:
-    """Remove directories the tool created (deepest first) with their bytecode caches; return those kept."""
+    """Remove directories the tool created (deepest first) with their bytecode caches.
+
+    Returns:
+        ``"<rel>/: <why>"`` for each directory kept: one that holds other files, and one a symbolic
+        link leads to (nothing is ever deleted through a link).
+    """
     kept = []
     for rel in sorted(rels, key=lambda r: r.count("/"), reverse=True):
+        if link_problem(site, rel):
+            kept.append(f"{rel}/: a symbolic link leads to it, and nothing is deleted through a link")
+            continue
         directory = site / rel
         cache = directory / "__pycache__"
         if cache.is_dir() and not cache.is_symlink():
@@ -104,7 +112,7 @@ def _remove_dirs(site: Path, rels: list[str]) -> list[str]:
                 fsops.remove_file(pyc)
             fsops.remove_dir(cache)
         if not fsops.remove_dir(directory):
-            kept.append(rel)
+            kept.append(f"{rel}/: it holds files this tool did not create")
     return kept
 
 
@@ -187,7 +195,7 @@ def execute(
             plan.store.save(final.committed())
     except OSError as exc:
         return _undo(plan, journal, done, exc)
-    warnings = [f"kept {rel}/: it holds files this tool did not create" for rel in kept]
+    warnings = [f"kept {why}" for why in kept]
     warnings += _cleanup(plan, final)
     code = EXIT_INCOMPLETE if final is None and plan.store.root.exists() else EXIT_OK
     return WriteResult(code, sorted(changes), None, [], warnings)

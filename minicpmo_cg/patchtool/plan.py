@@ -355,7 +355,8 @@ def _new_record(plan: Plan, active: list[Patch]) -> StateRecord | None:
 
 
 def _housekeeping(plan: Plan) -> None:
-    dirs = {(plan.install.site / rel).parent for rel in plan.files}
+    site = plan.install.site
+    dirs = {(site / rel).parent for rel in plan.files if not link_problem(site, str(Path(rel).parent))}
     plan.litter = fsops.find_litter([d for d in dirs if d.is_dir()] + plan.store.directories())
     plan.leftover = (
         plan.store.garbage(plan.record if plan.record else None) if plan.store.root.is_dir() else []

@@ -27,7 +27,9 @@ e.g. an older revision of a patch); ``complete: true`` is written after the last
 stale (pip replaced the files) and is ignored.
 
 Nothing read back is trusted. Every path (``files`` keys, ``created_dirs``) must be a plain
-site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``); every
+site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``) and must
+resolve there on disk, every symbolic link on its way followed (a directory, or a file's
+directory, that a link takes elsewhere is refused: revert would delete or write there); every
 hash 64 hex digits or null, every role known; the state directory and every directory below it
 must be directories, not symbolic links, and ``state.json`` a regular file (a link or a FIFO is
 never opened as the record) of at most :data:`MAX_RECORD_BYTES` holding JSON the parser can
@@ -287,7 +289,25 @@ class StateStore:
                 f"{self.json_path} is not a valid record (too deeply nested or too large to read: "
                 f"{type(exc).__name__}): {_damaged_hint(self.root)}"
             ) from None
+        self._check_resolved(record)
         return record
+
+    def _check_resolved(self, record: StateRecord) -> None:
+        """Refuse a recorded directory (or a recorded file's directory) that a symbolic link takes
+        out of its package: revert would remove bytecode and directories, or restore files, there.
+
+        Raises:
+            StateError: the entry, where it resolves and the remedy.
+        """
+        entries = [("files", rel, str(Path(rel).parent)) for rel in record.files]
+        entries += [("created_dirs", rel, rel) for rel in record.created_dirs]
+        for what, rel, directory in entries:
+            root = self.site / rel.split("/", 1)[0]
+            real = fsops.resolves_outside(root, self.site / directory)
+            if real is not None:
+                raise self.damaged(
+                    f"{what}: {rel!r} resolves to {real} through a symbolic link, outside {root}/"
+                )
 
     def load_original(self, rel: str, record: FileRecord) -> bytes | None:
         """The stored pre-apply bytes of ``rel``, verified against the record.

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The second round of hostile cases, numbered after ``test_field_cases_read_back.py``.
 
+14. a recorded directory (or a recorded file's directory) that a symbolic link inside ``vllm_omni/``
+    takes outside the site is damage; one a link takes elsewhere inside is never deleted through;
 15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``;
 20. malformed input (a deeply nested or huge ``state.json``, a non-UTF-8 ``series`` or
     ``INDEX.md``, a malformed dist-info ``METADATA`` or ``RECORD``): one line naming the file, exit 2;
@@ -29,7 +31,10 @@ from patchkit import (
     HANG_GUARD_S,
     MODEL_REL,
     STATE_DIR,
+    edit_record,
     full_tree,
+    refused,
+    sha,
     sp,
 )
 
@@ -51,6 +56,55 @@ def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> None:
     assert len(lines) == 1, proc.stderr
     for name in names:
         assert name in lines[0], f"{name} not named: {proc.stderr}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. recorded paths that a symbolic link takes elsewhere
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["created dir", "file"])
+def test_14_a_recorded_path_a_link_takes_outside_the_site_is_damage_and_nothing_there_changes(
+    sites, capsys, entry
+):
+    site = sites.copy("applied")
+    elsewhere = site.parent / f"{site.name}-elsewhere"
+    cache = elsewhere / "sub" / "__pycache__"
+    cache.mkdir(parents=True)
+    (cache / "mod.cpython-311.pyc").write_bytes(b"not the tool's")
+    victim = elsewhere / "sub" / "victim.py"
+    victim.write_text("not the tool's\n")
+    (site / "vllm_omni" / "lnk").symlink_to(elsewhere)
+    if entry == "created dir":
+        rel = "vllm_omni/lnk/sub"
+        state_json = edit_record(site, lambda r: r["created_dirs"].append(rel))
+    else:
+        rel = "vllm_omni/lnk/sub/victim.py"
+        digest = sha(victim)
+        state_json = edit_record(
+            site,
+            lambda r: r["files"].update(
+                {rel: {"original_sha256": None, "written_sha256": digest, "role": "owned"}}
+            ),
+        )
+    outside = full_tree(elsewhere)
+    refused(capsys, site, "damaged", str(state_json), rel, str(elsewhere / "sub"))
+    assert full_tree(elsewhere) == outside
+
+
+def test_14_a_recorded_directory_a_link_takes_elsewhere_inside_is_not_deleted_through(sites):
+    site = sites.copy("applied")
+    inner = site / "vllm_omni" / "inner" / "sub"
+    (inner / "__pycache__").mkdir(parents=True)
+    (inner / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"not the tool's")
+    (site / "vllm_omni" / "lnk").symlink_to(site / "vllm_omni" / "inner")
+    edit_record(site, lambda r: r["created_dirs"].append("vllm_omni/lnk/sub"))
+    before = full_tree(site / "vllm_omni" / "inner")
+    code, report = patchkit.cli_json("revert", *sp(site))
+    assert code == 0, report
+    assert [w for w in report["warnings"] if "vllm_omni/lnk/sub/" in w and "symbolic link" in w], report
+    assert full_tree(site / "vllm_omni" / "inner") == before
+    assert not (site / STATE_DIR).exists()
 
 
 # ---------------------------------------------------------------------------------------------
