@@ -13,6 +13,7 @@ from pathlib import Path
 
 from minicpmo_cg import resources
 from minicpmo_cg.patchtool.install import Installation
+from minicpmo_cg.patchtool.owned import read_source, select_sources
 from minicpmo_cg.patchtool.plan import classify_patches
 from minicpmo_cg.patchtool.series import load_all_series
 from minicpmo_cg.patchtool.state import StateStore, sha256_or_none
@@ -59,7 +60,7 @@ def missing_pieces(
     if not omni:
         return problems
     problems += _record_problems(install, active)
-    for rel, source in resources.owned_files(owned_root).items():
-        if read_file(install.site / rel) != read_file(source):
+    for rel, source in select_sources(owned_root)[0].items():
+        if read_file(install.site / rel) != read_source(owned_root, source):
             problems.append(f"the owned file {rel} is missing or outdated")
     return problems

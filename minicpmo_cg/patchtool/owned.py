@@ -1,22 +1,31 @@
 """Owned files: this project's modules installed into vllm-omni's tree.
 
-Every file of the payload's ``vllm_omni/`` tree (:func:`minicpmo_cg.resources.owned_files`:
-the adapter package ``encoder_cuda_graph/`` and any module beside it) is copied to the same
+The modules of the payload's ``vllm_omni/`` tree (:func:`minicpmo_cg.resources.owned_files`:
+the adapter package ``encoder_cuda_graph/`` and any module beside it) are copied to the same
 path in site-packages while a vllm-omni patch is active, with the same journal, originals and
 revert guarantees as patched files; directories apply creates for them (a package) are removed
 by revert, with the bytecode caches an import left there. A file already at that path that is not ours (not a
 byte-identical copy) is stored and restored by revert. Owned files that left the project
 stay in the record until apply or revert restores what was there before.
+
+What belongs (:func:`select_sources`): ``*.py`` modules and the package data :data:`PACKAGE_DATA`
+lists, whose site-relative paths are plain (the rule :func:`~.series.package_relpath_problem`
+checks on every path read back from the record). Editor backups (``x.py~``), caches, hidden and
+other files are not installed; a module whose name is not plain (a space, a non-ASCII letter) is
+not either, and the plan says so. Each source must be a regular file that resolves inside the
+owned tree (a link out of it, a FIFO or a device is refused naming it, exit 2).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import replace
 from pathlib import Path
 
 from minicpmo_cg import resources
+from minicpmo_cg.patchtool import fsops
 from minicpmo_cg.patchtool.errors import PROG, ToolError
-from minicpmo_cg.patchtool.series import Patch
+from minicpmo_cg.patchtool.series import Patch, package_relpath_problem
 from minicpmo_cg.patchtool.state import sha256_or_none
 from minicpmo_cg.patchtool.views import (
     CONFLICT,
@@ -29,28 +38,69 @@ from minicpmo_cg.patchtool.views import (
     read_file,
 )
 
-__all__ = ["add_owned", "load_sources"]
+__all__ = ["PACKAGE_DATA", "add_owned", "load_sources", "read_source", "select_sources"]
+
+#: owned files other than modules that the packages install (``fnmatch`` globs of site-relative
+#: paths, e.g. ``vllm_omni/model_executor/models/minicpmo_4_5/*.json``); none so far
+PACKAGE_DATA: tuple[str, ...] = ()
 
 
-def load_sources(owned_root: Path | None, series: list[Patch]) -> dict[str, tuple[Path, bytes]]:
-    """rel -> (source path, bytes) of every owned file.
+def select_sources(owned_root: Path | None) -> tuple[dict[str, Path], list[str]]:
+    """The owned files to install (rel -> source path) and one note per module left out for its name."""
+    selected, notes = {}, []
+    for rel, path in resources.owned_files(owned_root).items():
+        if not (rel.endswith(".py") or any(fnmatch.fnmatchcase(rel, glob) for glob in PACKAGE_DATA)):
+            continue  # an editor backup, a stray file: not part of the package
+        problem = package_relpath_problem(rel, (resources.OWNED_PACKAGE_DIR,))
+        if problem:
+            notes.append(f"owned file {path} is not installed: its path {problem}; rename it")
+            continue
+        selected[rel] = path
+    return selected, notes
+
+
+def read_source(owned_root: Path | None, path: Path) -> bytes:
+    """The bytes of the owned file at ``path``, a regular file inside the owned tree.
 
     Raises:
-        ToolError: an owned file is unreadable or is also a target of a patch (exit 2).
+        ToolError: it resolves outside the tree (a symbolic link), is not a regular file (a FIFO
+            would block every command) or cannot be read (exit 2).
+    """
+    tree = (owned_root or resources.owned_root()) / resources.OWNED_PACKAGE_DIR
+    outside = fsops.resolves_outside(tree, path)
+    if outside is not None:
+        raise ToolError(
+            f"{PROG}: the owned file {path} resolves to {outside}, outside the owned tree {tree}; "
+            "replace the link by the file"
+        )
+    try:
+        return fsops.read_regular(path)
+    except fsops.NotRegularFileError as exc:
+        raise ToolError(f"{PROG}: owned file {exc}; move it out of the owned tree") from None
+    except OSError as exc:
+        raise ToolError(f"{PROG}: cannot read the owned file {path}: {exc}") from None
+
+
+def load_sources(
+    owned_root: Path | None, series: list[Patch]
+) -> tuple[dict[str, tuple[Path, bytes]], list[str]]:
+    """rel -> (source path, bytes) of every owned file to install, and notes on modules left out.
+
+    Raises:
+        ToolError: an owned file is unreadable, not a regular file inside the owned tree, or also a
+            target of a patch (exit 2).
     """
     patched = {rel: patch.name for patch in series for rel in patch.file_paths}
+    selected, notes = select_sources(owned_root)
     sources = {}
-    for rel, path in resources.owned_files(owned_root).items():
+    for rel, path in selected.items():
         if rel in patched:
             raise ToolError(
                 f"{PROG}: {rel} is both an owned file ({path}) and a target of {patched[rel]}; "
                 "a file is either copied or patched, not both"
             )
-        try:
-            sources[rel] = (path, path.read_bytes())
-        except OSError as exc:
-            raise ToolError(f"{PROG}: cannot read the owned file {path}: {exc}") from None
-    return sources
+        sources[rel] = (path, read_source(owned_root, path))
+    return sources, notes
 
 
 def _unrecorded_pristine(plan: Plan, view: FileView, source: bytes | None) -> None:

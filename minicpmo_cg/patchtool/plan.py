@@ -397,7 +397,7 @@ def build_plan(
     store = StateStore(install.site)
     record, loaded, notes = _load_record(store, install)
     reports, active = classify_patches(series, install)
-    sources = owned.load_sources(owned_root, series)
+    sources, owned_notes = owned.load_sources(owned_root, series)
     try:
         gnu = GnuPatch() if active else None
     except PatchToolMissingError as exc:
@@ -425,7 +425,7 @@ def build_plan(
         record=record,
         record_present=loaded is not None,
         loaded=loaded,
-        notes=notes + file_notes,
+        notes=notes + file_notes + owned_notes,
     )
     needed = any(p.package == "vllm-omni" for p in active)
     owned.add_owned(plan, sources, needed)

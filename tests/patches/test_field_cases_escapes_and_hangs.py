@@ -3,7 +3,9 @@
 
 14. a recorded directory (or a recorded file's directory) that a symbolic link inside ``vllm_omni/``
     takes outside the site is damage; one a link takes elsewhere inside is never deleted through;
-15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``;
+15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``, or inside the ``--owned-dir`` tree;
+18. owned files that do not belong (editor backups, hidden files) or whose names the record's
+    checker refuses (a space, a non-ASCII letter);
 20. malformed input (a deeply nested or huge ``state.json``, a non-UTF-8 ``series`` or
     ``INDEX.md``, a malformed dist-info ``METADATA`` or ``RECORD``): one line naming the file, exit 2;
 
@@ -47,6 +49,17 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory) -> patchkit.Sites:
     return patchkit.Sites(tmp_path_factory.mktemp("escapes"))
+
+
+def owned_copy(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the shipped owned tree: (the --owned-dir root, the folder of the model's modules)."""
+    root = tmp_path / "owned"
+    shutil.copytree(
+        resources.owned_root() / resources.OWNED_PACKAGE_DIR,
+        root / resources.OWNED_PACKAGE_DIR,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    return root, root / Path(MODEL_REL).parent
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> None:
@@ -108,7 +121,7 @@ def test_14_a_recorded_directory_a_link_takes_elsewhere_inside_is_not_deleted_th
 
 
 # ---------------------------------------------------------------------------------------------
-# 15. FIFOs in the dist-info metadata
+# 15. FIFOs in the dist-info metadata and in the owned tree
 # ---------------------------------------------------------------------------------------------
 
 
@@ -127,6 +140,57 @@ def test_15_a_fifo_in_place_of_dist_info_metadata_is_refused_instead_of_hanging(
         proc = patchkit.cli(command, *sp(site), timeout=HANG_GUARD_S)
         one_line_error(proc, str(fifo), "not a regular file")
     assert full_tree(site) == before
+
+
+def test_15_a_fifo_inside_the_owned_tree_is_refused_or_left_out_instead_of_hanging(sites, tmp_path):
+    site = sites.copy("pristine")
+    owned, models = owned_copy(tmp_path)
+    os.mkfifo(models / "stray-fifo")  # not a module: never opened
+    before = full_tree(site)
+    proc = patchkit.cli("check", *sp(site), "--owned-dir", str(owned), timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    module = models / "fifo_module.py"
+    os.mkfifo(module)
+    for command in COMMANDS:
+        proc = patchkit.cli(command, *sp(site), "--owned-dir", str(owned), timeout=HANG_GUARD_S)
+        one_line_error(proc, str(module), "not a regular file")
+    assert full_tree(site) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 18. owned files that do not belong
+# ---------------------------------------------------------------------------------------------
+
+
+def test_18_only_modules_with_plain_names_are_installed_and_the_record_stays_readable(sites, tmp_path):
+    site = sites.copy("pristine")
+    owned, models = owned_copy(tmp_path)
+    stray = {
+        "audio_lengths.py~": "an editor backup",
+        ".#audio_lengths.py": "an editor lock",
+        ".hidden.py": "hidden",
+        "notes.txt": "not a module",
+        "name with space.py": "x = 1\n",
+        "m\u00f3dulo.py": "x = 1\n",
+    }
+    for name, text in stray.items():
+        (models / name).write_text(text)
+    (models / "__pycache__").mkdir()
+    (models / "__pycache__" / "vision_path.cpython-311.pyc").write_bytes(b"bytecode")
+    args = (*sp(site), "--owned-dir", str(owned))
+    proc = patchkit.cli("apply", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    installed = site / Path(MODEL_REL).parent
+    assert not [name for name in [*stray, "__pycache__"] if (installed / name).exists()]
+    for command in ("status", "check", "apply"):
+        proc = patchkit.cli(command, *args)
+        assert proc.returncode == 0, f"{command}: {proc.stdout}{proc.stderr}"
+        assert "damaged" not in proc.stdout + proc.stderr
+    _, report = patchkit.cli_json("status", *args)
+    left_out = " ".join(n for n in report["notes"] if "is not installed" in n)
+    assert "name with space.py" in left_out and "m\u00f3dulo.py" in left_out, report["notes"]
+    assert patchkit.cli("revert", *args).returncode == 0
+    assert full_tree(site) == full_tree(sites.pristine)
 
 
 # ---------------------------------------------------------------------------------------------
