@@ -14,7 +14,8 @@ owned tree), opening it without blocking and refusing anything that is not a reg
 would block every command, a device would be read forever) or larger than its caller allows, and,
 for its own state, refusing a symbolic link instead of following it. :func:`resolves_outside` is
 how a path read back from somewhere (the state record, the owned tree) is checked against the
-directory it must stay in, every symbolic link on its way resolved.
+directory it must stay in, every symbolic link on its way resolved. Directories the tool creates
+get :data:`DIR_MODE` whatever the umask, so that everyone who may read the files in them can.
 
 Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
 ``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
@@ -34,6 +35,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
     "TMP_SUFFIX",
     "NotRegularFileError",
     "SimulatedKill",
@@ -51,6 +54,10 @@ __all__ = [
 ]
 
 TMP_SUFFIX = ".minicpmo-cg-tmp"
+#: mode of a file the tool creates (an existing file keeps its own)
+FILE_MODE = 0o644
+#: mode of a directory the tool creates: FILE_MODE with search permission where it grants read
+DIR_MODE = 0o755
 
 Hook = Callable[[str, Path], None]
 _hook: Hook | None = None
@@ -162,7 +169,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def make_dirs(directory: Path, stop: Path) -> list[Path]:
-    """Create ``directory`` and its missing parents below ``stop``; return those created, top first."""
+    """Create ``directory`` and its missing parents below ``stop``, each with :data:`DIR_MODE` (the
+    umask would make a 0o700 package whose files nobody else can import under ``umask 077``);
+    return those created, top first."""
     missing = []
     current = directory
     while current != stop and not current.exists():
@@ -171,6 +180,7 @@ def make_dirs(directory: Path, stop: Path) -> list[Path]:
     for path in reversed(missing):
         _step("mkdir", path)
         path.mkdir()
+        os.chmod(path, DIR_MODE)
     return list(reversed(missing))
 
 
@@ -187,7 +197,7 @@ def write_file(path: Path, data: bytes, *, mode: int | None = None) -> None:
         try:
             mode = path.stat().st_mode & 0o7777
         except FileNotFoundError:
-            mode = 0o644
+            mode = FILE_MODE
     _step("tmp-create", path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:

@@ -6,6 +6,8 @@
 15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``, or inside the ``--owned-dir`` tree;
 18. owned files that do not belong (editor backups, hidden files) or whose names the record's
     checker refuses (a space, a non-ASCII letter);
+19. ``apply`` under ``umask 077``: the package directories it creates can be read by everyone, as
+    its files can;
 20. malformed input (a deeply nested or huge ``state.json``, a non-UTF-8 ``series`` or
     ``INDEX.md``, a malformed dist-info ``METADATA`` or ``RECORD``): one line naming the file, exit 2;
 
@@ -23,12 +25,15 @@ import json
 import os
 import resource
 import shutil
+import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import patchkit
 import pytest
 from patchkit import (
+    ADAPTER_PACKAGE_REL,
     COMMANDS,
     HANG_GUARD_S,
     MODEL_REL,
@@ -191,6 +196,31 @@ def test_18_only_modules_with_plain_names_are_installed_and_the_record_stays_rea
     assert "name with space.py" in left_out and "m\u00f3dulo.py" in left_out, report["notes"]
     assert patchkit.cli("revert", *args).returncode == 0
     assert full_tree(site) == full_tree(sites.pristine)
+
+
+# ---------------------------------------------------------------------------------------------
+# 19. umask 077
+# ---------------------------------------------------------------------------------------------
+
+
+def test_19_apply_under_umask_077_creates_directories_everyone_can_read(sites):
+    site = sites.copy("pristine")
+    before = {p for p in site.rglob("*") if p.is_dir()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "minicpmo_cg.patchtool", "apply", *sp(site)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=HANG_GUARD_S,
+        preexec_fn=lambda: os.umask(0o077),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    created = sorted(p for p in site.rglob("*") if p.is_dir() and p not in before)
+    assert site / ADAPTER_PACKAGE_REL in created
+    modes = {p.relative_to(site).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in created}
+    assert set(modes.values()) == {0o755}, modes
+    owned = [site / rel for rel in patchkit.OWNED_RELS]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in owned} == {0o644}
 
 
 # ---------------------------------------------------------------------------------------------
