@@ -18,7 +18,7 @@ from minicpmo_cg.patchtool.install import discover_installation
 from minicpmo_cg.patchtool.plan import build_plan
 from minicpmo_cg.patchtool.report import WIDTH, render_json, render_text
 from minicpmo_cg.patchtool.series import PatchFormatError, load_all_series
-from minicpmo_cg.patchtool.state import locked
+from minicpmo_cg.patchtool.state import LockTimeoutError, locked
 
 __all__ = ["main", "run"]
 
@@ -31,6 +31,11 @@ COMMANDS = {
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
     "export": "export the lane's change set as a stack of vllm-omni pull requests (see CONTRIBUTING)",
 }
+
+
+#: seconds a command waits for another command's lock on the installation before it gives up (the
+#: variable the lane scripts honour for the venv's lock too); unset: it waits until the lock is free
+LOCK_TIMEOUT_ENV = "MINICPMO_CG_LOCK_TIMEOUT"
 
 
 def _common(verbose: bool = True) -> argparse.ArgumentParser:
@@ -141,10 +146,41 @@ def _run_export(args: argparse.Namespace) -> int:
         raise ToolError(f"{PROG}: export: {exc}") from None
 
 
+def _lock_timeout() -> float | None:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not timeout >= 0:  # NaN too
+        raise ToolError(f"{PROG}: {LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds (0 or more)")
+    return timeout
+
+
+def _waiting(site: Path, timeout: float | None):
+    def say(holder: str) -> None:
+        until = (
+            f"giving up after {timeout:g} s ({LOCK_TIMEOUT_ENV})"
+            if timeout is not None
+            else f"{LOCK_TIMEOUT_ENV}=S gives up after S seconds"
+        )
+        _emit(
+            f"{PROG}: waiting for the lock held by {holder} on {site} (another {PROG} command on this "
+            f"installation; a stopped one holds it until it goes on or is killed); {until}\n",
+            "stderr",
+        )
+
+    return say
+
+
 def _execute(args: argparse.Namespace) -> tuple[commands.Outcome, object]:
     command = args.command
     install = discover_installation(args.site_packages)
-    with locked(install.site, exclusive=command in ("apply", "revert")):
+    timeout = _lock_timeout()
+    exclusive = command in ("apply", "revert")
+    with locked(install.site, exclusive=exclusive, timeout=timeout, on_wait=_waiting(install.site, timeout)):
         plan = build_plan(install, args.patches_dir, args.owned_dir)
         if command == "status":
             outcome = commands.Outcome("ok", EXIT_OK)
@@ -232,6 +268,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             raise _io_error(args.command, exc) from None
         except PatchToolMissingError as exc:
             raise ToolError(f"{PROG}: {exc}") from None
+        except LockTimeoutError as exc:
+            raise ToolError(
+                f"{PROG}: {args.command}: {exc} ({LOCK_TIMEOUT_ENV}); nothing was changed"
+            ) from None
     except ToolError as exc:
         _emit(f"{exc}\n", "stderr")
         if getattr(args, "json", False):

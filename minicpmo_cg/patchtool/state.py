@@ -36,6 +36,9 @@ never opened as the record) of at most :data:`MAX_RECORD_BYTES` holding JSON the
 read. Anything else makes :meth:`StateStore.load` raise :class:`StateError` (the state is
 damaged) before a command acts on the record. A stored original that is not a regular file is
 damaged like one with the wrong hash (:meth:`StateStore.load_original`).
+
+:func:`locked` serialises commands on one installation; one that has to wait says whose lock it
+waits for at once and gives up after a timeout when given one.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -58,9 +62,11 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "STATE_DIRNAME",
     "FileRecord",
+    "LockTimeoutError",
     "StateError",
     "StateRecord",
     "StateStore",
+    "lock_holders",
     "locked",
     "sha256_or_none",
 ]
@@ -74,6 +80,8 @@ _ROLES = {"patch": "patch", "owned": "owned", "adapter": "owned"}  # "adapter": 
 _OWNED_DIRS = (KNOWN_PACKAGES["vllm-omni"],)
 #: the largest ``state.json`` read (the tool's own records are a few KiB)
 MAX_RECORD_BYTES = 16 << 20
+#: how often a command waiting for the lock with a timeout tries it again, in seconds
+LOCK_POLL_S = 0.1
 
 
 class StateError(RuntimeError):
@@ -387,16 +395,80 @@ class StateStore:
         return [self.root, *(p for p in sorted(self.root.rglob("*")) if p.is_dir() and not p.is_symlink())]
 
 
+class LockTimeoutError(RuntimeError):
+    """The lock stayed taken for the whole timeout; the message names the holder and the timeout."""
+
+
+def lock_holders(fd: int) -> list[int]:
+    """PIDs holding an ``flock`` on the file open at ``fd``, from ``/proc/locks`` (empty where it
+    cannot be read, e.g. not on Linux)."""
+    info = os.fstat(fd)
+    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        text = fsops.read_regular(Path("/proc/locks")).decode("ascii", "replace")
+    except OSError:
+        return []
+    pids = []
+    for line in text.splitlines():  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; "->": waiting
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return sorted(set(pids))
+
+
+def _holder_text(fd: int) -> str:
+    pids = lock_holders(fd)
+    if not pids:
+        return "another process (its PID is not listed in /proc/locks)"
+    return ("PID " if len(pids) == 1 else "PIDs ") + ", ".join(map(str, pids))
+
+
 @contextlib.contextmanager
-def locked(site: Path, *, exclusive: bool) -> Iterator[None]:
+def locked(
+    site: Path,
+    *,
+    exclusive: bool,
+    timeout: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[None]:
     """Hold an advisory ``flock`` on the site-packages directory itself.
 
-    Serialises concurrent ``minicpmo-cg-patch`` runs on one installation without
-    creating a lock file there.
+    Serialises concurrent ``minicpmo-cg-patch`` runs on one installation without creating a
+    lock file there. When another process holds the lock, ``on_wait`` is called at once with
+    who holds it (``"PID 1234"``: a stopped or hung command keeps it until it goes on or is
+    killed), then the call waits: for good without ``timeout``, else trying again every
+    :data:`LOCK_POLL_S` until ``timeout`` seconds of ``clock`` have passed.
+
+    Raises:
+        LockTimeoutError: the lock was still taken after ``timeout`` seconds.
     """
-    fd = os.open(site, os.O_RDONLY)
+    fd = os.open(site, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        operation = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if not _try_lock(fd, operation):
+            holder = _holder_text(fd)
+            if on_wait is not None:
+                on_wait(holder)
+            if timeout is None:
+                fcntl.flock(fd, operation)
+            else:
+                start = clock()
+                while not _try_lock(fd, operation):
+                    if clock() - start >= timeout:
+                        raise LockTimeoutError(
+                            f"gave up waiting for the lock held by {holder} on {site} after {timeout:g} s"
+                        )
+                    sleep(LOCK_POLL_S)
         yield
     finally:
         os.close(fd)
+
+
+def _try_lock(fd: int, operation: int) -> bool:
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True

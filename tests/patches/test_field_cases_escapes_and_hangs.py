@@ -4,6 +4,7 @@
 14. a recorded directory (or a recorded file's directory) that a symbolic link inside ``vllm_omni/``
     takes outside the site is damage; one a link takes elsewhere inside is never deleted through;
 15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``, or inside the ``--owned-dir`` tree;
+16. the lock held by another process (a stopped one): a message naming its PID, and a timeout;
 18. owned files that do not belong (editor backups, hidden files) or whose names the record's
     checker refuses (a space, a non-ASCII letter);
 19. ``apply`` under ``umask 077``: the package directories it creates can be read by everyone, as
@@ -20,11 +21,14 @@ from __future__ import annotations
 
 import base64
 import csv
+import fcntl
 import io
 import json
 import os
 import resource
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -46,6 +50,7 @@ from patchkit import (
 )
 
 from minicpmo_cg import resources
+from minicpmo_cg.patchtool import state
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
@@ -160,6 +165,94 @@ def test_15_a_fifo_inside_the_owned_tree_is_refused_or_left_out_instead_of_hangi
         proc = patchkit.cli(command, *sp(site), "--owned-dir", str(owned), timeout=HANG_GUARD_S)
         one_line_error(proc, str(module), "not a regular file")
     assert full_tree(site) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 16. the lock of another process
+# ---------------------------------------------------------------------------------------------
+
+HOLDER = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+
+
+def _stderr_line(proc: subprocess.Popen, needle: str) -> str:
+    """The first stderr line of ``proc`` holding ``needle`` (the guard only stops a broken run)."""
+    while True:
+        ready, _, _ = select.select([proc.stderr], [], [], HANG_GUARD_S)
+        assert ready, f"no line with {needle!r} on stderr"
+        line = proc.stderr.readline()
+        assert line, f"stderr closed before a line with {needle!r}"
+        if needle in line:
+            return line
+
+
+def test_16_a_stopped_lock_holder_is_named_at_once_and_a_timeout_gives_up(sites):
+    site = sites.copy("pristine")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(site)], stdout=subprocess.PIPE, text=True)
+    waiter = None
+    try:
+        assert holder.stdout.readline() == "held\n"
+        os.kill(holder.pid, signal.SIGSTOP)  # a stopped command keeps its lock
+        waiting = f"waiting for the lock held by PID {holder.pid}"
+        env = {**os.environ, "MINICPMO_CG_LOCK_TIMEOUT": "0"}
+        for command in COMMANDS:
+            proc = patchkit.cli(command, *sp(site), env=env, timeout=HANG_GUARD_S)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert waiting in proc.stderr and "gave up" in proc.stderr, proc.stderr
+            assert "MINICPMO_CG_LOCK_TIMEOUT" in proc.stderr and "Traceback" not in proc.stderr
+        assert full_tree(site) == full_tree(sites.pristine)
+        # Without a timeout the command says whom it waits for while the lock is still held
+        # (the holder is stopped: the command cannot have got past it), then waits.
+        waiter = subprocess.Popen(
+            [sys.executable, "-m", "minicpmo_cg.patchtool", "apply", *sp(site)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert waiting in _stderr_line(waiter, "waiting for the lock")
+        assert waiter.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waiter.wait(timeout=HANG_GUARD_S) == 0  # the lock is free: the apply went on
+    assert (site / patchkit.ADAPTER_REL).is_file()
+
+
+def test_16_the_lock_wait_honours_its_timeout_on_a_scripted_clock(tmp_path):
+    now = [100.0]
+    sleeps, told = [], []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    other = os.open(tmp_path, os.O_RDONLY)  # another open file: flock conflicts within a process too
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with (
+            pytest.raises(state.LockTimeoutError, match=rf"held by PID {os.getpid()} on .* after 5 s"),
+            state.locked(
+                tmp_path, exclusive=False, timeout=5, on_wait=told.append, clock=lambda: now[0], sleep=sleep
+            ),
+        ):
+            pass
+        assert told == [f"PID {os.getpid()}"] and 5 <= sum(sleeps) < 5 + 2 * state.LOCK_POLL_S
+
+        def release_on_third(seconds: float) -> None:
+            sleep(seconds)
+            if len(sleeps) == 3:
+                fcntl.flock(other, fcntl.LOCK_UN)
+
+        sleeps.clear()
+        with state.locked(tmp_path, exclusive=True, timeout=5, clock=lambda: now[0], sleep=release_on_third):
+            assert len(sleeps) == 3
+    finally:
+        os.close(other)
 
 
 # ---------------------------------------------------------------------------------------------
