@@ -13,6 +13,12 @@ patch is reversed: an already-applied patch must *fail* the forward direction),
 ``--fuzz=0`` (every context line must match), ``--no-backup-if-mismatch``,
 ``--reject-file=-`` (no ``.rej`` files), ``--batch``-free so nothing prompts.
 
+A run is a conflict only when ``patch`` says so: exit status 1 (hunks that do not apply). Exit
+status 2 ("more serious trouble": it could not write its output or its temporary files), a
+``patch`` killed by a signal (``SIGXFSZ`` past the file size limit, ``SIGKILL``) and one that does
+not finish within :data:`PATCH_TIMEOUT_S` are :class:`PatchRunError`: an I/O failure of this
+machine, reported with the directory or limit at fault, never as a patch that needs refreshing.
+
 GNU patch applies a hunk at an offset wherever its old side matches, nearest to the
 line number in its ``@@`` header first. When that old side (context and removed lines)
 also occurs elsewhere in the file, "nearest" may be the wrong place, so
@@ -21,10 +27,13 @@ also occurs elsewhere in the file, "nearest" may be the wrong place, so
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -36,6 +45,7 @@ from minicpmo_cg.patchtool.series import FileChange
 __all__ = [
     "GnuPatch",
     "PatchRun",
+    "PatchRunError",
     "PatchToolMissingError",
     "ScratchDirError",
     "ambiguous_hunks",
@@ -52,6 +62,24 @@ class PatchToolMissingError(RuntimeError):
 
 class ScratchDirError(OSError):
     """The temporary directory (``TMPDIR``) cannot hold the scratch copies: full, unwritable, gone."""
+
+
+class PatchRunError(OSError):
+    """GNU ``patch`` failed for a reason other than a conflict: it could not write, was killed or hung."""
+
+
+#: seconds one ``patch`` run may take (a run takes milliseconds; a hung one is stopped)
+PATCH_TIMEOUT_S = 120
+
+
+def _scratch_dir() -> str:
+    return tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
+
+
+def _file_size_limit() -> str:
+    """``" (file size limit, ulimit -f: N bytes)"`` when there is one, else empty."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return "" if soft == resource.RLIM_INFINITY else f" (file size limit, ulimit -f: {soft} bytes)"
 
 
 @dataclass(frozen=True)
@@ -82,9 +110,15 @@ def _probe(found: str | None) -> tuple[str, str]:
             "(e.g. 'apt-get install patch' or 'dnf install patch') and retry"
         )
     try:
-        probe = subprocess.run([found, "--version"], capture_output=True, text=True, check=False, timeout=30)
+        probe = subprocess.run(
+            [found, "--version"], capture_output=True, text=True, check=False, timeout=PATCH_TIMEOUT_S
+        )
     except OSError as exc:
         raise PatchToolMissingError(f"cannot run {found}: {exc}") from None
+    except subprocess.TimeoutExpired:
+        raise PatchToolMissingError(
+            f"{found} --version did not finish within {PATCH_TIMEOUT_S} s; install GNU patch and put it first on PATH"
+        ) from None
     first = (probe.stdout or "").splitlines()[:1]
     if probe.returncode != 0 or not first or "GNU patch" not in first[0]:
         raise PatchToolMissingError(
@@ -151,14 +185,19 @@ class GnuPatch:
 
         Raises:
             ScratchDirError: the scratch directory cannot be made, written, read or removed.
+            PatchRunError: ``patch`` failed without a conflict (exit status 2, a signal, a hang).
             PatchToolMissingError: ``patch`` cannot be started.
         """
         try:
             with tempfile.TemporaryDirectory(prefix="minicpmo-cg-patch-") as tmp:
                 return self._run_in(Path(tmp), diff, files, reverse)
+        except PatchRunError:
+            raise
         except OSError as exc:
-            where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"
+            where = _scratch_dir()
             detail = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+            if exc.errno == errno.EFBIG:
+                detail += _file_size_limit()
             raise ScratchDirError(
                 f"cannot use the temporary directory {where} (TMPDIR) for GNU patch's scratch copies: "
                 f"{detail}; free space there or point TMPDIR at a writable directory"
@@ -197,17 +236,47 @@ class GnuPatch:
         }
         env["LC_ALL"] = "C"
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=120)
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, env=env, check=False, timeout=PATCH_TIMEOUT_S
+            )
         except OSError as exc:  # not a scratch problem: the program itself
             raise PatchToolMissingError(f"cannot run {self.executable}: {exc}") from None
+        except subprocess.TimeoutExpired:
+            raise PatchRunError(
+                f"GNU patch ({self.executable}) did not finish within {PATCH_TIMEOUT_S} s and was stopped "
+                "(a run takes milliseconds: is the machine overloaded, or the executable not GNU patch?)"
+            ) from None
         output = (proc.stdout + proc.stderr).strip()
-        if proc.returncode != 0:
+        if proc.returncode == 1:  # hunks that do not apply: a conflict
             return PatchRun(False, None, output)
+        if proc.returncode != 0:
+            raise PatchRunError(self._failure(proc.returncode, output))
         result: Contents = {}
         for rel in files:
             target = root / rel
             result[rel] = target.read_bytes() if target.is_file() else None
         return PatchRun(True, result, output)
+
+    def _failure(self, returncode: int, output: str) -> str:
+        """Why ``patch`` failed without a conflict, naming the directory or limit at fault."""
+        where = f"the temporary directory {_scratch_dir()} (TMPDIR)"
+        if returncode < 0:
+            try:
+                name = signal.Signals(-returncode).name
+            except ValueError:
+                name = f"signal {-returncode}"
+            cause = {
+                "SIGXFSZ": f"a file it wrote outgrew the file size limit{_file_size_limit()}; raise the limit",
+                "SIGKILL": "out of memory, or killed by another process; re-run",
+            }.get(name, "re-run")
+            return f"GNU patch was killed by {name} while it wrote in {where}: {cause}"
+        fatal = [line.strip() for line in output.splitlines() if line.startswith("patch: **** ")]
+        said = "; ".join(fatal or [line.strip() for line in output.splitlines() if line.strip()][-2:])
+        return (
+            f"GNU patch failed in {where} with exit status {returncode} ({said or 'no output'})"
+            f"{_file_size_limit()}: an I/O failure, not a problem of the patches; free space there or point "
+            "TMPDIR at a writable directory"
+        )
 
 
 def summarize_failure(output: str, limit: int = 3) -> str:

@@ -5,6 +5,8 @@
     takes outside the site is damage; one a link takes elsewhere inside is never deleted through;
 15. a FIFO in place of a dist-info ``METADATA`` or ``RECORD``, or inside the ``--owned-dir`` tree;
 16. the lock held by another process (a stopped one): a message naming its PID, and a timeout;
+17. GNU patch that cannot write, is killed or hangs: an I/O failure naming the directory or the
+    limit, never a conflict or a patch to refresh;
 18. owned files that do not belong (editor backups, hidden files) or whose names the record's
     checker refuses (a space, a non-ASCII letter);
 19. ``apply`` under ``umask 077``: the package directories it creates can be read by everyone, as
@@ -47,15 +49,18 @@ from patchkit import (
     refused,
     sha,
     sp,
+    tool,
 )
 
 from minicpmo_cg import resources
-from minicpmo_cg.patchtool import state
+from minicpmo_cg.patchtool import gnupatch, state
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-
 #: words that send a user to the patches or the packages; an I/O failure must not use them
+PATCH_ADVICE = ("refresh", "regenerate", "reinstall", "conflict")
+
+
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory) -> patchkit.Sites:
     return patchkit.Sites(tmp_path_factory.mktemp("escapes"))
@@ -253,6 +258,83 @@ def test_16_the_lock_wait_honours_its_timeout_on_a_scripted_clock(tmp_path):
             assert len(sleeps) == 3
     finally:
         os.close(other)
+
+
+# ---------------------------------------------------------------------------------------------
+# 17. GNU patch that cannot write, is killed or hangs
+# ---------------------------------------------------------------------------------------------
+
+
+def fake_patch(tmp_path: Path, body: str) -> dict[str, str]:
+    """An environment whose ``patch`` answers ``--version`` as GNU patch and runs ``body`` otherwise."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    script = bin_dir / "patch"
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo "GNU patch 2.7.6"; exit 0; fi\n{body}\n'
+    )
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _no_patch_advice(text: str) -> None:
+    lowered = text.lower()
+    assert not [word for word in PATCH_ADVICE if word in lowered], text
+
+
+@pytest.mark.parametrize("start", ["pristine", "applied without its state"])
+def test_17_a_patch_killed_at_the_file_size_limit_is_an_io_failure_naming_the_limit(sites, start):
+    site = sites.copy("pristine" if start == "pristine" else "applied")
+    if start != "pristine":
+        shutil.rmtree(site / STATE_DIR)
+    # Room for every file the tool writes itself (the largest pre-apply file), none for the
+    # patched model file GNU patch writes: it is killed by SIGXFSZ.
+    limit = max(len(text.encode()) for text in patchkit.SITE_SOURCE.values())
+    limit = max(limit, (sites.pristine / MODEL_REL).stat().st_size)
+    before = full_tree(site)
+    for command in COMMANDS:
+        proc = subprocess.run(
+            [sys.executable, "-m", "minicpmo_cg.patchtool", command, *sp(site)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=HANG_GUARD_S,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        )
+        assert proc.returncode == 2, f"{command}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
+        assert "ulimit -f" in proc.stderr and str(limit) in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        _no_patch_advice(proc.stdout + proc.stderr)
+    assert full_tree(site) == before
+
+
+@pytest.mark.parametrize(
+    "how, said",
+    [
+        ('echo "patch: **** write error : No space left on device" >&2; exit 2', "No space left on device"),
+        ("kill -9 $$", "killed by SIGKILL"),
+    ],
+    ids=["write error", "killed"],
+)
+def test_17_a_patch_that_cannot_write_or_is_killed_is_an_io_failure_naming_tmpdir(sites, tmp_path, how, said):
+    site = sites.copy("applied")
+    shutil.rmtree(site / STATE_DIR)  # revert's plan then runs patch on every file
+    env = fake_patch(tmp_path, how)
+    before = full_tree(site)
+    for command in COMMANDS:
+        proc = patchkit.cli(command, *sp(site), env=env, timeout=HANG_GUARD_S)
+        one_line_error(proc, said, "TMPDIR")
+        _no_patch_advice(proc.stdout + proc.stderr)
+    assert full_tree(site) == before
+
+
+def test_17_a_patch_that_hangs_is_stopped_and_reported(sites, tmp_path, capsys, monkeypatch):
+    site = sites.copy("pristine")
+    monkeypatch.setenv("PATH", fake_patch(tmp_path, "exec sleep 3600")["PATH"])
+    monkeypatch.setattr(gnupatch, "PATCH_TIMEOUT_S", 1)
+    code, text = tool(capsys, "status", *sp(site))
+    assert code == 2 and "did not finish within 1 s" in text and "Traceback" not in text, text
+    _no_patch_advice(text)
 
 
 # ---------------------------------------------------------------------------------------------
