@@ -38,8 +38,20 @@ COMMANDS = {
 LOCK_TIMEOUT_ENV = "MINICPMO_CG_LOCK_TIMEOUT"
 
 
+class UsageError(ToolError):
+    """A command line argparse refuses; its message is argparse's, with the usage line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, raising :class:`UsageError` instead of printing and exiting, so that ``--json``
+    can answer a usage error with its JSON object too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.format_usage().strip()}\n{self.prog}: error: {message}")
+
+
 def _common(verbose: bool = True) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--site-packages",
         type=Path,
@@ -67,7 +79,7 @@ def _common(verbose: bool = True) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         usage=f"{PROG} {{apply,check,status,revert,base,index,export}} [--site-packages DIR] [--json] ...",
         description="Install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.",
@@ -251,9 +263,25 @@ def _io_error(command: str, exc: OSError) -> ToolError:
     return ToolError(f"{PROG}: {command}: I/O error: {detail}{unchanged}")
 
 
+def _json_error(command: str | None, exc: ToolError) -> str:
+    return json.dumps({"command": command, "ok": False, "exit_code": exc.exit_code, "error": str(exc)}) + "\n"
+
+
 def run(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the exit code instead of exiting (tests call this)."""
-    args = _parser().parse_args(argv)
+    """Run the CLI; return the exit code instead of exiting (tests call this).
+
+    Raises:
+        SystemExit: a usage error (code 2) or ``--help`` (0), as argparse exits.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as exc:  # exits as argparse does (SystemExit 2), with the JSON object first
+        _emit(f"{exc}\n", "stderr")
+        if "--json" in argv:  # still one JSON object on stdout, as every --json run prints
+            command = next((a for a in argv if a in COMMANDS), None)
+            _emit(_json_error(command, exc), "stdout")
+        raise SystemExit(exc.exit_code) from None
     try:
         try:
             if args.command == "export":
@@ -275,13 +303,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ToolError as exc:
         _emit(f"{exc}\n", "stderr")
         if getattr(args, "json", False):
-            _emit(
-                json.dumps(
-                    {"command": args.command, "ok": False, "exit_code": exc.exit_code, "error": str(exc)}
-                )
-                + "\n",
-                "stdout",
-            )
+            _emit(_json_error(args.command, exc), "stdout")
         return exc.exit_code
     out, err = _report(args, outcome, plan)
     _emit(out, "stdout")

@@ -13,6 +13,7 @@
     its files can;
 20. malformed input (a deeply nested or huge ``state.json``, a non-UTF-8 ``series`` or
     ``INDEX.md``, a malformed dist-info ``METADATA`` or ``RECORD``): one line naming the file, exit 2;
+21. ``--json`` prints exactly one JSON object, usage errors included.
 
 As in the earlier rounds: the documented exit code, a message naming the culprit, no traceback,
 and the installation (and everything outside it) left as it was. A subprocess runs a command that
@@ -496,3 +497,26 @@ def test_20_a_non_utf8_series_or_index_is_one_line_naming_the_file(sites, tmp_pa
         assert proc.returncode == 2 and str(series) in json.loads(proc.stdout)["error"], proc.stdout
     one_line_error(patchkit.cli("index", "--patches-dir", str(patches)), str(series))
     assert full_tree(site) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 21. --json: one JSON object, usage errors included
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "--json", "--no-such-option"],
+        ["check", "--json", "--site-packages"],
+        ["apply", "--json", "unexpected-argument"],
+        ["index", "--json"],
+        ["no-such-command", "--json"],
+    ],
+)
+def test_21_a_usage_error_under_json_prints_one_json_object(argv):
+    proc = patchkit.cli(*argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert report["ok"] is False and report["exit_code"] == 2 and "usage:" in report["error"]
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr
