@@ -54,7 +54,15 @@ never half-reverted. Symbolic links (a target, or a directory on its way) are re
 message, never written through or replaced. Nothing read back is trusted: the state directory
 and the directories below it must not be links, ``state.json`` and every file read must be
 regular files (a FIFO is refused, never waited on), and every path the record names must lie
-inside ``vllm/`` or ``vllm_omni/`` (:mod:`.state`); otherwise the state is damaged (exit 2).
+inside ``vllm/`` or ``vllm_omni/`` and resolve there, every link on its way followed
+(:mod:`.state`); otherwise the state is damaged (exit 2). Nothing is deleted through a link.
+Malformed input (the record, the series, ``INDEX.md``, the dist-info ``METADATA``/``RECORD``) is
+one line naming the file (exit 2); GNU patch failing without a conflict (it cannot write, is
+killed or hangs) is an I/O error naming ``TMPDIR`` or the file size limit (exit 2).
+
+Commands on one installation are serialised by an ``flock`` on its site-packages directory; one
+that has to wait says whose lock it waits for (``waiting for the lock held by PID ...``) at once,
+and ``MINICPMO_CG_LOCK_TIMEOUT=S`` makes it give up after S seconds (exit 2).
 
 The installation is the site-packages directory holding the importable ``vllm`` and
 ``vllm_omni`` (found with :func:`importlib.util.find_spec`, without importing them), or
