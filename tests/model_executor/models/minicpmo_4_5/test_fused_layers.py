@@ -11,7 +11,9 @@
 - Packing q/k/v keeps one copy of the weights: the parameters are views of the packed tensor,
   weight loading writes through them, and parameters replaced since (a cast) are packed again.
 - The residual add + LayerNorm op falls back to torch where Triton cannot run, saying so once;
-  its Triton kernel, run by Triton's CPU interpreter, computes the reference's values.
+  its Triton kernel, run by Triton's CPU interpreter, computes the reference's values. Inputs
+  without contiguous rows (column-sliced, transposed) are copied once, by the op or, for SigLIP's
+  stack, before its first call; rows at any row stride are read in place.
 - ``--hf-overrides encoder_fused_layers``: registered, validated with the other keys, and read by
   ``configure_fused_layers`` with one INFO line.
 """
@@ -111,6 +113,42 @@ def test_siglip_fused_layers_match_the_unfused_layers_in_float32(kernel_calls, l
     assert len(kernel_calls) == 2 * len(vpm.encoder.layers) + 1  # the unfused call made none
     assert got.shape == want.shape == (3, 50, 64) and got.is_contiguous()
     torch.testing.assert_close(got, want, **TOL)
+
+
+def without_contiguous_rows(hidden, layout):
+    """``hidden`` ``(B, N, width)``'s values in a layout whose rows are not contiguous: every other
+    column of a tensor twice as wide, or the transposed view the patch convolution returns."""
+    if layout == "every other column":
+        wide = torch.zeros(*hidden.shape[:-1], 2 * hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        wide[..., ::2] = hidden
+        strided = wide[..., ::2]
+    else:
+        strided = hidden.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(strided, hidden) and strided.stride(-1) != 1
+    return strided
+
+
+@pytest.mark.parametrize("layout", ["every other column", "transposed"])
+@torch.no_grad()
+def test_siglip_fused_layers_take_an_input_without_contiguous_rows(monkeypatch, layout):
+    """One slice's patch embeddings without contiguous rows: the fused stack copies them once, before
+    its first residual add + LayerNorm (it raised ValueError), and computes what the unfused stack does."""
+    vpm = siglip()
+    configured("vpm", vpm)
+    hidden = torch.randn(1, 50, 64, generator=torch.Generator().manual_seed(4))
+    strided = without_contiguous_rows(hidden, layout)
+    strides = []
+    original = fused.add_layer_norm
+
+    def recording(residual, *args, **kwargs):
+        strides.append(residual.stride(-1))
+        return original(residual, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "add_layer_norm", recording)
+    got = vpm._encode_last_hidden_state(strided, None)
+    assert strides == [1] * (2 * len(vpm.encoder.layers) + 1)  # copied before the first call, once
+    torch.testing.assert_close(got, vpm._encode_last_hidden_state(hidden, None), rtol=0, atol=0)
+    torch.testing.assert_close(got, unfused(vpm, lambda: vpm._encode_last_hidden_state(strided, None)), **TOL)
 
 
 @torch.no_grad()
@@ -468,10 +506,48 @@ def test_add_layer_norm_refuses_bad_shapes():
         aln.add_layer_norm(x, torch.zeros(4, 9), None, w, w, 1e-5)
     with pytest.raises(ValueError, match="residual must be"):
         aln.add_layer_norm(torch.zeros(2, 4, 8), None, None, w, w, 1e-5)
-    with pytest.raises(ValueError, match="contiguous rows"):
-        aln.add_layer_norm(torch.zeros(8, 4).t(), None, None, torch.ones(4), torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="update_bias needs an update"):
         aln.add_layer_norm(x, None, w, w, w, 1e-5)
+
+
+def test_add_layer_norm_copies_rows_that_are_not_contiguous_and_reads_row_strides_in_place(monkeypatch):
+    """What the kernel gets: a column-sliced or transposed residual or update is copied, once (it
+    raised ValueError); contiguous rows at any row stride are passed as they are. Run with the
+    kernel's launch replaced by the reference, as on a GPU."""
+    generator = torch.Generator().manual_seed(9)
+    residual, update, bias = rows(generator)
+    weight, ln_bias = torch.randn(40, generator=generator), torch.randn(40, generator=generator)
+    launched = []
+
+    def launch(residual, update, update_bias, weight, bias, eps, store_sum, block_rows, num_warps):
+        launched.append((residual, update))
+        return aln.add_layer_norm_reference(residual, update, update_bias, weight, bias, eps, store_sum)
+
+    monkeypatch.setattr(aln, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(aln, "_launch", launch)
+    want = aln.add_layer_norm(residual, update, bias, weight, ln_bias, 1e-5)
+    wide = torch.zeros(6, 80)
+    wide[:, ::2] = residual
+    row_strided = torch.zeros(6, 48)
+    row_strided[:, :40] = update
+    layouts = [
+        (wide[:, ::2], update),  # every other column
+        (residual.t().contiguous().t(), update.t().contiguous().t()),  # transposed
+        (residual, row_strided[:, :40]),  # contiguous rows, row stride 48
+    ]
+    for x, y in layouts:
+        launched.clear()
+        got = aln.add_layer_norm(x, y, bias, weight, ln_bias, 1e-5)
+        ((seen_x, seen_y),) = launched
+        assert seen_x.stride(-1) == seen_y.stride(-1) == 1
+        assert (seen_x.data_ptr() == x.data_ptr()) is (x.stride(-1) == 1)  # copied only when needed
+        assert (seen_y.data_ptr() == y.data_ptr()) is (y.stride(-1) == 1)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # the torch fallback (the CPU's path) takes them too
+    monkeypatch.undo()
+    got = aln.add_layer_norm(wide[:, ::2], update, bias, weight, ln_bias, 1e-5)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
 
 
 INTERPRETER_SCRIPT = textwrap.dedent(

@@ -20,6 +20,9 @@ too, so that a dropped or doubled bias shows.
   magnitude (2.2e-2 at one slice, 2.4e-2 at three padded slices, on an H200), so the fused stack is
   held to upstream SDPA's own divergence: at most :data:`STACK_SLACK` times it (or 1e-2, whichever is
   larger), with a mean error against float32 no larger than the original's.
+- Inputs without contiguous rows (a column-sliced or transposed view of the patch embeddings): both
+  SigLIP stacks take them, the fused one copying them once, and compute what they compute from the
+  contiguous input.
 - SigLIP's pieces: a table of the bound's figures for each fused piece on its own, each left out and
   the default set (``fused_layers.SIGLIP_PIECES``), for choosing the default.
 - Graphs: a replay equals the fused eager call bitwise and differs from the unfused one (the
@@ -233,6 +236,46 @@ def test_siglip_stack_diverges_no_more_than_upstream_sdpa_does(fused, original, 
     )
     assert rel <= limit, (rel, sdpa_rel)
     assert fused_mean <= MEAN_SLACK * original_mean, (fused_mean, original_mean)
+
+
+def relative_max_error(got, want):
+    """``max |got - want| / max |want|`` in float32."""
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["every other column", "transposed"])
+@torch.inference_mode()
+def test_siglip_stacks_take_an_input_without_contiguous_rows(fused, layout):
+    """One slice's patch embeddings in a layout without contiguous rows (every other column of a
+    tensor twice as wide, or the transposed view a patch convolution returns), into SigLIP's fused
+    and unfused stacks: the fused stack copies them once (it raised ValueError) and each stack
+    computes what it computes from the contiguous input, so the two differ as they do there."""
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    width = fused.vpm.config.hidden_size
+    hidden = torch.randn(1, 1024, width, device="cuda", generator=generator).bfloat16()
+    if layout == "every other column":
+        wide = torch.zeros(1, 1024, 2 * width, device="cuda", dtype=hidden.dtype)
+        wide[..., ::2] = hidden
+        strided = wide[..., ::2]
+    else:
+        strided = hidden.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(strided, hidden) and strided.stride(-1) != 1
+    outputs = {}
+    for choice in ("all", "audio"):  # SigLIP fused, then on its unfused SDPA layers
+        with vision_config(fused, choice):
+            outputs[choice] = [fused.vpm._encode_last_hidden_state(x, None) for x in (strided, hidden)]
+    (got, want), (unfused_got, unfused_want) = outputs["all"], outputs["audio"]
+    assert torch.equal(got, want)  # the copy holds the input's bits: the same kernels on the same rows
+    torch.testing.assert_close(unfused_got, unfused_want)
+    rel, contiguous_rel = relative_max_error(got, unfused_got), relative_max_error(want, unfused_want)
+    print(
+        f"SigLIP stack, {layout}: max|fused - unfused| / max|unfused| = {rel:.3e} "
+        f"(contiguous input: {contiguous_rel:.3e})"
+    )
+    assert rel <= STACK_SLACK * contiguous_rel, (rel, contiguous_rel)
 
 
 def piece_rows():

@@ -71,7 +71,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from vllm.logger import init_logger
 
 from .encoder_cuda_graph import read_hf_overrides
-from .ops.fused_add_layer_norm import add_layer_norm, add_layer_norm_reference
+from .ops.fused_add_layer_norm import add_layer_norm, add_layer_norm_reference, contiguous_rows
 
 logger = init_logger(__name__)
 
@@ -586,7 +586,8 @@ def siglip_encode(
     batch, positions, width = hidden_states.shape
     packed, epilogue, fused_norm = (_piece(vpm, n) for n in ("packed_qkv", "gelu_epilogue", "add_layer_norm"))
     backends = SIGLIP_SDPA_BACKENDS if _piece(vpm, "attention_backends") else None
-    residual = hidden_states.reshape(batch * positions, width)
+    # A column-sliced or transposed input is copied here, once, not by each of the two calls below.
+    residual = contiguous_rows(hidden_states.reshape(batch * positions, width))
     normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False, fused=fused_norm)
     # Intermediates are handed on, never kept in a name into the next sub-layer, so each is freed
     # as soon as its consumer returns and a graph's pool holds one sub-layer's intermediates at a

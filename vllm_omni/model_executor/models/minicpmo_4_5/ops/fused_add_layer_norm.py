@@ -32,7 +32,7 @@ from vllm.triton_utils import HAS_TRITON, tl, triton
 
 logger = init_logger(__name__)
 
-__all__ = ["add_layer_norm", "add_layer_norm_reference", "triton_unavailable_reason"]
+__all__ = ["add_layer_norm", "add_layer_norm_reference", "contiguous_rows", "triton_unavailable_reason"]
 
 #: Fallback reasons already logged (one INFO line per reason and process).
 _LOGGED_FALLBACKS: set[str] = set()
@@ -125,12 +125,16 @@ def _log_fallback_once(reason: str) -> None:
         )
 
 
-def _check_rows(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape or (tensor.dim() and tensor.stride(-1) != 1):
-        raise ValueError(
-            f"add_layer_norm: {name} must be {shape} with contiguous rows, got {tuple(tensor.shape)} "
-            f"with strides {tensor.stride()}"
-        )
+def contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` when its rows are contiguous (any row stride: the kernel reads it in place), else
+    its contiguous copy (a column-sliced or transposed view, whose last dimension is strided)."""
+    return tensor if tensor.dim() == 0 or tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _rows(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"add_layer_norm: {name} must be {shape}, got {tuple(tensor.shape)}")
+    return contiguous_rows(tensor)
 
 
 def add_layer_norm_reference(
@@ -166,8 +170,9 @@ def add_layer_norm(
     """``LayerNorm(residual + update + update_bias)`` and the sum, in one kernel on CUDA.
 
     Args:
-        residual: ``(rows, cols)`` with contiguous rows (any row stride), float32, bf16 or fp16.
-        update: None, or ``(rows, cols)`` with contiguous rows (a GEMM output without its bias).
+        residual: ``(rows, cols)``, float32, bf16 or fp16; contiguous rows (any row stride) are read
+            in place, other layouts (a column-sliced or transposed view) copied once.
+        update: None, or ``(rows, cols)`` (a GEMM output without its bias), read or copied as ``residual``.
         update_bias: None, or ``(cols,)``: added to ``update`` (needs ``update``).
         weight, bias: the LayerNorm's affine ``(cols,)``.
         eps: the LayerNorm's epsilon.
@@ -179,20 +184,20 @@ def add_layer_norm(
         ``normed`` its LayerNorm; ``total`` is None when ``store_sum`` is False.
 
     Raises:
-        ValueError: a shape or layout other than the above.
+        ValueError: a shape other than the above.
     """
     if residual.dim() != 2:
         raise ValueError(f"add_layer_norm: residual must be (rows, cols), got {tuple(residual.shape)}")
     rows, cols = residual.shape
-    _check_rows("residual", residual, (rows, cols))
+    residual = _rows("residual", residual, (rows, cols))
     if update is not None:
-        _check_rows("update", update, (rows, cols))
+        update = _rows("update", update, (rows, cols))
     if update_bias is not None:
         if update is None:
             raise ValueError("add_layer_norm: update_bias needs an update")
-        _check_rows("update_bias", update_bias, (cols,))
-    _check_rows("weight", weight, (cols,))
-    _check_rows("bias", bias, (cols,))
+        update_bias = _rows("update_bias", update_bias, (cols,))
+    weight = _rows("weight", weight, (cols,))
+    bias = _rows("bias", bias, (cols,))
     reason = triton_unavailable_reason(residual.device)
     if reason is not None:
         _log_fallback_once(reason)
