@@ -16,10 +16,8 @@ the tests:
 - :func:`cache_bytes` is what a session's cache holds.
 - :func:`encode_frame` is the stage's vision call for a camera frame (``_encode_processed_vision``):
   ``get_vision_hidden_states`` under ``torch.no_grad()``.
-# pr: duplex-scale
 - :func:`stage_frame_data` is that call's argument: the processed frame's slices in the model dtype,
   ``tgt_sizes`` as int64.
-# /pr
 
 A session's cache resets when past + new positions would reach the position table's 1500 rows:
 before its 30th chunk (:func:`past_lengths`).
@@ -48,7 +46,7 @@ __all__ = [
     "frame_chunks",
     "past_lengths",
     "speech_mel",
-    "stage_frame_data",  # pr: duplex-scale
+    "stage_frame_data",
 ]
 
 #: Mel frames per 1 s chunk (10 ms hop).
@@ -172,7 +170,6 @@ def cache_bytes(cache: Any) -> int:
     )
 
 
-# pr: duplex-scale
 def stage_frame_data(
     pixel_values: list[torch.Tensor], tgt_sizes: torch.Tensor, *, device: Any, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -194,7 +191,6 @@ def stage_frame_data(
         }
 
 
-# /pr
 def encode_frame(model: Any, data: dict[str, Any]) -> torch.Tensor:
     """The duplex stage's vision call: ``get_vision_hidden_states`` under ``torch.no_grad()``.
 

@@ -8,39 +8,33 @@ unfolded to ``(3, 14, h*w*14)`` float32 with ``tgt_sizes`` row ``(h, w)`` in pat
 (A reduced size slices at ``scale_resolution`` 224 instead, for about 4x fewer patches per
 slice.)
 
-# pr: streaming-audio
 Speech comes from the voice ``.wav`` files that the installed vllm-omni wheel ships (found by
 :func:`voice_files`), resampled to 16 kHz with ``scipy.signal.resample_poly`` and turned into
 80-bin log-mel features by transformers' ``WhisperFeatureExtractor`` (constructed locally, no
 download) the way MiniCPM-o's processor does it: padded to 30 s, then cut to the valid frames
 given by the attention mask (100 frames per second, hop 160 samples).
 
-# /pr
 The ``data`` dicts built here have the layout the model's call sites read:
 ``get_vision_hidden_states({"pixel_values": [B x (3, 14, L_i)], "tgt_sizes": (B, 2)})``.
-# pr: streaming-audio
 The speech's: ``get_audio_hidden_states({"audio_features": (B, 80, T) or [B x (80, T_i)],
 "audio_feature_lens": [per audio: (n_chunks,) int64]})``.
-# /pr
 """
 
 from __future__ import annotations
 
-import math  # pr: streaming-audio
+import math
 from dataclasses import dataclass
-from pathlib import Path  # pr: streaming-audio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-# pr: streaming-audio
 #: Whisper front end: 16 kHz input, 80 mel bins, hop 160 samples -> 100 mel frames per second.
 SAMPLING_RATE = 16000
 NUM_MEL_BINS = 80
 #: MiniCPM-o cuts audio into parts of at most 30 s (Whisper's window, 3000 mel frames).
 MAX_CLIP_SECONDS = 30.0
-# /pr
 
 #: Slicing of MiniCPM-o 4.5 (checkpoint slice_config / MiniCPMVImageProcessor defaults).
 MAX_SLICE_NUMS = 9
@@ -96,7 +90,6 @@ class VisionInput:
         }
 
 
-# pr: streaming-audio
 @dataclass
 class AudioInput:
     """One ``get_audio_hidden_states`` call: log-mel features of one or more clips.
@@ -145,7 +138,6 @@ class AudioInput:
         return {"audio_features": audio_features, "audio_feature_lens": lens}
 
 
-# /pr
 # ---------------------------------------------------------------------------------------------
 # Photos
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +232,6 @@ def vision_input(processor: Any, name: str, photos: list[str], *, frame: bool = 
     return VisionInput(name, source, pixel_values, tgt_sizes, num_images=len(images))
 
 
-# pr: streaming-audio
 # ---------------------------------------------------------------------------------------------
 # Speech
 # ---------------------------------------------------------------------------------------------
@@ -354,8 +345,6 @@ def audio_input(
     return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
-# /pr
-# project-only
 # ---------------------------------------------------------------------------------------------
 # The demo's input sets
 # ---------------------------------------------------------------------------------------------
@@ -411,4 +400,3 @@ def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
     return items
 
 
-# /project-only

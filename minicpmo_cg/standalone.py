@@ -56,32 +56,26 @@ from minicpmo_cg.thinker_config import (
 __all__ = [
     "ADAPTER_MODULE",
     "AUDIO_CONFIG",
-    "FUSED_LAYERS_KEY",  # pr: fused-layers
-    "FUSED_LAYERS_MODULE",  # pr: fused-layers
+    "FUSED_LAYERS_KEY",
+    "FUSED_LAYERS_MODULE",
     "LLM_CONFIG",
     "MODEL_MODULE",
     "REDUCED_AUDIO_LAYERS",
     "REDUCED_VISION_LAYERS",
     "THINKER_CONFIG",
     "VISION_CONFIG",
-    # project-only
     "WIRING_MISSING",
-    # /project-only
     "EncoderBuildInfo",
-    # project-only
     "EncoderWiringMissingError",
-    # /project-only
     "audio_graph",
     "build_thinker_encoders",
-    "configure_fused_layers",  # pr: fused-layers
-    "duplex_batch_graph",  # pr: duplex-batch
-    # project-only
+    "configure_fused_layers",
+    "duplex_batch_graph",
     "has_graph_wiring",
-    # /project-only
     "init_weights_",
     "model_module",
     "resolve_vision_attn",
-    "streaming_audio_graph",  # pr: streaming-audio
+    "streaming_audio_graph",
     "thinker_config",
     "vision_graph",
     "wire_encoder_graphs",
@@ -89,13 +83,10 @@ __all__ = [
 
 #: The adapter, installed beside the model file.
 ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
-# pr: fused-layers
 #: The fused encoder layers, installed beside the model file (--hf-overrides encoder_fused_layers).
 FUSED_LAYERS_KEY = "encoder_fused_layers"
 FUSED_LAYERS_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.fused_layers"
-# /pr
 
-# project-only
 WIRING_MISSING = (
     "the installed vllm-omni model file has no encoder CUDA graph wiring "
     "(MiniCPMO45OmniLLMForConditionalGeneration has no _init_encoder_cuda_graphs)"
@@ -106,7 +97,6 @@ class EncoderWiringMissingError(RuntimeError):
     """The installed vllm-omni model file lacks the encoder CUDA graph wiring."""
 
 
-# /project-only
 def _progress(msg: str) -> None:
     print(f"[encoder-graphs] {msg}", file=sys.stderr, flush=True)
 
@@ -156,11 +146,9 @@ class EncoderBuildInfo:
         audio_attn: Whisper attention implementation (transformers' default for the config).
         num_params: parameters of all encoder modules (count).
         build_s: wall time of the build, seconds.
-        # pr: fused-layers
         fused_layers: ``{"vision": state, "audio": state}`` as the model's constructor configures
             ``--hf-overrides encoder_fused_layers`` (``"on"`` or ``"off (<why>)"``); both
             ``"off (no fused_layers module)"`` where the installed tree has none.
-        # /pr
     """
 
     vision_layers: int
@@ -169,7 +157,7 @@ class EncoderBuildInfo:
     audio_attn: str
     num_params: int
     build_s: float
-    fused_layers: dict[str, str] = dataclasses.field(default_factory=dict)  # pr: fused-layers
+    fused_layers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def build_thinker_encoders(
@@ -179,7 +167,7 @@ def build_thinker_encoders(
     reduced: bool = False,
     seed: int = 0,
     vision_attn: str = "sdpa",
-    fused_layers: str | None = None,  # pr: fused-layers
+    fused_layers: str | None = None,
     config_overrides: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> Any:
@@ -195,12 +183,10 @@ def build_thinker_encoders(
         vision_attn: SigLIP's attention, the ``--hf-overrides`` key ``vision_attn_implementation``
             (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
             ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
-        # pr: fused-layers
         fused_layers: the ``--hf-overrides`` key ``encoder_fused_layers`` (``"all"``, ``"vision"``,
             ``"audio"`` or ``"none"``); None keeps the option's default. Configured after
             the weights are in place, as the model's constructor configures it (the q/k/v weights
             are packed then).
-        # /pr
         config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
         progress: print build progress to stderr.
 
@@ -213,20 +199,16 @@ def build_thinker_encoders(
     Raises:
         ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
             ``"flash_attention_2"`` without the flash-attn 2 package, from the model file.
-        # project-only
         EncoderWiringMissingError: ``vision_attn`` other than ``"eager"`` on a model file without the
             SDPA attention for SigLIP (no ``vision_attn_implementation``).
-        # /project-only
     """
     start = time.perf_counter()
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = thinker_config(reduced=reduced, **(config_overrides or {}))
-    # pr: fused-layers
     if fused_layers is not None:
         config.encoder_fused_layers = fused_layers
-    # /pr
     config.vision_config._attn_implementation = resolve_vision_attn(config, vision_attn)
     if progress:
         _progress(
@@ -236,7 +218,7 @@ def build_thinker_encoders(
         )
     model = _bare_model_on_meta(config)
     _materialise_(model, device=device, dtype=dtype, seed=seed, progress=progress)
-    fused_states = configure_fused_layers(model)  # pr: fused-layers
+    fused_states = configure_fused_layers(model)
     model.build_info = EncoderBuildInfo(
         vision_layers=len(model.vpm.encoder.layers),
         audio_layers=len(model.apm.layers),
@@ -244,29 +226,25 @@ def build_thinker_encoders(
         audio_attn=str(model.apm.config._attn_implementation),
         num_params=sum(p.numel() for p in model.parameters()),
         build_s=time.perf_counter() - start,
-        fused_layers=fused_states,  # pr: fused-layers
+        fused_layers=fused_states,
     )
     if progress:
         _progress(f"built in {model.build_info.build_s:.1f} s ({dtype}, {device})")
     return model
 
 
-# pr: fused-layers
 def configure_fused_layers(model: Any) -> dict[str, str]:
     """Configure ``--hf-overrides encoder_fused_layers`` on ``model`` as the model's constructor does.
 
     Returns:
         ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``.
-        # project-only
         Both ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module,
         or ``"off (no encoder_fused_layers key)"`` where it has the module but does not register the
         key (then an ``encoder_fused_layers`` key on the config is refused instead).
-        # /project-only
 
     Raises:
         ValueError: a bad ``encoder_fused_layers`` (or any other encoder key), naming the key.
     """
-    # project-only
     try:
         importlib.import_module(FUSED_LAYERS_MODULE)
     except ModuleNotFoundError as exc:
@@ -287,11 +265,9 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
                 f"{FUSED_LAYERS_KEY} is set, but the installed vllm-omni tree does not register it"
             )
         return {"vision": f"off (no {FUSED_LAYERS_KEY} key)", "audio": f"off (no {FUSED_LAYERS_KEY} key)"}
-    # /project-only
     return importlib.import_module(FUSED_LAYERS_MODULE).configure_fused_layers(model)
 
 
-# /pr
 def resolve_vision_attn(config: Any, vision_attn: str) -> str:
     """Set ``vision_attn_implementation`` on ``config`` and resolve it as the model's ``__init__`` does.
 
@@ -300,13 +276,10 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
 
     Raises:
         ValueError: see :func:`build_thinker_encoders`.
-        # project-only
         EncoderWiringMissingError: see :func:`build_thinker_encoders`.
-        # /project-only
     """
     # the model file resolves it through siglip_attention.py, beside it
     resolve = getattr(getattr(model_module(), "siglip_attention", None), "vision_attn_implementation", None)
-    # project-only
     if resolve is None:  # a model file without SigLIP's SDPA attention: its eager attention only
         if vision_attn != "eager":
             raise EncoderWiringMissingError(
@@ -314,7 +287,6 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
                 "(vision_attn_implementation); the installed one runs SigLIP's eager attention only"
             )
         return "eager"
-    # /project-only
     config.vision_attn_implementation = vision_attn
     return resolve(config)
 
@@ -368,13 +340,11 @@ def _materialise_(model: Any, *, device: torch.device, dtype: torch.dtype, seed:
     model.requires_grad_(False)
 
 
-# project-only
 def has_graph_wiring(model: Any) -> bool:
     """True when the installed model class has the encoder CUDA graph wiring (``_init_encoder_cuda_graphs``)."""
     return callable(getattr(type(model), "_init_encoder_cuda_graphs", None))
 
 
-# /project-only
 def wire_encoder_graphs(
     model: Any, vllm_config: Any, *, enabled: Any, backend: Any = None, **options: Any
 ) -> None:
@@ -395,26 +365,18 @@ def wire_encoder_graphs(
             stand-in; None keeps the adapter's CUDA backend.
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
             ``encoder_cuda_graph_max_graphs``.
-            # pr: streaming-audio
             ``streaming_audio=False`` sets ``encoder_cuda_graph_streaming_audio``.
-            # /pr
-            # pr: duplex-batch
             ``duplex_batch=True`` turns on the opt-in batched duplex steps
             (``encoder_cuda_graph_duplex_batch``, default false).
-            # /pr
 
     Raises:
-        # project-only
         EncoderWiringMissingError: the installed model file has no encoder CUDA graph wiring.
-        # /project-only
         ValueError: a bad value, from ``EncoderCudaGraphOptions`` (naming the ``--hf-overrides`` key).
         TypeError: an option that ``EncoderCudaGraphOptions`` does not have.
         RuntimeError: graphs are off but the wiring still installed an adapter.
     """
-    # project-only
     if not has_graph_wiring(model):
         raise EncoderWiringMissingError(WIRING_MISSING)
-    # /project-only
     options_cls = importlib.import_module(ADAPTER_MODULE).EncoderCudaGraphOptions
     values = {"enabled": enabled, **options}
     validated = options_cls(**values)  # raises before model.config changes
@@ -426,8 +388,8 @@ def wire_encoder_graphs(
     adapters = (
         vision_graph(model),
         audio_graph(model),
-        streaming_audio_graph(model),  # pr: streaming-audio
-        duplex_batch_graph(model),  # pr: duplex-batch
+        streaming_audio_graph(model),
+        duplex_batch_graph(model),
     )
     for adapter in adapters:
         if adapter is not None and backend is not None:
@@ -449,17 +411,13 @@ def audio_graph(model: Any) -> Any:
     return getattr(model, "_audio_encoder_graph", None)
 
 
-# pr: streaming-audio
 def streaming_audio_graph(model: Any) -> Any:
     """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
     return getattr(model, "_streaming_audio_encoder_graph", None)
 
 
-# /pr
-# pr: duplex-batch
 def duplex_batch_graph(model: Any) -> Any:
     """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
     return getattr(getattr(model, "_duplex_batch", None), "graph", None)
 
 
-# /pr

@@ -49,7 +49,6 @@ def max_abs(out: Any) -> float:
     return max(float(t.detach().float().abs().max()) if t.numel() else 0.0 for t in _as_list(out))
 
 
-# project-only
 def all_finite(out: Any) -> bool:
     """Whether every element of a tensor or a list of tensors is finite (the demo's check)."""
     import torch
@@ -57,7 +56,6 @@ def all_finite(out: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in _as_list(out))
 
 
-# /project-only
 
 
 def max_abs_diff(eager: Any, graphed: Any) -> float:
@@ -79,7 +77,6 @@ def rel_diff(eager: Any, graphed: Any) -> float:
     return diff / scale if scale else diff
 
 
-# project-only
 def within_graph_tolerance(eager: Any, graphed: Any, dtype: Any) -> tuple[bool, float]:
     """``(ok, relative difference)`` of a graphed output against the eager one (:data:`GRAPH_REL_TOL`)."""
     import math
@@ -88,4 +85,3 @@ def within_graph_tolerance(eager: Any, graphed: Any, dtype: Any) -> tuple[bool, 
     return math.isfinite(rel) and rel <= graph_rel_tol(dtype), rel
 
 
-# /project-only

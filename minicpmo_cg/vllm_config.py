@@ -35,7 +35,6 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     return config
 
 
-# pr: duplex-batch
 def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     """``base`` (a :func:`standalone_vllm_config`) as a duplex deployment's: ``model_config`` with
     vllm-omni's ``session_mode = "duplex"`` and ``duplex_max_sessions``, which start-up capture
@@ -50,4 +49,3 @@ def duplex_vllm_config(base: Any, max_sessions: int) -> Any:
     return config
 
 
-# /pr

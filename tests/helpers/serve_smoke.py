@@ -603,9 +603,7 @@ def label(record: dict[str, Any]) -> str:
 def environment() -> dict[str, str]:
     info: dict[str, str] = {"python": sys.version.split()[0]}
     dists: tuple[str, ...] = ("vllm", "vllm-omni", "torch")
-    # project-only
     dists += ("minicpmo-encoder-cuda-graphs",)
-    # /project-only
     for dist in dists:
         try:
             info[dist] = importlib.metadata.version(dist)

@@ -30,22 +30,18 @@ def model_module():
 
 def wired_model(hook: str):
     """``(model file, adapter package, thinker class)``, for a test module.
-    # project-only
 
     Fails it, naming the model file, when the thinker class lacks ``hook`` (the wiring the module
     tests, e.g. ``"_init_encoder_cuda_graphs"``): a vllm-omni without the change.
-    # /project-only
     """
     from vllm_omni.model_executor.models.minicpmo_4_5 import encoder_cuda_graph as adapter
     from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
 
     model = llm.MiniCPMO45OmniLLMForConditionalGeneration
-    # project-only
     if not hasattr(model, hook):
         import pytest
 
         pytest.fail(f"{llm.__file__} lacks the encoder CUDA graph wiring ({hook})", pytrace=False)
-    # /project-only
     return llm, adapter, model
 
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-# project-only
 import hashlib
 import importlib.util
 import sys
 from pathlib import Path
 
-# /project-only
 import pytest
 import torch
 from helpers import logs
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_graph"
-# project-only
 REPO_ADAPTER = (
     Path(__file__).resolve().parents[4] / "vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph"
 )
@@ -57,14 +54,11 @@ def _source_adapter_in_place() -> None:
     spec.loader.exec_module(sys.modules[MODULE])
 
 
-# /project-only
 @pytest.fixture(scope="session")
 def ecg():
     """The adapter package under its in-tree name; its modules are attributes of the package
     (``ecg.backend``, ``ecg.adapter``, ...)."""
-    # project-only
     _source_adapter_in_place()
-    # /project-only
     return importlib.import_module(MODULE)
 
 

@@ -9,10 +9,8 @@ keeps it there) and a streaming chunk's embedding count is the encoder output's.
 with tiny Whisper models through :class:`helpers.host_reads.HostReads` (tensor methods and the
 operators that copy values out, e.g. slicing at a tensor bound), on the eager and the graphed path
 (the adapters' CPU backend).
-# project-only
 Both calls are also compared with the model file before the change (bitwise), where the patch tool
 can rebuild that file from the installed one.
-# /project-only
 CUDA tests check the same with ``torch.cuda.set_sync_debug_mode("error")`` at Whisper-medium's widths.
 """
 
@@ -100,7 +98,6 @@ def encode_streaming(model, session, data, prefix):
     return embeds
 
 
-# project-only
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
@@ -140,7 +137,6 @@ def test_the_watch_sees_the_reads_of_the_unpatched_call_paths(pristine, name):
     assert "aten::item" in {r.what for r in watch.device_reads()}
 
 
-# /project-only
 
 
 @pytest.mark.cpu

@@ -48,8 +48,8 @@ def tiny_model(attn: str) -> nn.Module:
         embed=EMBED,
         pool=POOL,
     )
-    model._audio_encoder_graph = None  # pr: encoder-graphs
-    model._streaming_audio_encoder_graph = None  # pr: streaming-audio
+    model._audio_encoder_graph = None
+    model._streaming_audio_encoder_graph = None
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 

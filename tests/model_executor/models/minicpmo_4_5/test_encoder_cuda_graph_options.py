@@ -114,24 +114,6 @@ def test_huge_values_are_refused_with_the_range(ecg, key, value):
     assert problem.endswith(ecg.HF_OVERRIDE_KEYS[key].allowed) and " and <= " in problem
 
 
-# pr-before: streaming-audio
-# def test_options_built_directly_are_range_checked_too(ecg, vllm_config):
-#     """No code derives an option from the validated ones: the adapter's constructor and
-#     ``dataclasses.replace`` check the range a user's value gets."""
-#     import dataclasses
-#
-#     options = ecg.EncoderCudaGraphOptions.from_hf_config(
-#         types.SimpleNamespace(encoder_cuda_graph_max_graphs=1024)
-#     )
-#     expected = ["encoder_cuda_graph_max_graphs=1025: got an integer, expected an integer >= 0 and <= 1024"]
-#     with pytest.raises(ecg.HfOverridesError) as info:
-#         dataclasses.replace(options, max_graphs=1025)
-#     assert info.value.problems == expected
-#     with pytest.raises(ecg.HfOverridesError) as info:
-#         ecg.EncoderCudaGraph(torch.neg, vllm_config, max_graphs=1025)
-#     assert info.value.problems == expected
-# /pr-before
-# pr: streaming-audio
 def test_values_the_wiring_derives_may_pass_the_user_maximum(ecg, vllm_config):
     """The maximum bounds what a user writes; the streaming audio adapter's cap is ``max_graphs``
     times its past lengths (30 at the defaults), built with ``dataclasses.replace`` and passed to
@@ -152,7 +134,6 @@ def test_values_the_wiring_derives_may_pass_the_user_maximum(ecg, vllm_config):
     ]
 
 
-# /pr
 
 
 def test_every_bad_key_is_reported_in_one_error(ecg):
@@ -189,22 +170,20 @@ def test_direct_construction_reports_every_bad_field(ecg):
 def test_options_defaults_and_overrides(ecg):
     defaults = ecg.EncoderCudaGraphOptions.from_hf_config(object())
     assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0)
-    assert defaults.streaming_audio is True  # pr: streaming-audio
-    assert defaults.startup_capture is True  # pr: duplex-scale
-    # pr: duplex-batch
+    assert defaults.streaming_audio is True
+    assert defaults.startup_capture is True
     # batched duplex steps opt-in (the exact per-session path by default)
     assert defaults.duplex_batch is False
     assert ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"].default is False
     opted_in = types.SimpleNamespace(encoder_cuda_graph_duplex_batch=True)
     assert ecg.EncoderCudaGraphOptions.from_hf_config(opted_in).duplex_batch is True
-    # /pr
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
         encoder_cuda_graph_min_capture_calls=5,
         encoder_cuda_graph_min_free_bytes=0,
         encoder_cuda_graph_share_pools=False,
-        encoder_cuda_graph_streaming_audio=False,  # pr: streaming-audio
+        encoder_cuda_graph_streaming_audio=False,
     )
     assert ecg.EncoderCudaGraphOptions.from_hf_config(hf_config) == ecg.EncoderCudaGraphOptions(
         enabled=False,
@@ -212,7 +191,7 @@ def test_options_defaults_and_overrides(ecg):
         min_capture_calls=5,
         min_free_bytes=0,
         share_pools=False,
-        streaming_audio=False,  # pr: streaming-audio
+        streaming_audio=False,
     )
 
 
@@ -240,9 +219,9 @@ def test_describe_writes_the_options_as_json(ecg):
         'encoder_cuda_graph_admission="cost" encoder_cuda_graph_max_bytes=0 '
         "encoder_cuda_graph_log_interval_s=60.0"
     )
-    expected += " encoder_cuda_graph_streaming_audio=true"  # pr: streaming-audio
-    expected += " encoder_cuda_graph_startup_capture=true"  # pr: duplex-scale
-    expected += " encoder_cuda_graph_duplex_batch=false"  # pr: duplex-batch
+    expected += " encoder_cuda_graph_streaming_audio=true"
+    expected += " encoder_cuda_graph_startup_capture=true"
+    expected += " encoder_cuda_graph_duplex_batch=false"
     assert text == expected
 
 
@@ -354,7 +333,7 @@ def test_model_config_keys_are_not_mistaken_for_overrides(ecg):
 
 #: Registered keys that the model file reads itself (``read_hf_overrides``), not the adapter.
 MODEL_FILE_KEYS = {"vision_attn_implementation"}
-MODEL_FILE_KEYS.add("encoder_fused_layers")  # pr: fused-layers
+MODEL_FILE_KEYS.add("encoder_fused_layers")
 
 
 def test_options_fields_are_registry_entries(ecg):

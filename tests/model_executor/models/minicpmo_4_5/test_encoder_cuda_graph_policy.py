@@ -323,7 +323,7 @@ def test_a_non_tensor_input_is_ineligible(ecg, vllm_config, cpu_backend):
     ineligible miss, whether it lacks a shape (an int) or only looks like a tensor (a NumPy array)."""
     np = pytest.importorskip("numpy")
     graph = ecg.EncoderCudaGraph(lambda x, y: x + 1, vllm_config, admission="count", backend=cpu_backend())
-    assert graph.static_args is False  # pr: streaming-audio
+    assert graph.static_args is False
     x = torch.ones(2)
     for other in (3, np.ones(2, dtype=np.float32)):
         for _ in range(3):

@@ -31,10 +31,8 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-# project-only
 if getattr(llm, "streaming_audio", None) is None:
     pytest.fail(f"{llm.__file__} lacks the streaming audio CUDA graphs (streaming_audio)", pytrace=False)
-# /project-only
 sa = llm.streaming_audio
 
 Model = llm.MiniCPMO45OmniLLMForConditionalGeneration

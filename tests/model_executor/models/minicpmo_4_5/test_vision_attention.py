@@ -25,10 +25,8 @@ from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention as sa
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 
-# project-only
 if not hasattr(llm, "SiglipSdpaAttention"):
     pytest.fail(f"{llm.__file__} lacks SigLIP's SDPA attention (SiglipSdpaAttention)", pytrace=False)
-# /project-only
 
 PATCH = 14
 SIDE = 70  # image_size 980 / patch 14: the checkpoint's position-bucket grid

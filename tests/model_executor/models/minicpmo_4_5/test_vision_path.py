@@ -5,10 +5,8 @@
   side and every patch grid the image slicer emits; resampler positions against its 2-D cache.
 - ``get_vision_hidden_states`` reads no tensor value on the host (:class:`helpers.host_reads.HostReads`
   watches ``item``/``tolist``/``__bool__``/... and the operators that copy values out).
-# project-only
 - With eager attention its output is bitwise that of the model file before the change, where the
   patch tool can rebuild that file from the installed one.
-# /project-only
 - SigLIP's hidden states are contiguous in every encoder layer: no layer copies its input
   before a LayerNorm (operators counted per layer with ``torch.profiler``), and the layout does
   not change a bit of the output with either attention.
@@ -30,10 +28,8 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
 llm = pytest.importorskip("vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm")
 
-# project-only
 if getattr(llm, "vision_path", None) is None:
     pytest.fail(f"{llm.__file__} lacks the image path without host reads (vision_path)", pytrace=False)
-# /project-only
 vision_path = llm.vision_path
 siglip_attention = llm.siglip_attention
 
@@ -104,7 +100,6 @@ def padded_valid(lengths, n):
     return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
 
 
-# project-only
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     """The unpatched model module, rebuilt by the patch tool from the installed (patched) file."""
@@ -113,7 +108,6 @@ def pristine(tmp_path_factory):
     yield from pristine_model_module(tmp_path_factory.mktemp("pristine-minicpmo"), "vision", "vision_path")
 
 
-# /project-only
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +224,6 @@ def test_resampler_rows_rebuild_the_2d_sincos_cache_bitwise(embed_dim, cache):
 # ---------------------------------------------------------------------------
 
 
-# project-only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name, vision_batch_size", EAGER_CASES, ids=[f"{n}-vbs{b}" for n, b in EAGER_CASES])
 def test_eager_output_is_bitwise_the_unpatched_output(pristine, name, vision_batch_size, dtype):
@@ -253,7 +246,6 @@ def test_eager_output_is_bitwise_the_unpatched_output(pristine, name, vision_bat
     assert torch.equal(got, want)
 
 
-# /project-only
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -278,7 +270,6 @@ def test_the_watch_sees_the_reads_the_former_call_path_made():
     assert len(watch.reads) >= 3, watch.reads
 
 
-# project-only
 @pytest.mark.parametrize(
     "grids", [GRID_SETS["one_slice"], GRID_SETS["ten_padded"]], ids=["one", "ten_padded"]
 )
@@ -288,7 +279,6 @@ def test_the_watch_sees_the_host_reads_of_the_former_call_path(pristine, grids):
     assert {"item", "tolist", "__bool__"} <= watch.names()  # what the former call site read
 
 
-# /project-only
 
 
 def test_tables_built_in_inference_mode_serve_no_grad_calls():

@@ -34,7 +34,7 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import supports_encoder_cudagraph
 
-from . import fused_layers  # pr: fused-layers
+from . import fused_layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 
 logger = init_logger(__name__)
@@ -52,24 +52,15 @@ class VisionGraphRegion:
         captured_modules: the modules that method calls, relative to the module owning it
             (checked for hooks before a capture).
         lora_prefixes: the same modules relative to the model, for :func:`lora_may_reach`.
-        needs: further model attributes that must be set (not None) for the adapter to be built.  # pr: image-call
+        needs: further model attributes that must be set (not None) for the adapter to be built.
     """
 
     forward: str
     captured_modules: tuple[str, ...]
     lora_prefixes: tuple[str, ...]
-    needs: tuple[str, ...] = ()  # pr: image-call
+    needs: tuple[str, ...] = ()
 
 
-# pr-before: image-call
-# #: SigLIP's encoder layers + post layernorm, routed from ``SiglipVisionTransformer.forward``
-# #: (:func:`vision_graph_applies`); the embeddings, the masks and the resampler stay eager.
-# SIGLIP_STACK = VisionGraphRegion(
-#     forward="vpm._encode_last_hidden_state",
-#     captured_modules=("encoder", "post_layernorm"),
-#     lora_prefixes=("vpm.encoder", "vpm.post_layernorm"),
-# )
-# /pr-before
 
 
 def validate_hf_overrides(hf_config: Any) -> EncoderCudaGraphOptions:
@@ -87,10 +78,8 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
 
     Needs only ``model.config``, ``model.vpm`` and ``model.apm``, callable on a partially built
     model.
-    # pr: image-call
     The vision adapter also waits for the model attributes that the model class's
     ``_vision_graph_region`` names in ``needs``: it is built only once they are set.
-    # /pr
     Sets ``model.vpm._encoder_graph`` when ``vpm`` exists, and ``model._audio_encoder_graph`` (None
     without ``apm``). An encoder gets no adapter when ``encoder_cuda_graph`` is false, under
     ``--enforce-eager``, or when the engine's LoRA config could put adapters on its modules (a
@@ -110,11 +99,8 @@ def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaG
     apm = getattr(model, "apm", None)
     region: VisionGraphRegion = model._vision_graph_region
     vision_state = audio_state = "off (no encoder)"
-    needed = (getattr(model, name, None) for name in region.needs)  # pr: image-call
-    # pr-before: image-call
-    # if vpm is not None:
-    # /pr-before
-    if vpm is not None and all(x is not None for x in needed):  # pr: image-call
+    needed = (getattr(model, name, None) for name in region.needs)
+    if vpm is not None and all(x is not None for x in needed):
         vpm._encoder_graph, vision_state = make_encoder_cuda_graph(
             operator.attrgetter(region.forward)(model),
             vllm_config,
@@ -202,11 +188,9 @@ def encode_last_hidden_state(
     Returns:
         ``(B, N, hidden)`` last hidden state, same dtype/device as the input.
     """
-    # pr: fused-layers
     # the fused layers where they apply (fused_layers.siglip_fused_applies)
     if fused_layers.siglip_fused_applies(vpm, hidden_states, attention_mask):
         return fused_layers.siglip_encode(vpm, hidden_states, attention_mask)
-    # /pr
     encoder_outputs = vpm.encoder(
         inputs_embeds=hidden_states,
         attention_mask=attention_mask,
@@ -217,28 +201,6 @@ def encode_last_hidden_state(
     return vpm.post_layernorm(encoder_outputs.last_hidden_state)
 
 
-# pr-before: image-call
-# def vision_graph_applies(
-#     vpm: nn.Module,
-#     output_attentions: bool | None,
-#     output_hidden_states: bool | None,
-#     return_dict: bool | None,
-#     attention_mask: torch.Tensor | None,
-# ) -> bool:
-#     """Whether ``SiglipVisionTransformer.forward`` runs its stack through ``vpm._encoder_graph``.
-#
-#     Not without an adapter, when attentions or hidden states are asked for (they need the eager
-#     stack), without ``return_dict``, nor for FA2 with a padding mask (unpadding reads lengths on
-#     the host, which a CUDA graph cannot replay).
-#     """
-#     return (
-#         vpm._encoder_graph is not None
-#         and not output_attentions
-#         and not output_hidden_states
-#         and bool(return_dict)
-#         and not (vpm._use_flash_attention_2 and attention_mask is not None)
-#     )
-# /pr-before
 
 
 def encode_audio_features(

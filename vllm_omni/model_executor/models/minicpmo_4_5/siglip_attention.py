@@ -39,13 +39,11 @@ VISION_ATTN_KEY = "vision_attn_implementation"
 VISION_ATTN_CHOICES = ("sdpa", "eager", "flash_attention_2")
 #: Its value when the key is absent.
 VISION_ATTN_DEFAULT = "sdpa"
-# pr: encoder-graphs
 #: One line for the option tables.
 VISION_ATTN_DOC = (
     'SigLIP attention, read by the model file (not an adapter option): "sdpa", "eager" (the '
     'original bf16-logit math) or "flash_attention_2" (refused unless flash-attn 2 imports)'
 )
-# /pr
 
 
 def _as_json(value: Any) -> str:

@@ -12,11 +12,9 @@ call path (``get_audio_embedding_streaming``, then ``get_vision_hidden_states`` 
 with the adapters' calls turned into :func:`~.encoder_cuda_graph.capture_now`, so every graph has
 exactly the key a real session's call will have (shapes, dtypes, static arguments, replay
 stream), and the session's first chunks are replays.
-# pr: duplex-batch
 With batched duplex steps (``duplex_batch.py``, opt-in: ``encoder_cuda_graph_duplex_batch``) the
 batched forward's graphs are captured too, one per batch bucket, on padding rows that touch only
 scratch K/V pages.
-# /pr
 
 vllm-omni's AR model runner calls it from ``capture_model`` (the worker's warm-up, after vLLM's
 memory profiling sized the KV cache), through the stage model's ``capture_graphs_at_startup``. Its
@@ -119,10 +117,7 @@ class StartupCapture:
 
     graphs: dict[str, int] = field(default_factory=dict)
     graph_bytes: int = 0
-    # pr-before: duplex-batch
-    # #: the streaming K/V arena it allocated
-    # /pr-before
-    #: the streaming K/V arena and the batched path's K/V pages it allocated  # pr: duplex-batch
+    #: the streaming K/V arena and the batched path's K/V pages it allocated
     arena_bytes: int = 0
     seconds: float = 0.0
     #: why capture stopped before the end (the memory floor), or None
@@ -213,7 +208,6 @@ def _camera_frame(thinker: Any, proxy: _CaptureNow) -> None:
         vpm._encoder_graph = saved
 
 
-# pr: duplex-batch
 def _batch_buckets(thinker: Any, proxy: _CaptureNow) -> None:
     """Every batch bucket of the batched duplex forward, on padding rows (scratch pages only)."""
     encoder = thinker._duplex_batch
@@ -225,39 +219,26 @@ def _batch_buckets(thinker: Any, proxy: _CaptureNow) -> None:
         proxy(mel, meta, pool, encoder.chunk, encoder.attention(device))
 
 
-# /pr
 def _kv_buffers(thinker: Any) -> dict[Any, torch.Tensor]:
-    # pr-before: duplex-batch
-    # """The streaming K/V arenas, by identity."""
-    # /pr-before
-    """The streaming K/V arenas and the batched path's page pools, by identity."""  # pr: duplex-batch
+    """The streaming K/V arenas and the batched path's page pools, by identity."""
     buffers = {id(a.kv): a.kv for a in getattr(thinker, "_streaming_audio_arenas", {}).values()}
-    # pr: duplex-batch
     encoder = getattr(thinker, "_duplex_batch", None)
     if encoder is not None:
         buffers.update({id(p.kv): p.kv for p in encoder._pools.values()})
-    # /pr
     return buffers
 
 
 def _buffers_to_allocate(thinker: Any) -> int:
-    # pr-before: duplex-batch
-    # """Bytes of the K/V buffer start-up capture allocates: the streaming arena, where it does not exist yet."""
-    # /pr-before
-    # pr: duplex-batch
     """Bytes of the K/V buffers start-up capture allocates: the streaming arena and the batched
     path's page pool, where they do not exist yet."""
-    # /pr
     apm = thinker.apm
     per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
     needed = 0
     if not getattr(thinker, "_streaming_audio_arenas", None):
         needed += 2 * apm.embed_positions.weight.shape[0] * per_position  # two sides
-    # pr: duplex-batch
     encoder = getattr(thinker, "_duplex_batch", None)
     if encoder is not None and getattr(encoder, "graph", None) is not None and not encoder._pools:
         needed += encoder.pool_bytes()
-    # /pr
     return needed
 
 
@@ -275,7 +256,7 @@ def capture_at_startup(
 
     - the streaming audio adapter: every :func:`duplex_chunk_forms` call
     - the vision adapter: one camera frame
-    - the batched duplex forward's: every batch bucket, on padding rows  # pr: duplex-batch
+    - the batched duplex forward's: every batch bucket, on padding rows
 
     Graph caps, the byte budget and module hooks apply as to any capture; the free-memory floor is
     checked before each call.
@@ -305,9 +286,7 @@ def capture_at_startup(
     streaming = getattr(thinker, "_streaming_audio_encoder_graph", None)
     vpm = getattr(thinker, "vpm", None)
     vision = getattr(vpm, "_encoder_graph", None) if vpm is not None else None
-    # pr: duplex-batch
     # (the batched path's graphs exist only with the streaming ones)
-    # /pr
     if streaming is None and vision is None:
         return report
     arenas_before = _kv_buffers(thinker)
@@ -330,12 +309,10 @@ def capture_at_startup(
         if vision is not None and report.stopped is None:
             proxies.append(_CaptureNow(vision, "vision", report, options.min_free_bytes))
             _camera_frame(thinker, proxies[-1])
-        # pr: duplex-batch
         batch = getattr(getattr(thinker, "_duplex_batch", None), "graph", None)
         if batch is not None and report.stopped is None:
             proxies.append(_CaptureNow(batch, "duplex audio batch", report, options.min_free_bytes))
             _batch_buckets(thinker, proxies[-1])
-        # /pr
     report.seconds = clock() - start
     report.graph_bytes = sum(p.new_bytes() for p in proxies)
     report.arena_bytes = _arena_bytes(thinker, arenas_before)
@@ -350,18 +327,10 @@ def _mib(num_bytes: int) -> str:
 def _log(report: StartupCapture) -> None:
     graphs = ", ".join(f"{name} {n}" for name, n in report.graphs.items()) or "none"
     skipped = "".join(f"; {n} not captured ({why})" for why, n in report.skipped.items())
-    # pr-before: duplex-batch
-    # line = (
-    #     "MiniCPM-o 4.5 encoder CUDA graphs captured at start-up: %d graphs (%s%s) in %.2f s, %s "
-    #     "(%d bytes: graphs %s, streaming audio K/V arena %s), taken after vLLM sized the KV cache"
-    # )
-    # /pr-before
-    # pr: duplex-batch
     line = (
         "MiniCPM-o 4.5 encoder CUDA graphs captured at start-up: %d graphs (%s%s) in %.2f s, %s "
         "(%d bytes: graphs %s, streaming audio K/V arena and pages %s), taken after vLLM sized the KV cache"
     )
-    # /pr
     args = (
         report.num_graphs,
         graphs,

@@ -45,15 +45,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from vllm.logger import init_logger
 
-from . import fused_layers  # pr: fused-layers
+from . import fused_layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
 
-# pr: duplex-batch
 # isort: split
 from . import duplex_batch  # the batched duplex steps; it imports this module back
 
-# /pr
 
 logger = init_logger(__name__)
 
@@ -357,12 +355,10 @@ def encode_streaming_chunk(
         adapter where :func:`streaming_audio_graph_applies`, else eagerly with the zero mask (a
         graphed session's cache converted to the eager path's ``EncoderDecoderCache`` first).
     """
-    # pr: duplex-batch
     # inside a batched duplex step the chunk is encoded with the step's others (duplex_batch.route)
     batched = duplex_batch.route(model, wavforms, positions, total_seq_len, context)
     if batched is not None:
         return batched
-    # /pr
     if streaming_audio_graph_applies(model, wavforms, total_seq_len):
         return encode_audio_streaming_with_graph(model, wavforms, positions, context)
     audio_attention_mask = torch.zeros(
@@ -427,7 +423,7 @@ def init_streaming_audio_graph(model: nn.Module, vllm_config: Any, options: Enco
                 'admission "count" (each past length recurs once per cache cycle)'
             )
     logger.info("MiniCPM-o 4.5 streaming audio encoder CUDA graphs: %s", state)
-    duplex_batch.init_duplex_batch(model, vllm_config, options)  # pr: duplex-batch
+    duplex_batch.init_duplex_batch(model, vllm_config, options)
 
 
 def streaming_audio_graph_applies(model: nn.Module, wavforms: torch.Tensor, total_seq_len: int) -> bool:
@@ -491,13 +487,11 @@ def streaming_audio_mask_plan(
 
 def _decide_mask_plan(model: nn.Module, device: torch.device, positions: int, total: int) -> ZeroMaskPlan:
     """:func:`streaming_audio_mask_plan`'s decision for a shape it has not planned yet."""
-    # pr: fused-layers
     # With the fused Whisper layers the mask goes and nothing is pinned: their streaming attention
     # pins its own backends, which give the same bits with the all-zero mask and without it
     # (fused_layers.whisper_streaming_drops_zero_mask).
     if fused_layers.whisper_streaming_drops_zero_mask(model.apm):
         return ZeroMaskPlan(drop_mask=True)
-    # /pr
     return zero_mask_plan(
         model.apm.config._attn_implementation,
         lambda: eager_sdpa_choice(model.apm, device, positions, total),

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import fused_layers  # pr: fused-layers
+from . import fused_layers
 from . import siglip_attention
 from .encoder_graphs import VisionGraphRegion
 
@@ -322,12 +322,10 @@ def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor
     """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)`` in the
     convolution's dtype, not necessarily contiguous (the convolution's output read as
     ``(B, N, hidden)`` is a transposed view)."""
-    # pr: fused-layers
     # with the fused layers on, the convolution runs as the GEMM it is, contiguous already
     # (fused_layers.siglip_patch_embeddings, which falls back to the convolution itself)
     if getattr(vpm, "_fused_layers", False):
         return fused_layers.siglip_patch_embeddings(vpm, pixel_values)
-    # /pr
     return vpm.embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
 
 

@@ -9,11 +9,9 @@ slice, a 1 s audio chunk) the host, not the GPU, sets their latency. This
 package replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
 eager call computes.
-# pr: streaming-audio
 The same adapter, built with static arguments (non-tensor inputs keyed by
 value), replays the streaming Whisper chunks of full-duplex sessions at each
 KV past length.
-# /pr
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
@@ -43,10 +41,8 @@ testable on CPU; each module imports only those above it):
   guard, byte budget, memory floor, hooks check, stats, the fatal contract).
 - :mod:`.factory`: :func:`make_encoder_cuda_graph`, which the model file calls,
   and :func:`lora_may_reach`.
-# pr: duplex-scale
 - :mod:`.immediate`: :func:`capture_now`, a call's graph captured at once,
   keyed as the call is (start-up capture).
-# /pr
 
 Every public name is importable from this package. The user-facing contract is
 ``docs/design/minicpmo_encoder_cuda_graph.md`` and its topic pages in
@@ -73,7 +69,7 @@ from .backend import (
     ReplayableGraph,
 )
 from .factory import EncoderCudaGraphSetup, lora_may_reach, make_encoder_cuda_graph
-from .immediate import capture_now  # pr: duplex-scale
+from .immediate import capture_now
 from .options import (
     HF_OVERRIDE_KEYS,
     EncoderCudaGraphOptions,
@@ -83,17 +79,15 @@ from .options import (
 )
 from .shapes import ExactShapeEncoder, GraphKey
 
-# pr: streaming-audio
 # isort: split
 from .shapes import STATIC_ARG
 
-# /pr
 
 __all__ = [
     "CAPTURE_ERROR_MODE",
     "HF_OVERRIDE_KEYS",
     "MISS_KINDS",
-    "STATIC_ARG",  # pr: streaming-audio
+    "STATIC_ARG",
     "STATS_KEYS",
     "Admission",
     "CaptureAdmission",
@@ -114,7 +108,7 @@ __all__ = [
     "HfOverrideKey",
     "HfOverridesError",
     "ReplayableGraph",
-    "capture_now",  # pr: duplex-scale
+    "capture_now",
     "in_memory_profiling",
     "lora_may_reach",
     "make_encoder_cuda_graph",

@@ -34,11 +34,9 @@ from .backend import CudaGraphBackend, EncoderGraphBackend, ReplayableGraph, _re
 from .options import EncoderCudaGraphOptions
 from .shapes import ExactShapeEncoder, GraphKey, _describe, _is_static, _tensor_entries
 
-# pr: streaming-audio
 # isort: split
 from .shapes import _key_entry
 
-# /pr
 
 logger = init_logger(__name__)
 
@@ -92,7 +90,6 @@ class EncoderCudaGraph:
     Strides and tensor values are not part of the key; replays read the live
     input values.
 
-    # pr: streaming-audio
     *Static arguments* (``static_args=True``): any positional input that is
     neither a tensor nor None (an int, a tuple, an object) is part of the key
     by value, as ``(STATIC_ARG, value)`` (``==`` and ``hash``, so it must be
@@ -107,7 +104,6 @@ class EncoderCudaGraph:
     tensor-only key and replay path; there, a call with any other input is
     ineligible (below), while with ``static_args`` such an input is a static
     argument and no reason to run eagerly.
-    # /pr
 
     A call runs ``forward`` eagerly, without touching any graph, when it is
     *ineligible*: autograd enabled, an input that is neither a tensor nor
@@ -161,10 +157,8 @@ class EncoderCudaGraph:
             max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
             (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
-        # pr: streaming-audio
         static_args: whether inputs other than tensors and None are static
             arguments (see above); False makes such calls ineligible.
-        # /pr
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``
@@ -199,7 +193,7 @@ class EncoderCudaGraph:
         max_bytes: int = 0,
         log_interval_s: float = 60.0,
         name: str = "encoder",
-        static_args: bool = False,  # pr: streaming-audio
+        static_args: bool = False,
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -216,7 +210,7 @@ class EncoderCudaGraph:
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
-        self.static_args = bool(static_args)  # pr: streaming-audio
+        self.static_args = bool(static_args)
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
@@ -273,10 +267,8 @@ class EncoderCudaGraph:
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
-        # pr: streaming-audio
         if self.static_args:
             return self._call_with_statics(inputs, device)
-        # /pr
         try:
             entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
         except AttributeError:  # an input that is neither a tensor nor None
@@ -359,7 +351,6 @@ class EncoderCudaGraph:
         }
 
     # -- internals -------------------------------------------------------------------
-    # pr: streaming-audio
     def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
         self._calls += 1
@@ -375,26 +366,16 @@ class EncoderCudaGraph:
             return self._replay(manager, inputs)
         return self._miss(key, inputs, device)
 
-    # /pr
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
-        # pr-before: streaming-audio
-        # # Never captured, so the hit path needs no check: more inputs than buffer keys, or an input
-        # # that has a shape and a dtype but is no tensor (e.g. a NumPy array).
-        # if len(inputs) > len(_BUFFER_KEYS) or any(map(_is_static, inputs)):
-        #     self.admission.record_ineligible()
-        #     return self.forward(*inputs)
-        # /pr-before
-        # pr: streaming-audio
         # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
         # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
         if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
             self.admission.record_ineligible()
             return self.forward(*inputs)
-        # /pr
         decision = self.admission.admit(key)
         if decision is Admission.CAPACITY:
             self._log_cap_once()
@@ -504,7 +485,7 @@ class EncoderCudaGraph:
         delta, rounded up to the caching allocator's 2 MiB segment granularity
         (less when a shared pool already holds reusable blocks), plus static
         copies of the tensor inputs and one output buffer outside the pool.
-        Static arguments have no buffer.  # pr: streaming-audio
+        Static arguments have no buffer.
         """
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
@@ -605,7 +586,7 @@ class EncoderCudaGraph:
         record: _KeyRecord,
         inputs: Sequence[Any],
         device: torch.device,
-        log_level: int = logging.INFO,  # pr: duplex-scale
+        log_level: int = logging.INFO,
     ) -> bool:
         """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
@@ -638,10 +619,7 @@ class EncoderCudaGraph:
         self.graph_info[key] = GraphInfo(captured.pool_bytes, captured.static_bytes, capture_ms)
         self.admission.record_captured(key)
         self._records.pop(key, None)
-        # pr-before: duplex-scale
-        # self._log_capture(key, record.verdict, self.graph_info[key], logging.INFO)
-        # /pr-before
-        self._log_capture(key, record.verdict, self.graph_info[key], log_level)  # pr: duplex-scale
+        self._log_capture(key, record.verdict, self.graph_info[key], log_level)
         return True
 
     def _log_capture(self, key: GraphKey, verdict: CostVerdict | None, info: GraphInfo, level: int) -> None:

@@ -75,11 +75,9 @@ class HfOverrideKey:
         maximum: upper bound of ``"int"`` and ``"number"`` keys (inclusive), required
             for them: a value past any sensible setting (e.g. a capture threshold no
             shape ever reaches) is a mistake to report, not a setting to honour.
-            # pr: streaming-audio
             It bounds what a user writes (:func:`read_hf_overrides`); code that derives
             a value from the options may pass it (``check(value, bounded=False)``): the
             streaming audio adapter's cap is ``max_graphs`` times its past lengths.
-            # /pr
         choices: allowed strings of a ``"choice"`` key.
 
     Raises:
@@ -108,28 +106,18 @@ class HfOverrideKey:
     @property
     def allowed(self) -> str:
         """What the key accepts from a user, in words (used in error messages and docs)."""
-        # pr: streaming-audio
         return self._allowed(bounded=True)
 
     def _allowed(self, bounded: bool) -> str:
-        # /pr
         if self.kind == "bool":
             return "a JSON boolean (true or false)"
         if self.kind in ("int", "number"):
             what = "an integer" if self.kind == "int" else "a number"
-            # pr-before: streaming-audio
-            # upper = f" and <= {_bound(self.maximum)}" if self.maximum is not None else ""
-            # /pr-before
-            # pr: streaming-audio
             upper = f" and <= {_bound(self.maximum)}" if bounded and self.maximum is not None else ""
-            # /pr
             return f"{what} >= {_bound(self.minimum)}{upper}"
         return "one of " + ", ".join(json.dumps(c) for c in self.choices)
 
-    # pr-before: streaming-audio
-    # def _accepts(self, value: Any) -> bool:
-    # /pr-before
-    def _accepts(self, value: Any, bounded: bool) -> bool:  # pr: streaming-audio
+    def _accepts(self, value: Any, bounded: bool) -> bool:
         if self.kind == "bool":
             return isinstance(value, bool)
         if self.kind == "choice":
@@ -141,21 +129,8 @@ class HfOverrideKey:
         if isinstance(value, float) and not math.isfinite(value):
             return False
         # compared as given: an int of any size (JSON has no limit) never goes through float
-        # pr-before: streaming-audio
-        # return self.minimum <= value and (self.maximum is None or value <= self.maximum)
-        # /pr-before
-        # pr: streaming-audio
         return self.minimum <= value and (not bounded or self.maximum is None or value <= self.maximum)
-        # /pr
 
-    # pr-before: streaming-audio
-    # def check(self, value: Any) -> str | None:
-    #     """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``."""
-    #     if self._accepts(value):
-    #         return None
-    #     return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self.allowed}"
-    # /pr-before
-    # pr: streaming-audio
     def check(self, value: Any, *, bounded: bool = True) -> str | None:
         """None when ``value`` is allowed, else ``key=<JSON>: got <type>, expected <allowed>``.
 
@@ -166,7 +141,6 @@ class HfOverrideKey:
         if self._accepts(value, bounded):
             return None
         return f"{self.name}={_as_json(value)}: got {_type_name(value)}, expected {self._allowed(bounded)}"
-        # /pr
 
 
 def _bound(value: float | None) -> str:
@@ -191,7 +165,7 @@ def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
 #: holding pool segments and buffers), a capture threshold of 10000 calls (the cost rule
 #: is the way to be more selective), 1 TiB for byte amounts (more than any device holds)
 #: and one day between stats lines.
-#: The streaming audio adapter keeps up to 30 times ``max_graphs`` graphs.  # pr: streaming-audio
+#: The streaming audio adapter keeps up to 30 times ``max_graphs`` graphs.
 HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
     HfOverrideKey(
         name="encoder_cuda_graph",
@@ -236,7 +210,7 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default="cost",
         doc='vision and stateless audio encoders: "cost" captures a shape only when its measured saving '
         'pays for capture and memory, "count" every shape seen min_capture_calls times'
-        ' (streaming audio chunks always use "count")',  # pr: streaming-audio
+        ' (streaming audio chunks always use "count")',
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_max_bytes",
@@ -255,7 +229,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=60.0,
         doc="seconds between INFO lines with each encoder's hit rate, graphs and bytes; 0 = off",
     ),
-    # pr: streaming-audio
     HfOverrideKey(
         name="encoder_cuda_graph_streaming_audio",
         kind="bool",
@@ -263,8 +236,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
         'cap max_graphs x 30 KV past lengths; admission "count"',
     ),
-    # /pr
-    # pr: duplex-scale
     HfOverrideKey(
         name="encoder_cuda_graph_startup_capture",
         kind="bool",
@@ -273,8 +244,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
         "before serving; false = capture them lazily, as sessions reach them",
     ),
-    # /pr
-    # pr: duplex-batch
     HfOverrideKey(
         name="encoder_cuda_graph_duplex_batch",
         kind="bool",
@@ -285,7 +254,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         "else within four bf16 steps; slower than the per-session graph for a single session); "
         "false = each session's chunk on its own, bitwise equal to eager",
     ),
-    # /pr
     HfOverrideKey(
         name=siglip_attention.VISION_ATTN_KEY,
         kind="choice",
@@ -293,7 +261,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         default=siglip_attention.VISION_ATTN_DEFAULT,
         doc=siglip_attention.VISION_ATTN_DOC,
     ),
-    # pr: fused-layers
     HfOverrideKey(
         name="encoder_fused_layers",
         kind="choice",
@@ -303,7 +270,6 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         'in one kernel), eager and graphed alike; read by the model file (fused_layers.py): "all", '
         '"vision", "audio" or "none" (the unfused layers); SigLIP only with its "sdpa" attention',
     ),
-    # /pr
 )
 
 #: Unregistered keys starting with one of these are always reported as unknown.
@@ -415,10 +381,8 @@ class EncoderCudaGraphOptions:
     One instance configures both encoders; each encoder gets its own adapter,
     so caps and counters are per encoder. Each field names its key in
     :data:`HF_OVERRIDE_KEYS`, which holds the default, the rule and the doc.
-    # pr: streaming-audio
     The fields that only the model wiring reads are documented where they
     are defined.
-    # /pr
 
     Attributes:
         enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
@@ -440,7 +404,7 @@ class EncoderCudaGraphOptions:
             saving to pay for the capture and the memory (:class:`CaptureCostModel`).
             The model wiring applies it to the vision and stateless audio
             adapters.
-            The streaming audio adapter always counts (see ``streaming_audio``).  # pr: streaming-audio
+            The streaming audio adapter always counts (see ``streaming_audio``).
         max_bytes: ``encoder_cuda_graph_max_bytes`` (int 0 to 1 TiB, bytes, default 0).
             Device memory the encoder's graphs may hold (pool growth + static
             input and output buffers); a capture whose estimate would pass it is
@@ -456,12 +420,10 @@ class EncoderCudaGraphOptions:
             accepted as an int and the string ``"false"`` not as a bool. The
             ranges above bound the ``--hf-overrides`` values
             (:meth:`from_hf_config`).
-            # pr: streaming-audio
             Built directly (``EncoderCudaGraphOptions(...)``,
             ``dataclasses.replace``, the adapter's constructor), a numeric field
             is checked against its minimum only, so the wiring may derive larger
             values (the streaming audio adapter's ``max_graphs``).
-            # /pr
     """
 
     enabled: bool = _hf_field("encoder_cuda_graph")
@@ -472,7 +434,6 @@ class EncoderCudaGraphOptions:
     admission: str = _hf_field("encoder_cuda_graph_admission")
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
-    # pr: streaming-audio
     #: ``encoder_cuda_graph_streaming_audio`` (bool, default True). Read by the model wiring, not by the
     #: adapter: also route the stateful Whisper chunk calls of streaming (duplex) sessions,
     #: ``get_audio_embedding_streaming``, through an adapter of their own; its replays are bitwise equal to
@@ -481,15 +442,11 @@ class EncoderCudaGraphOptions:
     #: recurrence the cost rule, which estimates it from calls seen so far, would see only after minutes; the
     #: other options apply to it as to each encoder.
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
-    # /pr
-    # pr: duplex-scale
     #: ``encoder_cuda_graph_startup_capture`` (bool, default True). Read by the model wiring: on a duplex
     #: deployment, capture the graphs every duplex session needs (its first chunk and the steady chunk at each
     #: KV past length of a cache cycle, and a camera frame's single slice) while the worker warms up, after
     #: vLLM sized the KV cache; False leaves them to the lazy path.
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
-    # /pr
-    # pr: duplex-batch
     #: ``encoder_cuda_graph_duplex_batch`` (bool, default False). Read by the model wiring: on a duplex
     #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
     #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
@@ -499,20 +456,14 @@ class EncoderCudaGraphOptions:
     #: faster per session and the page pool takes memory at start-up; it pays off for deployments with many
     #: concurrent duplex sessions.
     duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
-    # /pr
 
     def __post_init__(self) -> None:
-        # pr-before: streaming-audio
-        # checks = (HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name)) for f in fields(self))
-        # /pr-before
-        # pr: streaming-audio
         # the type and the minimum: values read from --hf-overrides were range-checked by
         # read_hf_overrides; the code derives larger ones (the streaming audio adapter's cap)
         checks = (
             HF_OVERRIDE_KEYS[f.metadata["hf_key"]].check(getattr(self, f.name), bounded=False)
             for f in fields(self)
         )
-        # /pr
         problems = [p for p in checks if p is not None]
         if problems:
             raise HfOverridesError(problems)
