@@ -551,7 +551,7 @@ def build(demo: Demo) -> None:
 def _call_site(demo: Demo, item: Any) -> tuple[Any, int]:
     """``(fn, n_encoder_calls)``: a no-argument call of the input's model call site and the adapter
     calls (graph replays when graphed) it makes: one per call for images too, since the image graph
-    holds every ``vision_batch_size`` chunk of SigLIP and the resampler (vllm-omni patch 0004)."""
+    holds every ``vision_batch_size`` chunk of SigLIP and the resampler (vllm-omni patch 0005)."""
     model = demo.model
     data = item.data(demo.device, demo.dtype)
     if item.modality == "image":

@@ -157,7 +157,7 @@ def _graphed(
     vision = standalone.vision_graph(model)
     if adapter is None or vision is None:
         raise RuntimeError(
-            "the patched model built no streaming audio or vision adapter (vllm-omni patches 0005, 0004?)"
+            "the patched model built no streaming audio or vision adapter (vllm-omni patches 0006, 0005?)"
         )
     try:
         log("duplex: graphed cold session ...")

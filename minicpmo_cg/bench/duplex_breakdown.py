@@ -178,7 +178,7 @@ def _graph_ms(fn: Callable[[], None]) -> float:
 @torch.inference_mode()
 def attention(ctx: Any, model: Any) -> dict[str, Any] | None:
     """One chunk's attention and K/V concatenation at each of :data:`ATTENTION_TOTALS`; None on CPU
-    or without vllm-omni patch 0005's ``streaming_audio.ZeroMaskPlan``."""
+    or without vllm-omni patch 0006's ``streaming_audio.ZeroMaskPlan``."""
     streaming_audio = getattr(sys.modules[type(model).__module__], "streaming_audio", None)
     if ctx.cpu or streaming_audio is None:
         return None

@@ -1,7 +1,7 @@
 """Scenario ``vision_path``: the whole image call, ``get_vision_hidden_states``, eager vs graphed,
 with SigLIP's eager and SDPA attention side by side.
 
-The call as the model runs it (vllm-omni patches 0001 and 0004): slices stacked and padded, then one
+The call as the model runs it (vllm-omni patches 0001 and 0005): slices stacked and padded, then one
 graph from pixels to resampler output (patch and position embeddings, SigLIP, post layernorm,
 resampler). Rows: 1 slice (a duplex frame, the 448x448 ``coffee`` crop), 3 slices (``astronaut``:
 1024/1035/1035 patches, padded) and 10 slices (``retina``: 10 x 1024 patches), each through

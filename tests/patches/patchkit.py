@@ -35,9 +35,9 @@ ADAPTER_PACKAGE_REL = resources.ADAPTER_PACKAGE_RELPATH.as_posix()
 OWNED_RELS = tuple(resources.owned_files())
 MODEL_REL = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_llm.py"
 INIT_REL = "vllm_omni/model_executor/models/minicpmo_4_5/__init__.py"
-WIRING = "vllm-omni/0003-minicpmo45-route-encoders-through-cuda-graphs.patch"
+WIRING = "vllm-omni/0004-minicpmo45-route-encoders-through-cuda-graphs.patch"
 #: A line the wiring patch adds that no later patch of the series has in its context, and what
-#: :func:`edit_wiring` makes of it: editing it gives 0003 a new revision that the series still applies over.
+#: :func:`edit_wiring` makes of it: editing it gives 0004 a new revision that the series still applies over.
 WIRING_LINE = "        encoder_graphs.validate_hf_overrides(config)  # every bad --hf-overrides key at once"
 WIRING_LINE_EDITED = f"{WIRING_LINE}  # edited"
 STATE_DIR = "minicpmo_cg_patch_state"
