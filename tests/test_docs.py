@@ -6,8 +6,6 @@
   of that file's headings (GitHub's anchors).
 - The design overview stays an overview (at most 250 lines) and links every topic page, which link
   back to it.
-- What the export carries of the design pages (project-only blocks dropped) links nowhere outside
-  ``docs/design/``: measurements, the demo and the benchmark are cited inside project-only blocks.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import re
 from pathlib import Path
 
 import pytest
-
-from minicpmo_cg.export.transform import drop_project_only
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
@@ -119,8 +115,7 @@ def test_every_relative_link_resolves(doc):
 
 
 def rendered(text: str) -> str:
-    """``text`` as it renders: without HTML comments (the export's tags and the hidden text of earlier
-    pull requests, see ``minicpmo_cg/export/docsplit.py``), a comment on lines of its own with those lines."""
+    """``text`` as it renders: without HTML comments, a comment on lines of its own with those lines."""
     text = re.sub(r"^[ \t]*<!--.*?-->[ \t]*\n", "", text, flags=re.S | re.M)
     return re.sub(r"[ \t]*<!--.*?-->", "", text, flags=re.S)
 
@@ -134,16 +129,3 @@ def test_design_overview_is_short_and_links_every_topic_page():
     for page in pages:
         back = {resolve(page, t)[0] for _, t in relative_links((REPO / page).read_text(encoding="utf-8"))}
         assert DESIGN in back, f"{page} does not link back to the overview"
-
-
-def test_exported_design_pages_link_only_within_the_design_docs():
-    pages = [DESIGN] + sorted(p.relative_to(REPO).as_posix() for p in (REPO / TOPICS).glob("*.md"))
-    outside = [
-        f"{page}:{line}: {target}"
-        for page in pages
-        for line, target in relative_links(drop_project_only((REPO / page).read_text(encoding="utf-8"), page))
-        if not resolve(page, target)[0].startswith("docs/design/")
-    ]
-    assert not outside, (
-        "links the export would leave dangling (put them in project-only blocks):\n" + "\n".join(outside)
-    )

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from minicpmo_cg.lanes import get_lane
-from minicpmo_cg.offline_gpu import build, hostenv, payload, runner, stackrun
+from minicpmo_cg.offline_gpu import build, hostenv, payload, runner
 
 
 def checkout_root() -> Path:
@@ -147,82 +147,6 @@ def _run_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing, write nothing")
 
 
-def _stack_parser(p: argparse.ArgumentParser) -> None:
-    _add_lane(p)
-    p.add_argument(
-        "--export",
-        type=Path,
-        required=True,
-        metavar="DIR",
-        help="the export (`minicpmo-cg-patch export --out DIR`) whose PRs get overlays",
-    )
-    p.add_argument(
-        "--site-packages", type=Path, metavar="DIR", help="the lane's site-packages (vLLM's pristine files)"
-    )
-    _add_bundle_dir(p)
-
-
-def _stack_run_parser(p: argparse.ArgumentParser) -> None:
-    _add_lane(p)
-    p.add_argument(
-        "prs",
-        nargs="*",
-        metavar="PR",
-        help="PR folders, numbers (01) or keys (siglip-attention); default: all",
-    )
-    p.add_argument("--out", type=Path, help="output folder (default: out/gpu-stack-LANE in the checkout)")
-    _add_seconds(p, "--budget", stackrun.DEFAULT_BUDGET_S, "seconds for the whole run")
-    _add_seconds(p, "--timeout", stackrun.DEFAULT_PR_TIMEOUT_S, "time limit of one PR's own tests")
-    _add_seconds(
-        p,
-        "--earlier-timeout",
-        stackrun.DEFAULT_EARLIER_TIMEOUT_S,
-        "time limit of one tree's run of the earlier PRs' tests",
-    )
-    p.add_argument(
-        "--own-only",
-        action="store_true",
-        help="run each PR's own tests only, not also the earlier PRs' tests on its tree",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=stackrun.DEFAULT_JOBS,
-        metavar="N",
-        help=f"pytest processes at once, all on the one GPU (default: {stackrun.DEFAULT_JOBS})",
-    )
-    p.add_argument(
-        "--markers", help="pytest -m expression for every PR (default: each PR's own, see STACK.json)"
-    )
-    p.add_argument(
-        "--pytest-args", default="", metavar="ARGS", help="extra pytest arguments (one shell-quoted string)"
-    )
-    p.add_argument("--python", default=sys.executable, help="interpreter of the tests (default: this one)")
-    p.add_argument(
-        "--figures",
-        action="store_true",
-        help="then measure the call-site figures of the release's and each PR's tree (minicpmo_cg.bench.tree_figures)",
-    )
-    p.add_argument("--no-tests", action="store_true", help="run no tests (with --figures: the figures alone)")
-    p.add_argument(
-        "--figures-cpu",
-        action="store_true",
-        help="the figures' logic check without CUDA (numbers mean nothing)",
-    )
-    _add_seconds(
-        p, "--figures-timeout", stackrun.DEFAULT_FIGURES_TIMEOUT_S, "time limit of one tree's figures"
-    )
-    p.add_argument(
-        "--installed-site",
-        type=Path,
-        metavar="DIR",
-        help="a ready, patched site-packages to use instead of unpacking the bundle (checks on a CPU machine)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing, write nothing")
-    _add_bundle_dir(p)
-    _add_site(p)
-
-
 #: command -> (one-line help, argument setup)
 COMMANDS = {
     "bundle": ("build lane bundles (on a machine that reaches PyPI)", _bundle_parser),
@@ -232,14 +156,6 @@ COMMANDS = {
         _env_parser,
     ),
     "run": ("run tests / demo / bench against the bundle (on the GPU host)", _run_parser),
-    "stack": (
-        "write per-PR overlays of an export next to the lane's bundle (networked machine)",
-        _stack_parser,
-    ),
-    "stack-run": (
-        "run each exported PR's tests and the earlier PRs' tests from its own tree against the bundle (GPU host)",
-        _stack_run_parser,
-    ),  # fmt: skip
 }
 
 
@@ -316,63 +232,6 @@ def cmd_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return runner.execute(plan, lane_dir, _site(args), REPO)
 
 
-def cmd_stack(args: argparse.Namespace) -> int:
-    from minicpmo_cg.offline_gpu import stackbuild
-
-    try:
-        built = stackbuild.build_stack(args.export.resolve(), REPO, args.bundle_dir, args.site_packages)
-    except (RuntimeError, OSError) as exc:
-        print(f"stack: FAILED: {exc}", file=sys.stderr)
-        return 1
-    print(f"stack: {built.out} ({built.bytes_total / payload.MIB:.2f} MiB, {built.blobs} distinct files)")
-    print("\n".join(built.lines))
-    return 0
-
-
-def cmd_stack_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    folder = stackrun.stack_dir(args.bundle_dir, args.lane.name)
-    if not (folder / stackrun.STACK_FILE).is_file():
-        print(
-            f"no overlays in {folder} (build them: {PROG} stack {args.lane.name} --export DIR)",
-            file=sys.stderr,
-        )
-        return payload.MISSING
-    stack = stackrun.read_stack(folder)
-    try:
-        prs = stackrun.select(stack, args.prs)
-    except ValueError as exc:
-        ap.error(str(exc))
-    if args.budget <= 0 or args.timeout <= 0 or args.earlier_timeout <= 0:
-        ap.error("--budget, --timeout and --earlier-timeout must be positive numbers of seconds")
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs}: must be at least 1 (pytest processes at once)")
-    plan = stackrun.StackPlan(
-        lane=args.lane.name,
-        prs=prs,
-        python=args.python,
-        out=(args.out or REPO / "out" / f"gpu-stack-{args.lane.name}").resolve(),
-        budget_s=args.budget,
-        pr_timeout_s=args.timeout,
-        markers=args.markers,
-        extra=shlex.split(args.pytest_args),
-        tests=not args.no_tests,
-        figures=args.figures,
-        figures_timeout_s=args.figures_timeout,
-        figures_cpu=args.figures_cpu,
-        earlier=not args.own_only,
-        earlier_timeout_s=args.earlier_timeout,
-        jobs=args.jobs,
-    )
-    if not plan.tests and not plan.figures:
-        ap.error("--no-tests without --figures runs nothing")
-    site = args.installed_site.resolve() if args.installed_site else _site(args)
-    if args.dry_run:
-        print(stackrun.describe(plan, stack, site))
-        return 0
-    lane_dir = args.bundle_dir / plan.lane
-    return stackrun.execute(plan, folder, lane_dir, site, REPO, installed_site=bool(args.installed_site))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -397,8 +256,4 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_check(ap, args)
     if argv[0] == "env":
         return cmd_env(args)
-    if argv[0] == "stack":
-        return cmd_stack(args)
-    if argv[0] == "stack-run":
-        return cmd_stack_run(ap, args)
     return cmd_run(ap, args)

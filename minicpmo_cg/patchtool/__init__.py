@@ -6,8 +6,6 @@ Usage::
                       [--owned-dir DIR] [--json] [--verbose]
     minicpmo-cg-patch base [--before PATCH] [--out DIR] [FILE ...]
     minicpmo-cg-patch index [--write | --check] [--patches-dir DIR]
-    minicpmo-cg-patch export [--out DIR] [--author 'NAME <EMAIL>'] [--verify] [--run-tests [--marks EXPR]...]
-                             [--checkout DIR [--branch PREFIX]]
     python -m minicpmo_cg.patchtool ...            # same
 
 Commands:
@@ -27,10 +25,6 @@ Commands:
   active patches of the series applied, all of them or those before ``--before PATCH``,
   the starting point to diff a new or refreshed patch from.
 - ``index``   the one-page ``patches/INDEX.md`` generated from the patch headers.
-- ``export``  the lane's change set as a stack of vllm-omni pull requests, one folder each
-  (a ``git format-patch`` series applying on the pinned release after the PRs before it, and
-  its text), and the vLLM one they depend on (:mod:`minicpmo_cg.export`; CONTRIBUTING.md
-  "The upstream pull requests").
 
 Exit codes: 0 ok; 1 conflict (nothing written); 2 usage, environment, patch-format, damaged
 state or I/O error (nothing changed; a message, never a traceback); 3 an I/O error stopped apply/revert part-way and the roll-back

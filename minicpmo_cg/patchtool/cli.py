@@ -29,7 +29,6 @@ COMMANDS = {
     "revert": "restore every file apply changed, byte-identical (all-or-nothing, crash-safe)",
     "base": "write the starting file of a new or refreshed patch (the file with the earlier patches applied)",
     "index": "print, write (--write) or check (--check) patches/INDEX.md from the patch headers",
-    "export": "export the lane's change set as a stack of vllm-omni pull requests (see CONTRIBUTING)",
 }
 
 
@@ -81,12 +80,12 @@ def _common(verbose: bool = True) -> argparse.ArgumentParser:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        usage=f"{PROG} {{apply,check,status,revert,base,index,export}} [--site-packages DIR] [--json] ...",
+        usage=f"{PROG} {{apply,check,status,revert,base,index}} [--site-packages DIR] [--json] ...",
         description="Install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.",
         epilog=EXIT_CODES_HELP,
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{apply,check,status,revert,base,index,export}"
+        dest="command", required=True, metavar="{apply,check,status,revert,base,index}"
     )
     for name in ("apply", "check", "status", "revert"):
         sub.add_parser(
@@ -111,9 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--check", action="store_true", help="exit 1 when DIR/INDEX.md is not what --write writes"
     )
-    from minicpmo_cg.export import cli as export_cli  # lazy: the export imports the patch tool
-
-    export_cli.add_parser(sub)
     return parser
 
 
@@ -142,20 +138,6 @@ def _run_index(args: argparse.Namespace) -> tuple[int, str, str]:
             return EXIT_CONFLICT, "", f"{PROG}: {path} is out of date; run `{PROG} index --write`\n"
         return EXIT_OK, f"index: {path} is up to date\n", ""
     return EXIT_OK, text, ""
-
-
-def _run_export(args: argparse.Namespace) -> int:
-    from minicpmo_cg.export import cli as export_cli
-    from minicpmo_cg.export.fetch import FetchError
-    from minicpmo_cg.export.transform import ExportError
-    from minicpmo_cg.export.upstream_edits import EditError
-
-    if os.path.lexists(args.out) and not args.out.is_dir():
-        raise ToolError(f"{PROG}: export --out {args.out}: exists and is not a directory; pick another --out")
-    try:
-        return export_cli.run(args)
-    except (ExportError, EditError, FetchError, OSError, ValueError, RuntimeError) as exc:
-        raise ToolError(f"{PROG}: export: {exc}") from None
 
 
 def _lock_timeout() -> float | None:
@@ -259,7 +241,7 @@ def _io_error(command: str, exc: OSError) -> ToolError:
     detail = str(exc)
     if exc.strerror and exc.filename and not isinstance(exc, ScratchDirError):
         detail = f"{exc.strerror}: {exc.filename}"
-    unchanged = "; nothing was changed" if command not in ("export", "index", "base") else ""
+    unchanged = "; nothing was changed" if command not in ("index", "base") else ""
     return ToolError(f"{PROG}: {command}: I/O error: {detail}{unchanged}")
 
 
@@ -284,8 +266,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(exc.exit_code) from None
     try:
         try:
-            if args.command == "export":
-                return _run_export(args)
             if args.command == "index":
                 code, out, err = _run_index(args)
                 _emit(out, "stdout")

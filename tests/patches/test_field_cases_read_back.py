@@ -5,7 +5,7 @@
    a dist-info file, a created directory outside the site, a wheel file "created" by apply);
 9. a FIFO where the tool expects a file (``state.json``, a stored original, a target);
 10. symbolic links inside the state directory (the directory itself, ``originals/<package>``);
-11. I/O errors outside apply/revert's writes (``base --out``, ``export --out``, ``index --write``,
+11. I/O errors outside apply/revert's writes (``base --out``, ``index --write``,
     an unusable temporary directory);
 12. ``base`` with a path that leaves ``--out``;
 13. a ``series`` that is not a regular file, or a package folder of the series that is a file.
@@ -179,15 +179,6 @@ def test_11_base_into_an_out_that_is_a_file_exits_2(sites, capsys):
     out = site.parent / f"{site.name}-out"
     out.write_text("a file\n")
     code, text = tool(capsys, "base", MODEL_REL, "--out", str(out), *sp(site))
-    assert code == 2 and str(out) in text and "Traceback" not in text, text
-    assert out.read_text() == "a file\n"
-
-
-def test_11_export_into_an_out_that_is_a_file_exits_2(sites, capsys):
-    site = sites.copy("applied")
-    out = site.parent / f"{site.name}-out"
-    out.write_text("a file\n")
-    code, text = tool(capsys, "export", "--out", str(out), "--author", "A <a@example.org>", *sp(site))
     assert code == 2 and str(out) in text and "Traceback" not in text, text
     assert out.read_text() == "a file\n"
 
