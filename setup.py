@@ -75,6 +75,7 @@ setup(
             "minicpmo-cg-bench = minicpmo_cg.bench.cli:main",
             "minicpmo-cg-offline-gpu = minicpmo_cg.offline_gpu.cli:main",
             "minicpmo-cg-checkpoint = minicpmo_cg.checkpoint.cli:main",
+            "minicpmo-cg-export = minicpmo_cg.export.cli:main",
         ],
         # vLLM calls these in every process: warns in the log when the patch set is not applied
         "vllm.general_plugins": ["minicpmo_cg_patch_check = minicpmo_cg.vllm_plugin:check_patch_set"],
