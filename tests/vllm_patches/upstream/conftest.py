@@ -2,7 +2,7 @@
 """Tests of this repository's vLLM changes kept in vLLM's own layout and style.
 
 ``upstream/<path>`` is the file's path in vllm-project/vllm (``upstream/tests/v1/cudagraph/x.py`` is
-vLLM's ``tests/v1/cudagraph/x.py``); ``minicpmo-cg-patch export`` puts them, as they are, into the
+vLLM's ``tests/v1/cudagraph/x.py``); ``minicpmo-cg-export`` puts them, as they are, into the
 vLLM pull request. vLLM's tests carry no level or hardware marks, so this conftest gives each test
 here the marks this repository's CI levels select by: ``core_model``, and ``cuda`` when the test
 skips without CUDA (a ``skipif`` whose reason names CUDA, vLLM's idiom), ``cpu`` otherwise.
