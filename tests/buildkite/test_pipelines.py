@@ -508,14 +508,17 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
         return [s["key"] for s in uploader.build_pipeline({}, changed, "L3")["steps"]]
 
     assert keys(["README.md"]) == []
-    assert keys([SERVE_SMOKE]) == ["e2e-serve", "e2e-compare"]
+    assert keys([SERVE_SMOKE]) == ["e2e-thinker-engine", "e2e-serve", "e2e-compare"]
+    assert "e2e-thinker-engine" in keys(["minicpmo_cg/thinker_engine.py"])
     assert keys(["tests/e2e/online_serving/test_minicpmo_4_5_encoder_cuda_graph.py"]) == [
+        "e2e-thinker-engine",
         "e2e-serve",
         "e2e-compare",
     ]
     assert keys(["vllm_omni/model_executor/models/minicpmo_4_5/encoder_cuda_graph/adapter.py"]) == [
         "cpu-unit",
         "cuda-unit",
+        "e2e-thinker-engine",
         "e2e-serve",
         "e2e-compare",
     ]
@@ -523,6 +526,7 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
         "cpu-unit",
         "lane-differential",
         "cuda-unit",
+        "e2e-thinker-engine",
         "e2e-serve",
         "e2e-compare",
     ]
@@ -530,6 +534,7 @@ def test_pull_request_filter_keeps_only_affected_steps_and_their_dependents() ->
         "cpu-unit",
         "lane-differential",
         "cuda-unit",
+        "e2e-thinker-engine",
         "e2e-serve",
         "e2e-compare",
     ]

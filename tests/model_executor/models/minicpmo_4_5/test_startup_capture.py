@@ -306,6 +306,29 @@ def test_capture_model_adds_the_bytes_the_model_captures_at_startup(monkeypatch)
 
 
 @pytest.mark.cpu
+def test_memory_profiling_counts_the_models_graphs_before_the_kv_cache_is_sized(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm_omni.worker import gpu_ar_model_runner as runner_mod
+
+    monkeypatch.setattr(GPUModelRunner, "profile_cudagraph_memory", lambda self: 1000)
+    model = SimpleNamespace(capture_graphs_at_startup=lambda: 234)
+    monkeypatch.setattr(GPUModelRunner, "get_model", lambda self: model)
+    runner = object.__new__(runner_mod.GPUARModelRunner)
+    assert runner.profile_cudagraph_memory() == 1234  # vLLM subtracts this estimate from the KV cache
+
+
+@pytest.mark.cpu
+def test_a_second_startup_capture_captures_nothing(cpu_backend, log_records):
+    records = log_records(startup.logger)
+    model = thinker(cpu_backend)
+    first = startup.capture_at_startup(model, duplex_config())
+    second = startup.capture_at_startup(model, duplex_config())
+    assert first.num_graphs == KEYS + 1 and first.total_bytes > 0
+    assert (second.num_graphs, second.total_bytes) == (0, 0)
+    assert len([m for m in records.messages(logging.INFO) if "captured at start-up" in m]) == 1
+
+
+@pytest.mark.cpu
 def test_the_stage_model_captures_for_the_thinker_stage_only(cpu_backend):
     from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni as omni
 

@@ -275,8 +275,10 @@ def capture_at_startup(
     """
     report = StartupCapture()
     options = EncoderCudaGraphOptions.from_hf_config(thinker.config)
-    if not is_duplex_deployment(vllm_config):
+    # the runner asks during memory profiling and again at capture_model: capture once
+    if not is_duplex_deployment(vllm_config) or getattr(thinker, "_startup_capture_done", False):
         return report
+    thinker._startup_capture_done = True
     if not options.startup_capture:
         logger.info(
             "MiniCPM-o 4.5 start-up encoder CUDA graph capture off (encoder_cuda_graph_startup_capture=false): "
@@ -329,7 +331,7 @@ def _log(report: StartupCapture) -> None:
     skipped = "".join(f"; {n} not captured ({why})" for why, n in report.skipped.items())
     line = (
         "MiniCPM-o 4.5 encoder CUDA graphs captured at start-up: %d graphs (%s%s) in %.2f s, %s "
-        "(%d bytes: graphs %s, streaming audio K/V arena and pages %s), taken after vLLM sized the KV cache"
+        "(%d bytes: graphs %s, streaming audio K/V arena and pages %s)"
     )
     args = (
         report.num_graphs,
