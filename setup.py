@@ -78,7 +78,11 @@ setup(
             "minicpmo-cg-export = minicpmo_cg.export.cli:main",
         ],
         # vLLM calls these in every process: warns in the log when the patch set is not applied
-        "vllm.general_plugins": ["minicpmo_cg_patch_check = minicpmo_cg.vllm_plugin:check_patch_set"],
+        # and registers MiniCPM-o 4.5's thinker-only vllm-omni pipeline (before vllm-omni resolves one)
+        "vllm.general_plugins": [
+            "minicpmo_cg_patch_check = minicpmo_cg.vllm_plugin:check_patch_set",
+            "minicpmo_cg_thinker_only = minicpmo_cg.omni_plugin:register_thinker_only",
+        ],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -31,6 +31,8 @@ MODES: dict[str, dict[str, Any]] = {
     "graphed": {"encoder_cuda_graph_admission": "count"},
     "default": {},  # what a user gets: graphs on, cost admission (also vllm-omni as released)
 }
+#: no torch.compile (fast start-up); full decode graphs, so vLLM profiles graph memory as it serves
+COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
 REPEATS = 3
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--session-mode", choices=("turn", "duplex"), default="turn")
     ap.add_argument("--no-startup-capture", action="store_true")
-    ap.add_argument("--compilation", default='{"mode": 0, "cudagraph_mode": "NONE"}', help="JSON")
+    ap.add_argument("--compilation", default=json.dumps(COMPILATION), help="vLLM's compilation config, JSON")
     ap.add_argument("--only", nargs="*", default=[], help="prompt names (default: all)")
     ap.add_argument("--bench", type=int, nargs="*", help="time to first token at these concurrencies instead")
     args = ap.parse_args(argv)

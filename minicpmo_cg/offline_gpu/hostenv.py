@@ -141,6 +141,23 @@ def load_kernels(site: Path, python: str) -> str:
     return f"WARNING: vLLM's compiled kernels do not load here ({why}): the import stub stands in, vLLM's kernels fail when called"
 
 
+def register_entry_points(site: Path, repo: Path) -> str:
+    """Give ``site`` a dist-info holding the checkout's entry points (its vLLM plugins), as a
+    ``pip install`` would: the checkout runs from ``PYTHONPATH`` there, uninstalled. Returns a line."""
+    import ast
+
+    setup = ast.parse((repo / "setup.py").read_text())
+    call = next(n for n in ast.walk(setup) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    groups = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "entry_points"))
+    info = site / "minicpmo_cg-0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: minicpmo-cg\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "".join(f"[{group}]\n" + "".join(f"{line}\n" for line in lines) + "\n" for group, lines in groups.items())
+    )
+    return f"install: the checkout's entry points registered ({', '.join(groups)})"
+
+
 def install(lane_dir: Path, site: Path, repo: Path, python: str = sys.executable) -> Installed:
     """Make ``site`` hold the bundle of ``lane_dir`` matching the checkout ``repo``."""
     status = payload.bundle_status(lane_dir, repo)
@@ -164,5 +181,6 @@ def install(lane_dir: Path, site: Path, repo: Path, python: str = sys.executable
             lines.append(f"FATAL: stale bundle, re-patching here failed: {exc}")
             return Installed(payload.STALE, "\n".join(lines), status)
     lines.append(load_kernels(site, python))
+    lines.append(register_entry_points(site, repo))
     stamp_file.write_text(json.dumps(stamp) + "\n")
     return Installed(0, "\n".join(lines), status)

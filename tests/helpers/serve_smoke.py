@@ -321,15 +321,34 @@ def turn_deploy_config(directory: Path) -> Path:
     return path
 
 
-def vllm_executable() -> str:
-    """The ``vllm`` console script of the running interpreter's environment (the venv under test)."""
+def thinker_only_deploy_config(directory: Path) -> Path:
+    """A deploy YAML serving the thinker stage alone (``minicpmo_4_5_thinker_only``, registered by
+    this project's vLLM plugin): text answers from a checkpoint without the talker's assets."""
+    path = directory / "minicpmo_4_5_e2e_thinker_only.yaml"
+    path.write_text(
+        "# Written by tests/helpers/serve_smoke.py: MiniCPM-o 4.5's thinker stage alone.\n"
+        "pipeline: minicpmo_4_5_thinker_only\n"
+        "trust_remote_code: true\n"
+        "enable_prefix_caching: false\n"
+        "stages:\n"
+        "  - stage_id: 0\n"
+        "    max_num_seqs: 8\n"
+        f"    gpu_memory_utilization: {os.environ.get('MINICPMO_CG_E2E_GPU_UTIL', '0.5')}\n"
+        "    max_model_len: 8192\n"
+        "    devices: \"0\"\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def vllm_executable() -> list[str]:
+    """The ``vllm`` console script of the running interpreter's environment (the venv under test);
+    ``python -m vllm.entrypoints.cli.main`` where the environment has no console scripts."""
     candidate = Path(sys.executable).parent / "vllm"
     if candidate.is_file():
-        return str(candidate)
+        return [str(candidate)]
     found = shutil.which("vllm")
-    if found is None:
-        raise FileNotFoundError(f"no `vllm` executable next to {sys.executable} or on PATH")
-    return found
+    return [found] if found else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def mode_args(mode: str, vision_attn: str | None = None) -> list[str]:
@@ -350,11 +369,16 @@ def mode_args(mode: str, vision_attn: str | None = None) -> list[str]:
 
 
 def server_command(
-    model: str, mode: str, port: int, deploy_config: Path, vllm: str = "vllm", vision_attn: str | None = None
+    model: str,
+    mode: str,
+    port: int,
+    deploy_config: Path,
+    vllm: str | list[str] = "vllm",
+    vision_attn: str | None = None,
 ) -> list[str]:
     flags = mode_args(mode, vision_attn)
     return [
-        vllm,
+        *([vllm] if isinstance(vllm, str) else vllm),
         "serve",
         model,
         "--omni",
@@ -631,13 +655,15 @@ def run_mode(
     prompts: tuple[Prompt, ...] = PROMPTS,
     startup_timeout: float | None = None,
     vision_attn: str | None = None,
+    thinker_only: bool = False,
 ) -> dict[str, Any]:
     """Serve ``model`` in ``mode`` (SigLIP attention ``vision_attn``, None: the server's default), send
-    ``prompts`` one at a time, stop the server; return the record."""
+    ``prompts`` one at a time, stop the server; return the record. ``thinker_only`` serves the thinker
+    stage alone (:func:`thinker_only_deploy_config`) instead of the turn-based three-stage deploy."""
     if startup_timeout is None:
         startup_timeout = float(os.environ.get(ENV_STARTUP_TIMEOUT, DEFAULT_STARTUP_TIMEOUT_S))
     workdir.mkdir(parents=True, exist_ok=True)
-    deploy = turn_deploy_config(workdir)
+    deploy = thinker_only_deploy_config(workdir) if thinker_only else turn_deploy_config(workdir)
     port = free_port()
     attn = vision_attn or DEFAULT_VISION_ATTN
     log_path = workdir / f"serve-{mode}-{attn}.log"
@@ -748,7 +774,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     workdir = (
         Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"serve-smoke-{args.mode}-"))
     )
-    record = run_mode(model, args.mode, workdir, vision_attn=args.vision_attn)
+    record = run_mode(model, args.mode, workdir, vision_attn=args.vision_attn, thinker_only=args.thinker_only)
     record["problems"] = check_run(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -792,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", required=True, help="JSON recording to write")
     run.add_argument("--model", help=f"checkpoint (default: ${ENV_MODEL}, else {MODEL_ID} when allowed)")
     run.add_argument("--workdir", help="server logs and deploy overlay (default: a new temp dir)")
+    run.add_argument("--thinker-only", action="store_true", help="serve the thinker stage alone (text out)")
     run.set_defaults(func=_cmd_run)
     cmp_ = sub.add_parser("compare", help="compare two recordings' answers")
     cmp_.add_argument("reference")

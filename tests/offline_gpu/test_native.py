@@ -57,3 +57,15 @@ def test_kernels_that_do_not_load_give_way_to_the_stub_with_a_warning(tmp_path: 
     assert line.startswith("WARNING: vLLM's compiled kernels do not load here")
     assert not so.exists() and so.with_name(so.name + ".unloadable").is_file()
     assert hostenv.load_kernels(tmp_path, sys.executable).startswith("WARNING: the bundle carries no")
+
+
+def test_the_checkouts_vllm_plugins_are_registered_in_the_site(tmp_path: Path) -> None:
+    import importlib.metadata
+
+    from minicpmo_cg.offline_gpu import cli
+
+    hostenv.register_entry_points(tmp_path, cli.REPO)
+    (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    plugins = {ep.name: ep.value for ep in dist.entry_points if ep.group == "vllm.general_plugins"}
+    assert plugins["minicpmo_cg_thinker_only"] == "minicpmo_cg.omni_plugin:register_thinker_only"
+    assert plugins["minicpmo_cg_patch_check"] == "minicpmo_cg.vllm_plugin:check_patch_set"
