@@ -275,10 +275,8 @@ def capture_at_startup(
     """
     report = StartupCapture()
     options = EncoderCudaGraphOptions.from_hf_config(thinker.config)
-    # the runner asks during memory profiling and again at capture_model: capture once
-    if not is_duplex_deployment(vllm_config) or getattr(thinker, "_startup_capture_done", False):
+    if not is_duplex_deployment(vllm_config):
         return report
-    thinker._startup_capture_done = True
     if not options.startup_capture:
         logger.info(
             "MiniCPM-o 4.5 start-up encoder CUDA graph capture off (encoder_cuda_graph_startup_capture=false): "
@@ -291,6 +289,11 @@ def capture_at_startup(
     # (the batched path's graphs exist only with the streaming ones)
     if streaming is None and vision is None:
         return report
+    # the runner asks during memory profiling and again at capture_model: once per set of adapters
+    adapters = (streaming, vision, getattr(getattr(thinker, "_duplex_batch", None), "graph", None))
+    if getattr(thinker, "_startup_captured_for", None) == tuple(map(id, adapters)):
+        return report
+    thinker._startup_captured_for = tuple(map(id, adapters))
     arenas_before = _kv_buffers(thinker)
     start = clock()
     proxies = []
