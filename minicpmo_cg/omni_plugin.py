@@ -15,20 +15,32 @@ THINKER_ONLY = "minicpmo_4_5_thinker_only"
 
 
 def register_thinker_only() -> None:
-    """Register :data:`THINKER_ONLY` with vllm-omni's pipeline registry (once per process)."""
-    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
-    from vllm_omni.model_executor.models.minicpmo_4_5.pipeline import MINICPMO_4_5_PIPELINE
+    """Register :data:`THINKER_ONLY` with vllm-omni's pipeline registry (once per process).
 
+    Never raises: vLLM loads this plugin in every process, so a vllm-omni without the registry
+    (or with another ``PipelineConfig``) gets a WARNING in the log instead of a failed start-up.
+    """
+    try:
+        from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
+        from vllm_omni.model_executor.models.minicpmo_4_5.pipeline import MINICPMO_4_5_PIPELINE
+    except ImportError as exc:
+        _warn(f"vllm-omni has no pipeline registry for MiniCPM-o 4.5 ({exc})")
+        return
     if THINKER_ONLY in OMNI_PIPELINES:
         return
-    register_pipeline(
-        dataclasses.replace(
-            MINICPMO_4_5_PIPELINE,
-            model_type=THINKER_ONLY,
-            default_deploy_config_name=None,
-            duplex_plugin=None,
-            hf_architectures=(),  # only an explicit deploy config selects it
-            hf_config_predicate=None,
-            stages=(MINICPMO_4_5_PIPELINE.stages[0],),
-        )
-    )
+    changes = {
+        "model_type": THINKER_ONLY,
+        "stages": MINICPMO_4_5_PIPELINE.stages[:1],
+        "hf_architectures": (),  # only an explicit deploy config selects it
+        "hf_config_predicate": None,
+        "default_deploy_config_name": None,
+        "duplex_plugin": None,
+    }
+    fields = {f.name for f in dataclasses.fields(MINICPMO_4_5_PIPELINE)}  # 0.28 lacks the last two
+    register_pipeline(dataclasses.replace(MINICPMO_4_5_PIPELINE, **{k: v for k, v in changes.items() if k in fields}))
+
+
+def _warn(message: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger(__name__).warning("%s: the %s pipeline is not registered", message, THINKER_ONLY)
