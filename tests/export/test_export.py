@@ -78,6 +78,12 @@ def test_patch_tool_does_not_import_the_export():
 
 
 def test_export_writes_each_pr_as_a_series_that_applies_on_the_one_before(tmp_path, capsys):
+    import importlib.metadata
+
+    from minicpmo_cg.lanes import get_lane
+
+    if importlib.metadata.version("vllm-omni") != get_lane("current").vllm_omni:
+        pytest.skip("the export starts from the current lane's release (this venv holds another lane)")
     out = tmp_path / "out"
     code = cli.main([str(out), "--verify", "--no-tests"])
     printed = capsys.readouterr()
