@@ -172,64 +172,53 @@ def _variant(prompt: dict[str, Any], i: int) -> dict[str, Any]:
     return {"prompt": prompt["prompt"], "multi_modal_data": data}
 
 
-def _ttft_ms(engine: Any, prompts: list[Any], tag: str) -> list[float]:
-    """Submit ``prompts`` at once, step until all finish; each request's time to its first token."""
+def _first_tokens(engine: Any, prompts: list[Any], tag: str) -> tuple[list[float], int]:
+    """Submit ``prompts`` at once and step until all finish.
+
+    Returns:
+        Each request's milliseconds to its first token, sorted, and the token count of a prompt
+        after the multimodal processor expanded its placeholders.
+    """
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    start, first = time.perf_counter(), {}
+    start, first, length = time.perf_counter(), {}, 0
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = (time.perf_counter() - start) * 1e3
-    return sorted(first.values())
+                length = len(out.prompt_token_ids or [])
+    return sorted(first.values()), length
 
 
 def bench(engine: Any, requests: dict[str, dict[str, Any]], levels: list[int]) -> list[dict[str, Any]]:
-    """Time to first token per prompt and concurrency, and that of a text prompt of the same length
-    (no encoder): their difference estimates the encoders' share. Two warm-up rounds first, so a
-    graphed engine has captured what it admits."""
+    """Time to first token per prompt and concurrency, beside a text prompt of the same length (no
+    encoder call): their difference estimates the encoders' share. Two warm-up rounds come first, so
+    a graphed engine has captured what its admission takes."""
     import statistics
 
     rows, serial = [], 0
     for name, prompt in requests.items():
         for _ in range(2):
             serial += 1
-            _ttft_ms(engine, [_variant(prompt, 1000 + serial)], f"warm-{serial}")
+            _, length = _first_tokens(engine, [_variant(prompt, 1000 + serial)], f"warm-{serial}")
         for n in levels:
             serial += 1
-            media = _ttft_ms(engine, [_variant(prompt, serial * 100 + i) for i in range(n)], f"{name}-{n}-{serial}")
-            text = _ttft_ms(engine, [{"prompt_token_ids": [1] * _prompt_len(engine, prompt)}] * n, f"text-{serial}")
-            rows.append(
-                {
-                    "prompt": name,
-                    "concurrency": n,
-                    "ttft_ms_median": statistics.median(media),
-                    "ttft_ms_max": media[-1],
-                    "text_ttft_ms_median": statistics.median(text),
-                }
-            )
-            print(f"bench {name} x{n}: ttft {rows[-1]['ttft_ms_median']:.1f} ms (text {rows[-1]['text_ttft_ms_median']:.1f})", file=sys.stderr)
+            media, _ = _first_tokens(engine, [_variant(prompt, 100 * serial + i) for i in range(n)], f"mm-{serial}")
+            text, _ = _first_tokens(engine, [{"prompt_token_ids": [1] * length}] * n, f"text-{serial}")
+            row = {
+                "prompt": name,
+                "concurrency": n,
+                "prompt_tokens": length,
+                "ttft_ms_median": statistics.median(media),
+                "ttft_ms_max": media[-1],
+                "text_ttft_ms_median": statistics.median(text),
+            }
+            rows.append(row)
+            print(f"bench {name} x{n}: {row['ttft_ms_median']:.1f} ms (text {row['text_ttft_ms_median']:.1f})", file=sys.stderr)
     return rows
-
-
-_LENGTHS: dict[str, int] = {}
-
-
-def _prompt_len(engine: Any, prompt: dict[str, Any]) -> int:
-    """The prompt's token count after the multimodal processor expanded its placeholders."""
-    key = prompt["prompt"] + repr(sorted(prompt["multi_modal_data"]))
-    if key not in _LENGTHS:
-        from vllm import SamplingParams
-
-        engine.add_request(f"len-{len(_LENGTHS)}", prompt, SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    _LENGTHS[key] = len(out.prompt_token_ids)
-    return _LENGTHS[key]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,28 +233,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", type=int, nargs="*", help="time to first token at these concurrencies instead")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    compilation = json.loads(args.compilation)
     if args.bench:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         t0 = time.perf_counter()
         engine = LLMEngine.from_engine_args(
-            engine_args(args.model, args.mode, session_mode="turn", startup_capture=True, compilation=json.loads(args.compilation))
+            engine_args(args.model, args.mode, session_mode="turn", startup_capture=True, compilation=compilation)
         )
-        startup_s = time.perf_counter() - t0
+        record = {
+            "mode": args.mode,
+            "startup_s": time.perf_counter() - t0,
+            "num_gpu_blocks": engine.vllm_config.cache_config.num_gpu_blocks,
+        }
         requests = {k: v for k, v in prompts().items() if not args.only or k in args.only}
-        record = {"mode": args.mode, "startup_s": startup_s, "num_gpu_blocks": engine.vllm_config.cache_config.num_gpu_blocks,
-                  "rows": bench(engine, requests, args.bench), "stats": engine.collective_rpc(_model_stats)[0]}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1))
-        return 0
-    record = run(
-        args.model,
-        args.mode,
-        session_mode=args.session_mode,
-        startup_capture=not args.no_startup_capture,
-        compilation=json.loads(args.compilation),
-        only=args.only,
-    )
+        record |= {"rows": bench(engine, requests, args.bench), "stats": engine.collective_rpc(_model_stats)[0]}
+    else:
+        record = run(
+            args.model,
+            args.mode,
+            session_mode=args.session_mode,
+            startup_capture=not args.no_startup_capture,
+            compilation=compilation,
+            only=args.only,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"thinker_engine: {args.mode} ({args.session_mode}) wrote {args.out}", file=sys.stderr)
