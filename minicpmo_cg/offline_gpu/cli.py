@@ -75,7 +75,7 @@ def _add_site(p: argparse.ArgumentParser) -> None:
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     _add_lane(p)
     p.add_argument(
-        "parts", nargs="*", metavar="PART", help=f"{', '.join(runner.PARTS)} (default: all, in this order)"
+        "parts", nargs="*", metavar="PART", help=f"{', '.join(runner.PARTS)} (default: {' '.join(runner.DEFAULT_PARTS)})"
     )
     p.add_argument("--quick", action="store_true", help="pass --quick to the demo and the benchmark")
     _add_seconds(p, "--budget", runner.DEFAULT_BUDGET_S, "seconds for the whole run")
@@ -178,7 +178,7 @@ def make_plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> runner.R
         ap.error(f"unknown part {unknown[0]!r} (parts: {', '.join(runner.PARTS)})")
     if args.budget <= 0:
         ap.error("--budget must be a positive number of seconds")
-    parts = list(dict.fromkeys(args.parts)) or list(runner.PARTS)
+    parts = list(dict.fromkeys(args.parts)) or list(runner.DEFAULT_PARTS)
     extra = {part: shlex.split(getattr(args, f"{part}_args")) for part in runner.PARTS}
     return runner.RunPlan(
         lane=args.lane.name,

@@ -53,12 +53,20 @@ PARTS: dict[str, PartSpec] = {
     "tests": PartSpec(
         240,
         "-m pytest tests -m {markers} -p no:cacheprovider -q -rs --junitxml={out}/junit-{lane}.xml"
-        " --ignore=tests/patches",
+        " --ignore=tests/patches --ignore=tests/e2e",
         quick=False,
     ),
     "demo": PartSpec(150, "-m minicpmo_cg.demo --json {out}/demo-{lane}.json", quick=True),
     "bench": PartSpec(300, "-m minicpmo_cg.bench --json {out}/bench-{lane}.json", quick=True),
+    # vLLM's engine on a checkpoint the tests build (reduced size; MINICPMO_CG_E2E_CHECKPOINT names another)
+    "e2e": PartSpec(
+        540,
+        "-m pytest tests/e2e/offline_inference -m cuda -p no:cacheprovider -q -rs --junitxml={out}/junit-e2e-{lane}.xml",
+        quick=False,
+    ),
 }
+#: what ``run`` does without a part named
+DEFAULT_PARTS = ("tests", "demo", "bench")
 
 
 def _names_tests(word: str) -> bool:

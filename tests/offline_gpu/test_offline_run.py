@@ -84,10 +84,10 @@ def test_test_paths_in_the_tests_args_replace_the_whole_suite(tmp_path: Path, ca
     node = "tests/model_executor/test_x.py::test_y"
     assert offline_gpu([*base, "--tests-args", f"{node} -x"]) == 0
     (line,) = plan_lines(capsys.readouterr().out)
-    assert "-m pytest -m " in line and f"--ignore=tests/patches {node} -x >" in line
+    assert "-m pytest -m " in line and f"--ignore=tests/patches --ignore=tests/e2e {node} -x >" in line
     assert offline_gpu([*base, "--tests-args", "-k capture"]) == 0  # no path: the whole suite
     (line,) = plan_lines(capsys.readouterr().out)
-    assert "-m pytest tests -m " in line and "--ignore=tests/patches -k capture >" in line
+    assert "-m pytest tests -m " in line and "--ignore=tests/patches --ignore=tests/e2e -k capture >" in line
 
 
 @pytest.mark.cpu
