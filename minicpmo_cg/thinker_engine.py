@@ -107,17 +107,13 @@ def _model_stats(worker: Any) -> dict[str, Any]:
     return {name: a.get_cumulative_stats() for name, a in adapters.items() if a is not None}
 
 
-def run(model: str, mode: str, *, session_mode: str, startup_capture: bool, compilation: dict, only: list[str]) -> dict:
+def answer(engine: Any, requests: dict[str, dict[str, Any]]) -> dict[str, list[dict]]:
+    """Each request, :data:`REPEATS` times, greedily: token ids, text, first-token logprobs,
+    expanded prompt length and seconds to the first token, per request name."""
     from vllm import SamplingParams
-    from vllm.v1.engine.llm_engine import LLMEngine
 
-    t0 = time.perf_counter()
-    args = engine_args(model, mode, session_mode=session_mode, startup_capture=startup_capture, compilation=compilation)
-    engine = LLMEngine.from_engine_args(args)
-    startup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, seed=0)
     answers: dict[str, list[dict]] = {}
-    requests = {k: v for k, v in prompts().items() if not only or k in only}
     for repeat in range(REPEATS):
         for name, prompt in requests.items():
             t = time.perf_counter()
@@ -141,17 +137,7 @@ def run(model: str, mode: str, *, session_mode: str, startup_capture: bool, comp
                     "ttft_s": first_token_s,
                 }
             )
-    stats = engine.collective_rpc(_model_stats)[0]
-    return {
-        "mode": mode,
-        "session_mode": session_mode,
-        "startup_capture": startup_capture,
-        "compilation": compilation,
-        "startup_s": startup_s,
-        "num_gpu_blocks": engine.vllm_config.cache_config.num_gpu_blocks,
-        "answers": answers,
-        "stats": stats,
-    }
+    return answers
 
 
 def _variant(prompt: dict[str, Any], i: int) -> dict[str, Any]:
@@ -233,30 +219,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", type=int, nargs="*", help="time to first token at these concurrencies instead")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-    compilation = json.loads(args.compilation)
-    if args.bench:
-        from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.llm_engine import LLMEngine
 
-        t0 = time.perf_counter()
-        engine = LLMEngine.from_engine_args(
-            engine_args(args.model, args.mode, session_mode="turn", startup_capture=True, compilation=compilation)
-        )
-        record = {
-            "mode": args.mode,
-            "startup_s": time.perf_counter() - t0,
-            "num_gpu_blocks": engine.vllm_config.cache_config.num_gpu_blocks,
-        }
-        requests = {k: v for k, v in prompts().items() if not args.only or k in args.only}
-        record |= {"rows": bench(engine, requests, args.bench), "stats": engine.collective_rpc(_model_stats)[0]}
-    else:
-        record = run(
+    record = {
+        "mode": args.mode,
+        "session_mode": args.session_mode,
+        "startup_capture": not args.no_startup_capture,
+        "compilation": json.loads(args.compilation),
+    }
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(
+        engine_args(
             args.model,
             args.mode,
             session_mode=args.session_mode,
             startup_capture=not args.no_startup_capture,
-            compilation=compilation,
-            only=args.only,
+            compilation=record["compilation"],
         )
+    )
+    record |= {"startup_s": time.perf_counter() - t0, "num_gpu_blocks": engine.vllm_config.cache_config.num_gpu_blocks}
+    requests = {k: v for k, v in prompts().items() if not args.only or k in args.only}
+    if args.bench:
+        record["rows"] = bench(engine, requests, args.bench)
+    else:
+        record["answers"] = answer(engine, requests)
+    record["stats"] = engine.collective_rpc(_model_stats)[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"thinker_engine: {args.mode} ({args.session_mode}) wrote {args.out}", file=sys.stderr)

@@ -104,8 +104,9 @@ class _FakeNvmlFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == KERNELS:
-            stub = next(Path(p, "_C_stable_libtorch.py") for p in path if Path(p, "_C_stable_libtorch.py").is_file())
-            return importlib.util.spec_from_file_location(fullname, stub)
+            stubs = [Path(p, "_C_stable_libtorch.py") for p in path or ()]
+            stub = next((f for f in stubs if f.is_file()), None)
+            return importlib.util.spec_from_file_location(fullname, stub) if stub else None
         return importlib.util.spec_from_loader(fullname, self) if fullname in FAKE_NVML_NAMES else None
 
     def create_module(self, spec):

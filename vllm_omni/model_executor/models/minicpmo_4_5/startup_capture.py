@@ -290,10 +290,11 @@ def capture_at_startup(
     if streaming is None and vision is None:
         return report
     # the runner asks during memory profiling and again at capture_model: once per set of adapters
-    adapters = (streaming, vision, getattr(getattr(thinker, "_duplex_batch", None), "graph", None))
-    if getattr(thinker, "_startup_captured_for", None) == tuple(map(id, adapters)):
+    batch_graph = getattr(getattr(thinker, "_duplex_batch", None), "graph", None)
+    adapter_ids = (id(streaming), id(vision), id(batch_graph))
+    if getattr(thinker, "_startup_captured_for", None) == adapter_ids:
         return report
-    thinker._startup_captured_for = tuple(map(id, adapters))
+    thinker._startup_captured_for = adapter_ids
     arenas_before = _kv_buffers(thinker)
     start = clock()
     proxies = []
@@ -314,9 +315,8 @@ def capture_at_startup(
         if vision is not None and report.stopped is None:
             proxies.append(_CaptureNow(vision, "vision", report, options.min_free_bytes))
             _camera_frame(thinker, proxies[-1])
-        batch = getattr(getattr(thinker, "_duplex_batch", None), "graph", None)
-        if batch is not None and report.stopped is None:
-            proxies.append(_CaptureNow(batch, "duplex audio batch", report, options.min_free_bytes))
+        if batch_graph is not None and report.stopped is None:
+            proxies.append(_CaptureNow(batch_graph, "duplex audio batch", report, options.min_free_bytes))
             _batch_buckets(thinker, proxies[-1])
     report.seconds = clock() - start
     report.graph_bytes = sum(p.new_bytes() for p in proxies)
