@@ -32,6 +32,8 @@ FIXED_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # The bundle carries no FlashInfer; vLLM's sampler imports it on CUDA unless told not to.
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
     # NVLink multicast (NVLS / symmetric memory) off: the two-GPU tests need plain NCCL only, and
     # multicast objects need fabric support that a shared or virtualised host may not provide.
     "NCCL_NVLS_ENABLE": "0",

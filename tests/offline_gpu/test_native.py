@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,3 +70,14 @@ def test_the_checkouts_vllm_plugins_are_registered_in_the_site(tmp_path: Path) -
     plugins = {ep.name: ep.value for ep in dist.entry_points if ep.group == "vllm.general_plugins"}
     assert plugins["minicpmo_cg_thinker_only"] == "minicpmo_cg.omni_plugin:register_thinker_only"
     assert plugins["minicpmo_cg_patch_check"] == "minicpmo_cg.vllm_plugin:check_patch_set"
+
+
+def test_host_environment_keeps_vllm_off_the_flashinfer_it_does_not_carry() -> None:
+    # vLLM's sampler imports FlashInfer on CUDA unless VLLM_USE_FLASHINFER_SAMPLER=0.
+    deps = (Path(native.__file__).parent / "deps.txt").read_text().lower()
+    assert "flashinfer" not in deps
+    env = {**hostenv.environment(Path("/nonexistent-site"), Path.cwd()), "PATH": ""}
+    code = "import vllm.envs as e; print(e.VLLM_USE_FLASHINFER_SAMPLER)"
+    env.pop("PYTHONPATH")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
