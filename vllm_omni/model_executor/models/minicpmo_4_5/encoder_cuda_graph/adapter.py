@@ -1,11 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The callable adapter: :class:`EncoderCudaGraph` replays an encoder call from a CUDA graph.
-
-It ties the policy (:mod:`.admission`) to a device backend (:mod:`.backend`):
-keys, the profiling guard, per-key measurements, the byte budget, the memory
-floor, shared graph pools, the hooks check, stats, the periodic stats line and
-the fatal capture-failure contract.
-"""
+"""The callable adapter :class:`EncoderCudaGraph`: replays an encoder call from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -78,74 +72,6 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", 
 
 class EncoderCudaGraph:
     """Replay an encoder call from a CUDA graph captured for its exact input shapes.
-
-    ``adapter(*inputs)`` returns what ``forward(*inputs)`` returns: a fresh
-    tensor (replayed outputs are clones, so a returned tensor survives later
-    replays), an inference tensor exactly when the eager call's would be (the
-    call runs under ``torch.inference_mode()``). Graphs captured under
-    ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors or None; the graph key is the replay stream,
-    the device of the tensor inputs and, per input, a tensor's ``(shape,
-    dtype)`` or None (so "mask given" and "no mask" are different graphs).
-    Strides and tensor values are not part of the key; replays read the live
-    input values.
-
-    *Static arguments* (``static_args=True``): any positional input that is
-    neither a tensor nor None (an int, a tuple, an object) is part of the key
-    by value, as ``(STATIC_ARG, value)`` (``==`` and ``hash``, so it must be
-    hashable; an object without ``__eq__`` counts by identity) and is passed
-    unchanged to every call of ``forward`` (warm-up, capture, eager); it never
-    becomes a static input buffer. A graph bakes in what ``forward`` did with
-    it at capture, so each value is its own graph. They carry what fixes the
-    forward's control flow or shapes without being a tensor shape (e.g. a
-    KV-cache length), or a persistent buffer the forward reads and writes in
-    place (e.g. a K/V arena) instead of a static copy. The choice is made once
-    per adapter, so an adapter whose inputs are all tensors keeps the
-    tensor-only key and replay path; there, a call with any other input is
-    ineligible (below), while with ``static_args`` such an input is a static
-    argument and no reason to run eagerly.
-
-    A call runs ``forward`` eagerly, without touching any graph, when it is
-    *ineligible*: autograd enabled, an input that is neither a tensor nor
-    None, or the backend refuses the tensor inputs (for
-    :class:`CudaGraphBackend`: no tensor inputs, a non-CUDA tensor, tensors on
-    more than one device, CUDA autocast enabled, or the current stream being
-    captured by someone else). Calls made during vLLM's start-up memory
-    profiling (:func:`in_memory_profiling`) run eagerly and count as profile
-    misses, without touching admission. Other eligible calls follow
-    :class:`CaptureAdmission`; at a key's capture threshold, ``admission="cost"``
-    asks :class:`CaptureCostModel` whether the graph pays (from the key's eager
-    calls, measured by the backend), then the byte budget ``max_bytes`` and the
-    free-memory floor may defer the capture (each deferral logs a WARNING the
-    first time and every :attr:`MEMORY_WARNING_EVERY` deferrals).
-
-    Stats: :meth:`get_cumulative_stats` (nine keys: vLLM's manager's
-    ``graph_hits``/``graph_misses``/``hit_rate`` and six of this adapter's) and
-    :meth:`get_detailed_stats` (miss kinds beyond those, bytes and hits per
-    graph). With ``log_interval_s`` the call path logs one INFO line with the
-    hit rate, graphs and bytes when that many seconds have passed since the
-    last one (no timer thread).
-
-    Python side effects: a replay runs the recorded GPU work only. Attribute
-    writes, counters or hooks inside ``forward`` happen on the warmup calls and
-    the capture, never on replay, so ``forward`` must have none. Before each
-    capture (and again after it, in case the forward registered some) the
-    adapter looks for forward/backward hooks on the modules ``forward`` runs
-    (``captured_modules``) and for torch's global module hooks. If it finds any,
-    it does not capture: it logs one WARNING naming the hooks and turns eager
-    for good (no captures, no replays of earlier graphs; its calls count as
-    ineligible misses). This is not fatal, as the eager forward runs the hooks
-    as registered (e.g. vLLM's ``--enable-layerwise-nvtx-tracing`` hooks every
-    module). Hooks registered after the last capture are not seen.
-
-    Fatal contract: if a capture raises, the original exception propagates,
-    nothing is registered, and every later call raises
-    :class:`EncoderCudaGraphCaptureFailedError` without capturing or running any
-    CUDA work. The backend first cleans up what the capture left in the process
-    (for :class:`CudaGraphBackend`: graph pool routing, capture stream, the CUDA
-    generator's capture mark), so the rest of the process (RNG, other graphs,
-    eager encoders) keeps working; this adapter does not. Restart the worker,
-    optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
 
     Args:
         forward: the eager encoder, ``forward(*inputs) -> Tensor``; must be
@@ -478,15 +404,7 @@ class EncoderCudaGraph:
         )
 
     def _estimate_bytes(self, key: GraphKey, record: _KeyRecord) -> int:
-        """Bytes a capture of ``key`` would hold: eager peak (~ pool growth) + inputs + output buffer.
-
-        A capture allocates the forward's intermediates and output in the graph
-        pool, which therefore grows by about the eager call's peak allocation
-        delta, rounded up to the caching allocator's 2 MiB segment granularity
-        (less when a shared pool already holds reusable blocks), plus static
-        copies of the tensor inputs and one output buffer outside the pool.
-        Static arguments have no buffer.
-        """
+        """Bytes a capture of ``key`` would hold: eager peak (~ pool growth) + inputs + output buffer."""
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
         static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))

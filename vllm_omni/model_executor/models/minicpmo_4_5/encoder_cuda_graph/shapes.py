@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Graph keys and the one-shape model vLLM's encoder graph manager captures.
-
-A key holds the replay stream, the device and, per positional input, a tensor's
-``(shape, dtype)`` or None.
-A static argument's entry is ``(STATIC_ARG, value)``.
-:class:`ExactShapeEncoder` presents one key's call to vLLM's
-``EncoderCudaGraphManager`` as a ``SupportsEncoderCudaGraph`` model with a
-single item and a single token budget, so nothing is padded.
-"""
+"""Graph keys and :class:`ExactShapeEncoder`, one key's call as a one-item ``SupportsEncoderCudaGraph`` model."""
 
 from __future__ import annotations
 
@@ -59,16 +51,6 @@ _copy_exact = torch.Tensor.copy_
 class ExactShapeEncoder(SupportsEncoderCudaGraph):
     """One captured shape as a ``SupportsEncoderCudaGraph`` model.
 
-    A call's already-packed inputs are one indivisible manager item whose token
-    count is the product of the output's leading dims; the manager is built with
-    exactly that one token budget and a batch of one, so its packing always
-    picks the single captured graph and nothing is padded.
-
-    Buffer keys are ``"0"``, ``"1"``, ... for the positional tensor inputs; a
-    None input stays None in the forward call.
-    A static argument keeps its value in every forward call (warm-up, capture
-    and eager), so the captured graph bakes it in.
-
     Attributes:
         templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
         statics: position -> value of each static argument.
@@ -103,10 +85,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
     @property
     def static_bytes(self) -> int:
-        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool).
-
-        Only tensor inputs have a buffer: None and static arguments hold no bytes of the graph's.
-        """
+        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool)."""
         inputs = sum(math.prod(t[0]) * t[1].itemsize for t in self.templates if t is not None)
         return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
@@ -136,11 +115,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         return self._item_specs
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call).
-
-        vLLM's manager pops its reserved capture-axis entry from the returned dict, which a call
-        of this adapter never has, so nothing of the caller's changes.
-        """
+        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call)."""
         if indices != [0] and list(indices) != [0]:
             raise AssertionError(f"exact-shape encoder graphs hold one item, got indices {indices}")
         return mm_kwargs
@@ -155,14 +130,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         path: str = "default",
         axis_keys: tuple[Hashable, ...] | None = None,
     ) -> EncoderCudaGraphCaptureInputs:
-        """Static input buffers: zeros per template, allocated outside the graph.
-
-        They are normal tensors whatever autograd mode the capturing call runs
-        in (vLLM's manager calls this outside its ``inference_mode``): every
-        replay copies the live inputs into them in place, which PyTorch forbids
-        on inference tensors outside ``torch.inference_mode()``, so a graph
-        captured under ``inference_mode`` must still replay under ``no_grad``.
-        """
+        """Static input buffers: zeros per template, allocated outside the graph."""
         with torch.inference_mode(False):
             values = {
                 str(i): torch.zeros(shape, dtype=t_dtype, device=t_device)
