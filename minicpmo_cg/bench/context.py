@@ -120,12 +120,7 @@ class Ctx:
         return self.profile.name
 
     def new_adapter(self, forward: Callable[..., torch.Tensor], name: str, **options: Any) -> Any:
-        """An adapter for a scenario that measures captured graphs (per shape, pools, bookkeeping).
-
-        These capture by the count rule unless told otherwise, so the graph under measurement
-        exists whatever the cost model would decide; the session scenarios compare admission
-        modes explicitly.
-        """
+        """An adapter for a scenario that measures captured graphs (per shape, bookkeeping)."""
         options.setdefault("backend", self.backend)
         options.setdefault("admission", "count")
         return self.adapter_mod.EncoderCudaGraph(forward, self.vllm_config, name=name, **options)

@@ -10,7 +10,6 @@ from minicpmo_cg.bench import (
     duplex_concurrency,
     offline,
     per_shape,
-    pools,
     streaming,
     vision_path,
 )
@@ -44,7 +43,6 @@ def format_report(res: dict[str, Any]) -> str:
         ("duplex", duplex.format_section),
         ("duplex_concurrency", duplex_concurrency.format_section),
         ("offline", offline.format_section),
-        ("pools", pools.format_section),
     ):
         if res.get(key):
             lines += fmt(res[key])

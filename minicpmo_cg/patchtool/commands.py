@@ -26,12 +26,7 @@ __all__ = ["Outcome", "cmd_apply", "cmd_base", "cmd_check", "cmd_revert"]
 
 @dataclass
 class Outcome:
-    """What a command did: ``result`` word, written files, the exit code and the lines to show.
-
-    Attributes:
-        states: after a failed write, ``"<rel>: <state>"`` per file, read back from disk.
-        warnings: problems that did not stop the command.
-    """
+    """What a command did: ``result`` word, written files, the exit code and the lines to show."""
 
     result: str
     exit_code: int

@@ -48,8 +48,8 @@ ADAPTER_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.encoder_cuda_grap
 
 @pytest.mark.cpu
 def test_only_accepts_commas_and_repeats_in_canonical_order() -> None:
-    args = cli.parse_args(["--only", "pools,vision", "--only", "audio"])
-    assert args.sections == ["vision", "audio", "pools"]
+    args = cli.parse_args(["--only", "offline,vision", "--only", "audio"])
+    assert args.sections == ["vision", "audio", "offline"]
     assert cli.parse_args([]).sections == list(cli.SECTIONS)
     assert cli.parse_args(["--only", "duplex"]).sections == ["duplex"]  # the duplex audio path alone
     assert cli.parse_args(["--only", "duplex,vision_path"]).sections == ["vision_path", "duplex"]
