@@ -98,7 +98,6 @@ WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
 )
 
 
-# Option and configuration
 
 
 def configure_fused_layers(model: nn.Module) -> dict[str, str]:
@@ -161,12 +160,10 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
 
 
 def _inference_call(module: nn.Module, device: torch.device) -> bool:
-    """Eval mode, autograd off and autocast off: the calls the fused kernels are written for."""
     return not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
 
 
 def _piece(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` (SigLIP or the resampler) runs the fused piece ``name``."""
     return name in module.__dict__.get("_fused_pieces", SIGLIP_DEFAULT_PIECES)
 
 
@@ -194,7 +191,6 @@ def siglip_fused_pieces(model: nn.Module, pieces: Sequence[str]) -> Any:
                 module._fused_pieces = value
 
 
-# Packed q/k/v
 
 
 @dataclass(frozen=True)
@@ -271,11 +267,9 @@ def pack_qkv(attention: nn.Module) -> PackedQKV:
     return packed
 
 
-# Shared pieces
 
 
 def _sdpa_pin(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager:
-    """``sdpa_kernel`` with ``backends`` in priority order (torch >= 2.6), else as the allowed set."""
     try:
         return sdpa_kernel(list(backends), set_priority=True)
     except TypeError:  # torch without set_priority: the set, in torch's own order
@@ -303,7 +297,6 @@ def _attention(
 
 
 def _split_qkv(qkv: torch.Tensor, batch: int, positions: int, heads: int) -> tuple[torch.Tensor, ...]:
-    """``(B * N, 3E)`` packed projections -> q, k, v as ``(B, heads, N, E / heads)`` strided views."""
     head_dim = qkv.shape[-1] // (3 * heads)
     split = qkv.view(batch, positions, 3, heads, head_dim)
     return tuple(split[:, :, index].transpose(1, 2) for index in range(3))
@@ -322,7 +315,6 @@ def _attention_update(
     out_bias: bool = False,
     linear: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
-    """The attention sub-layer's output projection for ``(B * N, E)`` rows, ``(B * N, E)``."""
     if packed:
         qkv = pack_qkv(attention)
         query, key, value = _split_qkv(
@@ -360,13 +352,11 @@ def _norm(
     store_sum: bool = True,
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The residual sum and its LayerNorm: the fused kernel, or (``fused`` False) torch's ops."""
     op = add_layer_norm if fused else add_layer_norm_reference
     return op(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
 
 
 def _gelu_tanh_epilogue(linear: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(linear(hidden))``: one cuBLASLt GEMM with the bias + GELU epilogue on CUDA."""
     if hidden.is_cuda and linear.bias is not None:
         return torch._addmm_activation(linear.bias, hidden, linear.weight.t(), use_gelu=True)
     # torch._addmm_activation(use_gelu=True) computes the exact GELU on the CPU.
@@ -377,7 +367,6 @@ def _affine_layer_norms(norms: Sequence[Any]) -> bool:
     return all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
 
 
-# SigLIP
 
 
 def siglip_fused_applies(
@@ -498,7 +487,6 @@ def siglip_encode(
     return normed.view(batch, positions, width)
 
 
-# Whisper
 
 
 def whisper_fused_applies(

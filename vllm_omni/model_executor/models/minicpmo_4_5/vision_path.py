@@ -70,7 +70,6 @@ class GrowingDeviceTable:
         return table
 
 
-# SigLIP position ids (SiglipVisionEmbeddings, its ``_bucket_tables``)
 
 
 def position_bucket_rows(embeddings: nn.Module, max_side: int) -> torch.Tensor:
@@ -134,7 +133,6 @@ def position_ids_from_tgt_sizes(
     return position_ids.masked_fill(~valid, 0)
 
 
-# Resampler positions (Resampler, its ``_pos_embed_tables``)
 
 
 def pos_embed_rows(resampler: nn.Module, num_rows: int) -> torch.Tensor:
@@ -187,7 +185,6 @@ def resampler_positions(
     return pos_embed, key_padding_mask
 
 
-# The image call
 
 
 def pad_vision_slices(pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:

@@ -162,7 +162,6 @@ class EncoderCudaGraph:
         self._log_interval = float(log_interval_s)
         self._next_log = time.monotonic() + self._log_interval
 
-    # -- public --------------------------------------------------------------------
     @property
     def capture_failed(self) -> bool:
         return self._failure is not None
@@ -211,14 +210,8 @@ class EncoderCudaGraph:
         """Counters since construction (never reset), per adapter.
 
         Returns:
-            dict with exactly :data:`STATS_KEYS`: ``graph_hits`` (calls served by
-            a replay, the capturing call included), ``graph_misses`` (all eager
-            calls: every miss kind of :data:`MISS_KINDS` plus any counted by
-            vLLM's managers), ``hit_rate`` (hits / (hits + misses), 0.0 before
-            any call), ``num_graphs``, ``ineligible_misses``,
-            ``capacity_misses``, ``warmup_misses``, ``memory_misses`` and
-            ``capture_failures`` (0 or 1). The other miss kinds are in
-            :meth:`get_detailed_stats`.
+            dict with exactly :data:`STATS_KEYS` (the design overview's Stats); ``graph_misses``
+            counts every miss kind of :data:`MISS_KINDS` plus any counted by vLLM's managers.
         """
         hits = sum(m.graph_hits for m in self.graphs.values())
         misses = self.admission.total_misses() + sum(m.graph_misses for m in self.graphs.values())
@@ -240,17 +233,9 @@ class EncoderCudaGraph:
         """What :meth:`get_cumulative_stats` leaves out, since construction.
 
         Returns:
-            dict with ``admission`` (``"cost"`` or ``"count"``),
-            ``declined_misses`` (eager calls of keys the cost rule declined),
-            ``held_calls`` (warmup calls the cost rule measured behind a hold),
-            ``budget_misses`` (captures deferred by ``max_bytes``),
-            ``profile_misses`` (calls during vLLM's start-up profiling),
-            ``graph_bytes`` (int, bytes held by all graphs), ``max_bytes`` (the
-            budget, 0 = none), and ``graphs``: one dict per graph in capture
-            order with ``inputs`` (``[(shape, dtype) | None, ...]``), ``hits``,
-            ``bytes`` (= ``pool_bytes`` + ``static_bytes``), ``pool_bytes``
-            (graph pool growth at its capture), ``static_bytes`` (input and
-            output buffers) and ``capture_ms`` (wall time of the capture).
+            dict with ``admission``, ``declined_misses``, ``held_calls``, ``budget_misses``,
+            ``profile_misses``, ``graph_bytes``, ``max_bytes`` and ``graphs``: per graph in capture
+            order its ``inputs``, ``hits``, ``bytes`` (``pool_bytes`` + ``static_bytes``) and ``capture_ms``.
         """
         m = self.admission.misses
         graphs = [
@@ -276,9 +261,7 @@ class EncoderCudaGraph:
             "graphs": graphs,
         }
 
-    # -- internals -------------------------------------------------------------------
     def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
         self._calls += 1
         key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
         try:
@@ -293,7 +276,6 @@ class EncoderCudaGraph:
         return self._miss(key, inputs, device)
 
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
@@ -331,7 +313,6 @@ class EncoderCudaGraph:
         return False
 
     def _sighting(self, key: GraphKey) -> _KeyRecord:
-        """Update (or start, when admission restarted the key's count) the key's record."""
         record = self._records.get(key)
         if record is None or self.admission.history.get(key) == 1:
             record = self._records[key] = _KeyRecord(first_call=self._calls)
@@ -362,7 +343,6 @@ class EncoderCudaGraph:
         return out
 
     def _deferral(self, key: GraphKey, record: _KeyRecord, device: torch.device) -> str | None:
-        """Why a key at its capture threshold is not captured on this call (a miss kind), or None."""
         if record.output is None:
             # no eager call of the key has returned (each one raised): its output's shape and dtype,
             # which the capture and the byte estimate need, are not known yet
@@ -404,7 +384,6 @@ class EncoderCudaGraph:
         )
 
     def _estimate_bytes(self, key: GraphKey, record: _KeyRecord) -> int:
-        """Bytes a capture of ``key`` would hold: eager peak (~ pool growth) + inputs + output buffer."""
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
         static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))
@@ -412,7 +391,6 @@ class EncoderCudaGraph:
         return -(-peak // _SEGMENT_BYTES) * _SEGMENT_BYTES + static
 
     def _over_budget(self, key: GraphKey, record: _KeyRecord) -> bool:
-        """True (and a rate-limited WARNING) when the capture would pass ``max_bytes``."""
         estimate, held = self._estimate_bytes(key, record), self.graph_bytes
         if held + estimate <= self.options.max_bytes:
             return False
@@ -430,7 +408,6 @@ class EncoderCudaGraph:
         return True
 
     def _below_memory_floor(self, device: torch.device) -> bool:
-        """True (and a rate-limited WARNING) when free memory is below the floor."""
         floor = self.options.min_free_bytes
         if not floor:
             return False
@@ -471,7 +448,6 @@ class EncoderCudaGraph:
             )
 
     def _log_progress(self) -> None:
-        """The periodic INFO line: hit rate, graphs, bytes and misses by kind (cumulative)."""
         self._next_log = time.monotonic() + self._log_interval
         stats = self.get_cumulative_stats()
         total = stats["graph_hits"] + stats["graph_misses"]
@@ -493,7 +469,6 @@ class EncoderCudaGraph:
 
     @staticmethod
     def _replay(manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
-        """Replay; the graph copies ``inputs`` into its static buffers and returns a clone of its output."""
         return manager.execute(
             {_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
         )[0]
@@ -506,7 +481,6 @@ class EncoderCudaGraph:
         device: torch.device,
         log_level: int = logging.INFO,
     ) -> bool:
-        """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
             return False
         start = time.perf_counter()
@@ -562,7 +536,6 @@ class EncoderCudaGraph:
         )
 
     def _refuse_if_hooked(self, when: str) -> bool:
-        """Turn eager for good (one WARNING) if hooks would be skipped by replays."""
         hooks = list(self._hooks_in_captured_region())
         if not hooks:
             return False
@@ -585,7 +558,6 @@ class EncoderCudaGraph:
         return True
 
     def _hooks_in_captured_region(self) -> Iterator[str]:
-        """Names of hooks that a replay of ``forward`` would skip."""
         from torch.nn.modules import module as torch_module
 
         for attr, register in _GLOBAL_HOOKS:

@@ -40,9 +40,7 @@ STATS_KEYS = (
     "capture_failures",
 )
 
-#: Miss kinds counted by :class:`CaptureAdmission`; all are part of ``graph_misses``.
-#: The first four have their own key in :data:`STATS_KEYS`; the others are in
-#: :meth:`EncoderCudaGraph.get_detailed_stats`.
+#: Miss kinds counted by :class:`CaptureAdmission`, all part of ``graph_misses``.
 MISS_KINDS = ("ineligible", "capacity", "warmup", "memory", "declined", "budget", "profile")
 
 
@@ -129,14 +127,10 @@ class EagerCallSample:
 
     Attributes:
         host_ms: host time the call took to enqueue its work (``perf_counter``).
-        gpu_ms: an unheld call's GPU span: between events recorded on its stream right before
-            and right after it. When the host is slower than the GPU this span follows the
-            host (the GPU idles between launches), otherwise the GPU's own work. None for a
+        gpu_ms: an unheld call's GPU span between events right before and after it; None for a
             held call.
-        busy_ms: the GPU's busy time for the call, or an upper bound of it; None when the
-            measurement does not show it (an unheld call on CUDA). For a held call, the GPU
-            time from the hold's end to the call's end: the busy time when the hold outlasted
-            the host's enqueueing, more (the GPU caught up and idled again) when it did not.
+        busy_ms: the GPU's busy time, or an upper bound of it (a held call: from the hold's end to
+            the call's end); None when not shown (an unheld call on CUDA).
         hold_ms: how long the GPU held the stream before the call (0: not held).
     """
 
@@ -278,7 +272,6 @@ class CaptureCostModel:
 
 
 def _shown_saving(span_ms: float, sample: EagerCallSample) -> float:
-    """``g - b`` of a sample that shows the busy time; a held sample shows at most its hold."""
     saving = span_ms - sample.busy_ms
     return min(saving, sample.hold_ms) if sample.hold_ms > 0 else saving
 

@@ -33,11 +33,8 @@ __all__ = [
     "ReplayableGraph",
 ]
 
-#: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
-#: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
-#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (see
-#: "Capture error mode and other threads" in docs/design/minicpmo_encoder_cuda_graph/live_worker.md).
-#: Needs vLLM's capture_error_mode (checked at construction).
+#: cudaStreamCaptureMode of every capture: other threads of the serving process may run CUDA work
+#: meanwhile, which "thread_local" neither fails nor lets invalidate the capture.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
@@ -93,11 +90,8 @@ class EncoderGraphBackend(Protocol):
         """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
 
         Args:
-            hold_ms: 0 measures the call as it runs (its sample has ``gpu_ms``; a
-                backend that can also tell the GPU's busy time gives ``busy_ms``).
-                > 0: hold the call's stream about this long (GPU ms) before the
-                call, and report the GPU time after the hold as ``busy_ms`` and the
-                hold as ``hold_ms`` (``gpu_ms`` None); see :class:`EagerCallSample`.
+            hold_ms: 0 measures the call as it runs; > 0 holds the call's stream about this long
+                (GPU ms) before the call and reports the GPU time after the hold as ``busy_ms``.
 
         Returns:
             ``(output, measurement)``.
@@ -114,16 +108,13 @@ class EncoderGraphBackend(Protocol):
                 (the adapter passes it back to share it), or None for a new one.
 
         Raises:
-            whatever the capture raised; the adapter then applies its fatal contract. Before it
-            propagates, the backend cleans up what the failed capture left in the process
-            (:class:`CudaGraphBackend`: :func:`_release_failed_capture`), so that work outside
-            the adapter keeps running.
+            whatever the capture raised, after cleaning up what it left in the process
+            (:func:`_release_failed_capture`).
         """
         ...
 
 
 def _manager_config(vllm_config: Any, tokens: int) -> Any:
-    """A shallow copy of the engine config for a one-budget, batch-of-one manager."""
     config = copy.copy(vllm_config)
     compilation = copy.copy(config.compilation_config)
     compilation.encoder_cudagraph_token_budgets = [tokens]
@@ -207,7 +198,6 @@ def _spin_kernel(cycles: int) -> None:
 
 
 def _nominal_cycles_per_ms(device: torch.device) -> float:
-    """The device's SM clock in cycles per ms (``clock_rate``, kHz), or the default when not reported."""
     rate = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
     return float(rate) if rate and rate > 0 else _SpinClock.DEFAULT_CYCLES_PER_MS
 
@@ -222,7 +212,6 @@ class _CudaPool:
 
 
 def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
-    """Bytes reserved by the caching allocator's segments of graph pool ``handle`` (None: unknown)."""
     try:
         segments = torch.cuda.memory_snapshot(mempool_id=handle, include_traces=False)
     except TypeError:  # a torch without per-pool snapshots
@@ -248,9 +237,7 @@ class _CaptureRuntime:
         """End the caching allocator's routing of a capture's allocations into graph pool ``handle``.
 
         Returns:
-            True when a capture was still routing into it (what ``capture_end`` would have
-            ended); False when none was (the capture ended it, or never began): the allocator
-            then raises "not currently recording to mempool_id", and nothing changed.
+            True when a capture was still routing into it; False when none was (nothing changed).
         """
         try:
             torch._C._cuda_endAllocateToPool(device.index, handle)
@@ -474,7 +461,6 @@ def manager_takes_capture_error_mode() -> bool:
 
 
 def _require_capture_error_mode() -> None:
-    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
     if not manager_takes_capture_error_mode():
         raise RuntimeError(
             f"{NO_CAPTURE_ERROR_MODE}: use a vLLM whose EncoderCudaGraphManager takes capture_error_mode, "

@@ -21,10 +21,8 @@ def capture_now(adapter: EncoderCudaGraph, *inputs: Any) -> tuple[torch.Tensor, 
     """Capture ``adapter``'s graph for a call with ``inputs`` now; return what the call returns.
 
     Returns:
-        ``(output, outcome)``: ``outcome`` is ``"captured"``, ``"present"`` (a graph already serves
-        the key), or why nothing was captured: ``"ineligible"`` (as a call would be),
-        ``"profile"`` (vLLM's memory profiling is running), ``"capacity"``, ``"budget"``,
-        ``"hooks"`` (hooks in the captured region: the adapter turned eager for good).
+        ``(output, outcome)``: ``"captured"``, ``"present"``, or why nothing was captured:
+        ``"ineligible"``, ``"profile"``, ``"capacity"``, ``"budget"`` or ``"hooks"``.
 
     Raises:
         EncoderCudaGraphCaptureFailedError: a capture of this adapter failed earlier.

@@ -34,7 +34,6 @@ _JSON_TYPE_NAMES = {
 
 
 def _as_json(value: Any) -> str:
-    """``value`` as the user wrote it in the ``--hf-overrides`` JSON (repr when not JSON)."""
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
@@ -117,7 +116,6 @@ class HfOverrideKey:
 
 
 def _bound(value: float | None) -> str:
-    """A range bound as a user writes it, with its size for whole GiB or TiB (``1099511627776 (1 TiB)``)."""
     if isinstance(value, float):
         return f"{value:g}"
     text = str(value)
@@ -257,7 +255,6 @@ class HfOverridesError(ValueError):
 
 
 def _closest_key(name: str) -> str | None:
-    """The registered key ``name`` looks like a misspelling or truncation of, if any."""
     name = name.lower()
     match = difflib.get_close_matches(name, list(HF_OVERRIDE_KEYS), n=1, cutoff=_NEAR_MISS_CUTOFF)
     if match:
@@ -314,11 +311,8 @@ def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
         where ``hf_config`` lacks the key.
 
     Raises:
-        HfOverridesError: (a ``ValueError``) listing every problem at once: a
-            value of the wrong type or out of range (key, value as JSON, type
-            received, what is allowed), and every unknown key that starts with
-            ``encoder_cuda_graph`` or is a near-miss of a registered key, with
-            the closest valid key.
+        HfOverridesError: (a ``ValueError``) every bad value and every unknown key that starts
+            with ``encoder_cuda_graph`` or is a near-miss of a registered key, at once.
     """
     problems = []
     values = {}
@@ -335,7 +329,6 @@ def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
 
 
 def _hf_field(key: str) -> Any:
-    """A dataclass field whose default, type rule and doc come from ``HF_OVERRIDE_KEYS[key]``."""
     return dataclasses.field(default=HF_OVERRIDE_KEYS[key].default, metadata={"hf_key": key})
 
 

@@ -31,20 +31,16 @@ STATIC_ARG = "static"
 
 
 def _is_static(x: Any) -> bool:
-    """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
     return x is not None and not isinstance(x, torch.Tensor)
 
 
 def _key_entry(x: Any) -> Hashable:
-    """One input's entry in a graph key of an adapter with static arguments."""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.dtype)
     return None if x is None else (STATIC_ARG, x)
 
 
-#: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
-#: construction of the key). The unbound tensor method itself, so a replay runs no Python frame of
-#: ours per input.
+#: Replay padding logic ``padding_logic(dst, src)``: an in-place copy (the key makes shapes equal).
 _copy_exact = torch.Tensor.copy_
 
 
@@ -93,7 +89,6 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         statics = self.statics
         return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
 
-    # -- SupportsEncoderCudaGraph -------------------------------------------------
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
         return EncoderCudaGraphConfig(
             modalities=["image", "audio"],
@@ -162,15 +157,12 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         clone: bool = False,
         batch_mm_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        # The manager's output buffer is an inference tensor (allocated under its
-        # inference_mode); cloning it in the caller's mode returns an inference
-        # tensor exactly when the eager forward would.
+        # cloned in the caller's mode: an inference tensor exactly when the eager forward returns one
         out = outputs["default"]
         dest[indices[0]] = out.clone() if clone else out
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
     return [
         t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
         for t in key[2]
@@ -178,5 +170,4 @@ def _describe(key: GraphKey) -> list[Any]:
 
 
 def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
-    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None, not static arguments)."""
     return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)

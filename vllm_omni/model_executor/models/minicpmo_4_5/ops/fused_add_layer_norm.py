@@ -75,7 +75,6 @@ def _add_layer_norm_kernel(
 
 
 def _launch_config(cols: int) -> tuple[int, int]:
-    """``(rows per program, warps)`` for rows of ``cols`` columns."""
     if cols <= 1024:
         return 1, 4
     return 1, 2
@@ -158,9 +157,8 @@ def add_layer_norm(
         store_sum: also return the sum; False skips its write (the encoder's last LayerNorm).
 
     Returns:
-        ``(normed, total)``: new ``(rows, cols)`` contiguous tensors in ``residual``'s dtype on its
-        device, ``total = residual + update + update_bias`` rounded once from float32, and
-        ``normed`` its LayerNorm; ``total`` is None when ``store_sum`` is False.
+        ``(normed, total)``, contiguous ``(rows, cols)`` in ``residual``'s dtype; ``total`` (the sum
+        rounded once from float32) is None when ``store_sum`` is False.
 
     Raises:
         ValueError: a shape other than the above.
@@ -196,7 +194,6 @@ def _launch(
     block_rows: int,
     num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the Triton kernel with ``block_rows`` rows per program and ``num_warps`` warps."""
     rows, cols = residual.shape
     normed = torch.empty((rows, cols), dtype=residual.dtype, device=residual.device)
     total = torch.empty_like(normed) if store_sum else None
