@@ -19,7 +19,7 @@ def standalone_vllm_config(*, enforce_eager: bool = False) -> Any:
     object.__setattr__(model_config, "multimodal_config", MultiModalConfig())
     object.__setattr__(model_config, "enforce_eager", enforce_eager)
     object.__setattr__(config, "model_config", model_config)
-    config.cache_config.num_gpu_blocks = 0  # profiling is over (see the module docstring)
+    config.cache_config.num_gpu_blocks = 0  # the KV cache is sized: vLLM's start-up profiling is over
     return config
 
 

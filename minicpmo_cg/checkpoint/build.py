@@ -1,4 +1,4 @@
-"""Write a MiniCPM-o 4.5 checkpoint folder with random weights (see the package docstring)."""
+"""Write a MiniCPM-o 4.5 checkpoint folder of random weights under the real names (see :mod:`.layout`)."""
 
 from __future__ import annotations
 

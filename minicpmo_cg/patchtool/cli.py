@@ -1,4 +1,4 @@
-"""The command line of ``minicpmo-cg-patch`` (see the package docstring for the commands)."""
+"""The command line of ``minicpmo-cg-patch`` (commands and exit codes: patches/README.md)."""
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ class StateStore:
         Raises:
             StateError: the state directory fails :meth:`check_tree`, or ``state.json`` is not a
                 regular file (a link, a FIFO, ...) holding valid JSON of a known format whose
-                paths and hashes pass the checks of the module docstring.
+                paths and hashes pass the checks of the State section of patches/README.md.
         """
         self.check_tree()
         try:

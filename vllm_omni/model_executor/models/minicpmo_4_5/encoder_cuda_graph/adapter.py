@@ -84,7 +84,7 @@ class EncoderCudaGraph:
             (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
         static_args: whether inputs other than tensors and None are static
-            arguments (see above); False makes such calls ineligible.
+            arguments, keyed by value (the design overview); False makes such calls ineligible.
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``

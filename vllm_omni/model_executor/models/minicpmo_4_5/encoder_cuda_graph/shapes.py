@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Graph keys and :class:`ExactShapeEncoder`, one key's call as a one-item ``SupportsEncoderCudaGraph`` model."""
+"""Graph keys and :class:`ExactShapeEncoder`: one key's call as a ``SupportsEncoderCudaGraph`` model."""
 
 from __future__ import annotations
 
