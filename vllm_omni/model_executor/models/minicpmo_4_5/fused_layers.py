@@ -230,9 +230,7 @@ def pack_qkv(attention: nn.Module) -> PackedQKV:
         the :class:`PackedQKV`, also kept on ``attention`` as ``_packed_qkv``.
 
     Raises:
-        RuntimeError: packing is needed while the current CUDA stream is capturing a graph (it
-            allocates, and the views it makes would point into the graph's pool): pack before,
-            as the eager warmup calls before a capture do.
+        RuntimeError: packing is needed while the current CUDA stream is capturing a graph.
     """
     packed = attention.__dict__.get("_packed_qkv")
     if packed is not None and packed.shared_by(attention):
@@ -526,15 +524,10 @@ def whisper_encode_layers(
         apm: ``MiniCPMWhisperEncoder`` (its ``layers`` and ``layer_norm``).
         hidden_states: ``(B, T, d_model)``, the embeddings plus positions, in the model dtype.
         attention_mask: None, or the additive mask ``(B, 1, T, T_keys)`` in that dtype.
-        past_key_values: None (stateless), or the streaming cache: an ``EncoderDecoderCache``
-            (its ``self_attention_cache`` is updated) or a cache with ``update(key, value,
-            layer_idx)``, which receives each layer's ``(B, heads, T, head_dim)`` keys and values
-            and returns past and new ones concatenated, as ``DynamicCache.update`` does.
-        output_hidden_states: also return the hidden states as the unfused encoder's
-            ``encoder_states``: the input, each layer's output but the last, then the final
-            LayerNorm's output.
-        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear`` (a caller
-            batching independent rows may pass one that keeps each row's bits).
+        past_key_values: None (stateless), an ``EncoderDecoderCache``, or a cache whose
+            ``update(key, value, layer_idx)`` returns past and new ``(B, heads, T, head_dim)`` concatenated.
+        output_hidden_states: also return the unfused encoder's ``encoder_states``.
+        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear``.
 
     Returns:
         ``(last_hidden_state (B, T, d_model), encoder_states or None)``, what the unfused loop

@@ -293,15 +293,13 @@ def encode_images(
 
     Args:
         model: the MiniCPM-o 4.5 thinker (``vpm``, ``resampler``, ``config.vision_batch_size``).
-        pixel_values: ``(B, 3, patch, patch * N)`` slices padded to the longest, in the model
-            dtype.
+        pixel_values: ``(B, 3, patch, patch * N)`` slices padded to the longest, model dtype.
         tgt_sizes: ``(B, 2)`` integer ``(h_i, w_i)`` on the pixels' device.
         patch_valid: None when no slice is padded, else ``(B, N)`` bool, True for the first
             ``h_i * w_i`` patches of slice ``i``.
 
     Returns:
-        ``(B, query_num, hidden_size)`` in the model dtype. SigLIP runs in chunks of
-        ``config.vision_batch_size`` slices, the resampler once on all of them.
+        ``(B, query_num, hidden_size)`` in the model dtype.
     """
     batch_size = pixel_values.shape[0]
     chunk = max(1, int(model.config.vision_batch_size))

@@ -74,24 +74,18 @@ class EncoderCudaGraph:
     """Replay an encoder call from a CUDA graph captured for its exact input shapes.
 
     Args:
-        forward: the eager encoder, ``forward(*inputs) -> Tensor``; must be
-            capturable (no host syncs, no data-dependent shapes) and free of
-            Python side effects.
-        vllm_config: the engine's ``VllmConfig``; copied per capture, never
-            mutated (the manager needs ``model_config.multimodal_config``).
-        max_graphs, min_capture_calls, min_free_bytes, share_pools, admission,
-            max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
-            (validated the same way).
+        forward: the eager encoder, ``forward(*inputs) -> Tensor``; capturable (no host syncs, no
+            data-dependent shapes) and free of Python side effects.
+        vllm_config: the engine's ``VllmConfig``; copied per capture, never mutated.
+        max_graphs, min_capture_calls, min_free_bytes, share_pools, admission, max_bytes,
+            log_interval_s: see :class:`EncoderCudaGraphOptions`.
         name: encoder name for logs (``"vision"``, ``"audio"``).
         static_args: whether inputs other than tensors and None are static
             arguments, keyed by value (the design overview); False makes such calls ineligible.
-        captured_modules: dotted names, relative to the module that owns the
-            bound method ``forward``, of the modules ``forward`` calls (checked
-            for hooks). None checks the owner's whole module tree; a ``forward``
-            that is not a module's method has only the global hooks checked.
-        backend: the device seam; default :class:`CudaGraphBackend`. Kept as
-            the attribute ``backend``, which a caller (a test's CPU backend) may
-            replace on an adapter built by :func:`make_encoder_cuda_graph` before its first call.
+        captured_modules: the modules ``forward`` calls, dotted names relative to the module owning
+            the bound method ``forward`` (checked for hooks); None: the owner's whole tree.
+        backend: the device seam, :class:`CudaGraphBackend` by default; the attribute ``backend``
+            may be replaced before the first call (a test's CPU backend).
 
     Raises:
         HfOverridesError: (a ``ValueError``) invalid option values.

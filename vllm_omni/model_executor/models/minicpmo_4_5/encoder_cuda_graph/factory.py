@@ -63,9 +63,7 @@ def make_encoder_cuda_graph(
     """Build the adapter for one encoder, or None when encoder graphs are off for it.
 
     Args:
-        forward, vllm_config, name, captured_modules: see
-            :class:`EncoderCudaGraph`.
-        static_args: see :class:`EncoderCudaGraph`.
+        forward, vllm_config, name, static_args, captured_modules: see :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 
