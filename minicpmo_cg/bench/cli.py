@@ -18,7 +18,6 @@ import torch
 
 import minicpmo_cg.bench
 from minicpmo_cg.bench import (
-    bookkeeping,
     duplex,
     duplex_concurrency,
     offline,
@@ -37,7 +36,6 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "vision": per_shape.run_vision,
     "audio": per_shape.run_audio,
     "vision_path": vision_path.run,
-    "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
     "duplex": duplex.run,
     "duplex_concurrency": duplex_concurrency.run,

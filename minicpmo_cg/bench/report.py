@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from minicpmo_cg.bench import (
-    bookkeeping,
     duplex,
     duplex_concurrency,
     offline,
@@ -38,7 +37,6 @@ def format_report(res: dict[str, Any]) -> str:
         lines += per_shape.format_rows(rows)
     for key, fmt in (
         ("vision_path", vision_path.format_section),
-        ("bookkeeping", bookkeeping.format_section),
         ("streaming", streaming.format_section),
         ("duplex", duplex.format_section),
         ("duplex_concurrency", duplex_concurrency.format_section),
