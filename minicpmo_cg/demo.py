@@ -122,9 +122,7 @@ def resolve_size(*, quick: bool, full: bool, cuda: bool) -> str:
     return "full" if cuda else "reduced"
 
 
-# ---------------------------------------------------------------------------------------------
 # The patch check (before any heavy import)
-# ---------------------------------------------------------------------------------------------
 
 
 def patch_problems(plan: Any) -> list[str]:
@@ -165,9 +163,7 @@ def check_patched() -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Results
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -264,84 +260,6 @@ def format_stats(name: str, stats: dict[str, Any] | None) -> str:
     return f"  {name:<15} " + " ".join(parts)
 
 
-@dataclass(frozen=True)
-class AdapterCalls:
-    """What one adapter received in a report's graphed pass, and how its stats split it."""
-
-    adapter: str
-    modality: str
-    inputs: int
-    warmup: int
-    timed: int
-    units: int
-    per_unit: int
-    calls: int
-    stats: dict[str, Any]
-
-    def stats_line(self) -> str:
-        """``vision: 7 inputs × 22 calls = 154 graphed calls, `graph_hits=147 ...```: the count, then the
-        counters that are not zero (``hit_rate`` left out: it is hits over calls)."""
-        what = "sessions" if self.modality == "duplex" else "inputs"
-        unit = "chunks" if self.modality == "duplex" else "calls"
-        shown = " ".join(
-            f"{k}={v}"
-            for k, v in self.stats.items()
-            if k != "hit_rate" and (v or k in ("graph_hits", "graph_misses"))
-        )
-        return f"{self.adapter}: {self.units} {what} × {self.per_unit} {unit} = {self.calls} graphed calls, `{shown}`"
-
-    def method(self, eager_warmup: int) -> str:
-        """How the rows of this modality were timed, in the counts of the pass (``eager_warmup``: the
-        untimed eager calls or sessions before the timed ones, 1 on CUDA)."""
-        untimed = {0: "no", 1: "one"}.get(eager_warmup, str(eager_warmup)) + " untimed"
-        if self.modality == "duplex":
-            return (
-                f"Eagerly, {untimed} session, then one timed session of {self.timed} chunks; graphed, "
-                f"{self.warmup} untimed sessions (the last captures each chunk's graph), then one timed session."
-            )
-        return (
-            f"Each {self.modality} input: eagerly, {untimed} call, then {self.timed} timed calls; graphed, {self.warmup} untimed "
-            f"calls (the last captures its graph), then {self.timed} timed replays."
-        )
-
-
-def adapter_calls(report: dict[str, Any]) -> dict[str, AdapterCalls]:
-    """The graphed pass's calls per adapter (:data:`ADAPTER_OF`), from a report's inputs.
-
-    Raises:
-        ValueError: the inputs of one adapter were timed with different counts, or an adapter's
-            ``graph_hits + graph_misses`` is not the number of calls its inputs made.
-    """
-    out: dict[str, AdapterCalls] = {}
-    for adapter in dict.fromkeys(ADAPTER_OF.values()):
-        modality = next(m for m, a in ADAPTER_OF.items() if a == adapter)
-        items = [i for i in report["inputs"] if i["modality"] == modality]
-        stats = (report.get("stats") or {}).get(adapter)
-        if not items or stats is None:
-            continue
-        shapes = {
-            (len(i["graphed_warmup_ms"]), len(i["graphed_ms"]), i["encoder_calls_per_call"]) for i in items
-        }
-        if len(shapes) != 1:
-            raise ValueError(f"{adapter}: its inputs were timed with different counts {sorted(shapes)}")
-        ((warmup, timed, per_call),) = shapes
-        if modality == "duplex":
-            units, per_unit = len(items) * (warmup + 1), timed * per_call
-        else:
-            units, per_unit = len(items), (warmup + timed) * per_call
-        calls = units * per_unit
-        counted = stats["graph_hits"] + stats["graph_misses"]
-        if counted != calls:
-            raise ValueError(
-                f"{adapter}: graph_hits + graph_misses = {counted}, but its inputs made {units} × {per_unit} = "
-                f"{calls} calls"
-            )
-        out[adapter] = AdapterCalls(
-            adapter, modality, len(items), warmup, timed, units, per_unit, calls, stats
-        )
-    return out
-
-
 def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     """What the demo prints on stdout: header, notes, table, stats, checks and the verdict."""
     m, cuda = report["model"], report["cuda_graphs"]
@@ -387,9 +305,7 @@ def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
 # Setup
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -512,9 +428,7 @@ def _attention(demo: Demo, item: Any) -> str:
     return info.vision_attn if item.modality == "image" else info.audio_attn
 
 
-# ---------------------------------------------------------------------------------------------
 # The passes
-# ---------------------------------------------------------------------------------------------
 
 
 def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
@@ -655,9 +569,7 @@ def cpu_routing_check(demo: Demo, results: list[InputResult], eager_out: dict[st
     return check
 
 
-# ---------------------------------------------------------------------------------------------
 # Run
-# ---------------------------------------------------------------------------------------------
 
 
 def _report_header(demo: Demo) -> dict[str, Any]:

@@ -23,9 +23,7 @@ SCALE_RESOLUTION = 448
 PATCH_SIZE = 14
 
 
-# ---------------------------------------------------------------------------------------------
 # Input containers
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -98,9 +96,7 @@ class AudioInput:
         return {"audio_features": audio_features, "audio_feature_lens": lens}
 
 
-# ---------------------------------------------------------------------------------------------
 # Photos
-# ---------------------------------------------------------------------------------------------
 
 
 def load_photo(name: str) -> Any:
@@ -171,9 +167,7 @@ def vision_input(processor: Any, name: str, photos: list[str], *, frame: bool = 
     return VisionInput(name, source, pixel_values, tgt_sizes, num_images=len(images))
 
 
-# ---------------------------------------------------------------------------------------------
 # Speech
-# ---------------------------------------------------------------------------------------------
 
 
 def voice_files() -> list[Path]:
@@ -263,9 +257,7 @@ def audio_input(
     return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
-# ---------------------------------------------------------------------------------------------
 # The demo's input sets
-# ---------------------------------------------------------------------------------------------
 
 
 #: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches

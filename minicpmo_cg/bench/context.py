@@ -119,10 +119,6 @@ class Ctx:
         options.setdefault("admission", "count")
         return self.adapter_mod.EncoderCudaGraph(forward, self.vllm_config, name=name, **options)
 
-    def real_backend(self) -> Any:
-        """The backend adapters of this run use (the CUDA one unless ``--allow-cpu``)."""
-        return self.backend if self.backend is not None else self.adapter_mod.CudaGraphBackend()
-
 
 class _Recorder:
     """Stands in for an adapter at a call site: records the captured region's inputs, runs it eagerly."""

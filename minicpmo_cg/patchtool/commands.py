@@ -112,9 +112,7 @@ def cmd_revert(plan: Plan) -> Outcome:
     return _finish("revert", plan, result, f"revert: restored {len(changes)} file(s)")
 
 
-# ---------------------------------------------------------------------------------------------
 # base: the starting file of a new or refreshed patch
-# ---------------------------------------------------------------------------------------------
 
 
 def _find_patch(plan: Plan, name: str) -> Patch:

@@ -67,9 +67,7 @@ def canonical_package(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-# ---------------------------------------------------------------------------
 # Versions
-# ---------------------------------------------------------------------------
 
 
 def parse_version(text: str):
@@ -145,9 +143,7 @@ def _parse_spec(text: str, where: str, field: str) -> VersionSpec:
     return VersionSpec(package, op, version)
 
 
-# ---------------------------------------------------------------------------
 # Patches
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
