@@ -40,7 +40,14 @@ IMAGE_CALL = VisionGraphRegion(
 
 
 class GrowingDeviceTable:
-    """Lookup tables built on the host, one per (device, dtype), grown to what a call needs."""
+    """Lookup tables built on the host, one per (device, dtype), grown to what a call needs.
+
+    ``get(size, device, dtype, build)`` returns ``build(rows)`` on ``device``, ``rows`` being ``size``
+    rounded up to a multiple of ``granule``. A replaced table stays referenced (graphs read it).
+
+    Raises:
+        RuntimeError: a build while the current stream is capturing (build before a capture).
+    """
 
     def __init__(self, granule: int = 256) -> None:
         self.granule = granule
@@ -264,7 +271,12 @@ def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor
 
 def get_vision_hidden_states(model: nn.Module, data: dict) -> torch.Tensor:
     """Resampled features of ``B`` image slices, ``(B, query_num, hidden_size)`` (the thinker's
-    ``get_vision_hidden_states``).
+    ``get_vision_hidden_states``), through ``model.vpm._encoder_graph`` when one is set.
+
+    Args:
+        data: ``pixel_values``, the slices as the image processor unfolds them, ``(3, patch, patch *
+            h_i * w_i)`` each (a list, or one tensor of equal slices); ``tgt_sizes``, ``(B, 2)``
+            integer ``(h_i, w_i)`` on any device.
     """
     pixel_values, padded = pad_vision_slices(data["pixel_values"])
     device = pixel_values.device

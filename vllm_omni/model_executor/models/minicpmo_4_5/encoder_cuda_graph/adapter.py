@@ -73,6 +73,15 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", 
 class EncoderCudaGraph:
     """Replay an encoder call from a CUDA graph captured for its exact input shapes.
 
+    ``adapter(*inputs)`` returns what ``forward(*inputs)`` returns, as a fresh tensor (replays are
+    cloned). The key is the replay stream, the device and, per positional input, ``(shape, dtype)``
+    or None; values and strides are not part of it. A call runs ``forward`` eagerly when it is
+    ineligible (autograd or CUDA autocast on, inputs the backend refuses, a capture in progress), during
+    vLLM's start-up profiling, or when admission defers it. A replay runs the recorded GPU work only:
+    ``forward`` must have no Python side effects, and module hooks found at a capture turn the adapter
+    eager for good. If a capture raises, the exception propagates and every later call raises
+    :class:`EncoderCudaGraphCaptureFailedError` without CUDA work.
+
     Args:
         forward: the eager encoder, ``forward(*inputs) -> Tensor``; capturable (no host syncs, no
             data-dependent shapes) and free of Python side effects.

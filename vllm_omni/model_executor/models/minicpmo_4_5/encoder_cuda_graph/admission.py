@@ -178,7 +178,11 @@ class CostVerdict:
 
 
 class CaptureCostModel:
-    """The ``"cost"`` admission rule: capture a key only when its graph is expected to pay."""
+    """The ``"cost"`` admission rule: capture a key only when its graph is expected to pay.
+
+    Pure arithmetic on the key's measured eager calls; the formula and the constants' sources are in
+    ``docs/design/minicpmo_encoder_cuda_graph/cost_admission.md``.
+    """
 
     #: host time of a replay before its graph reaches the GPU: input copy, launch, bookkeeping (ms)
     REPLAY_HOST_MS = 0.05
@@ -303,6 +307,10 @@ class _KeyRecord:
 
 
 def in_memory_profiling(vllm_config: Any) -> bool:
-    """True while vLLM's start-up memory profiling may be running: the KV cache is not sized yet."""
+    """True while vLLM's start-up memory profiling may be running: the KV cache is not sized yet.
+
+    Reads ``cache_config.num_gpu_blocks`` (None until vLLM sizes the KV cache). Outside an engine, set
+    it (e.g. to 0), or every call counts as a profiling call and nothing is captured.
+    """
     cache_config = getattr(vllm_config, "cache_config", None)
     return cache_config is not None and getattr(cache_config, "num_gpu_blocks", 0) is None

@@ -352,7 +352,13 @@ def _release_failed_capture(
 
 
 class CudaGraphBackend:
-    """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream."""
+    """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
+
+    Eligible: tensor inputs on one CUDA device, CUDA autocast off, the current stream not capturing.
+    A capture waits for the replay stream (a late capture into a shared pool starts after earlier
+    replays and their clones), runs with Python's automatic GC paused, and a capture that raises is
+    cleaned up by :func:`_release_failed_capture`. Measuring resets the device's peak-memory statistics.
+    """
 
     def __init__(self) -> None:
         self._spin = _SpinClock()

@@ -21,6 +21,10 @@ __all__ = ["EncoderCudaGraphSetup", "lora_may_reach", "make_encoder_cuda_graph"]
 def lora_may_reach(vllm_config: Any, model: Any, module_prefixes: Sequence[str]) -> str | None:
     """Why vLLM's LoRA could put adapters on an encoder's modules, or None if it cannot.
 
+    A replay keeps the weights live at capture, so an encoder LoRA can reach stays eager: with
+    ``--enable-lora`` every layer of a model without ``get_mm_mapping()`` can be reached, else the
+    tower and connector only with ``enable_tower_connector_lora``.
+
     Args:
         vllm_config: the engine's config.
         model: the multimodal model (its class decides ``get_mm_mapping``).
