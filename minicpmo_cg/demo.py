@@ -1,45 +1,5 @@
 """The demo (``minicpmo-cg-demo``, ``python -m minicpmo_cg.demo``, ``tools/demo.sh``): MiniCPM-o 4.5's
 input encoders, eager vs. exact-shape CUDA graphs, on real photos and real speech.
-
-Builds the thinker's encoders from vllm-omni's own classes with random weights
-(:mod:`minicpmo_cg.standalone`), feeds them real photos and speech through MiniCPM-o's own
-preprocessing (:mod:`minicpmo_cg.inputs`) and runs every input through the patched call sites
-``get_vision_hidden_states`` / ``get_audio_hidden_states`` twice, and one duplex session's 1 s speech
-chunks through ``get_audio_embedding_streaming`` (the duplex row, :mod:`minicpmo_cg.duplex`):
-
-1. **eager**: ``encoder_cuda_graph`` false (no adapters); one warm-up call on CUDA, then
-   ``--repeats`` timed calls.
-2. **graphed** (CUDA only): ``encoder_cuda_graph`` true with ``encoder_cuda_graph_max_graphs``
-   :data:`MAX_GRAPHS` (the demo feeds more distinct shapes than the default 4 slots) and
-   ``encoder_cuda_graph_min_capture_calls`` :data:`MIN_CAPTURE_CALLS`: that many untimed calls
-   (the last one captures), then ``--repeats`` timed calls, all of which must be replays.
-   The duplex row runs whole sessions instead (its KV cache grows chunk by chunk): eager, one
-   timed session; graphed, that many untimed sessions (the last one captures), then one timed
-   session whose every chunk must be a replay; its times are per chunk.
-
-Sizes: ``full`` is the checkpoint's (26 SigLIP + 24 Whisper layers, 448-pixel slices, eleven
-inputs); ``reduced`` (``--quick``) keeps 2 + 2 layers at full widths, 224-pixel slices and four
-inputs. Both add the duplex row (:data:`DUPLEX_CHUNKS` chunks). The default is ``full`` on CUDA
-and ``reduced`` otherwise (the full size runs eagerly for about 11 minutes on a 2-core CPU);
-``--full`` forces it.
-
-Timings are per call of the whole call site (vision: embeddings, SigLIP stack, resampler, replayed
-from one graph per call; audio: mask building, Whisper, projection, pooling, length slicing), in
-milliseconds: the median over the timed calls (:class:`minicpmo_cg.measure.Timer`). The
-``attention`` column names the encoder's attention: SigLIP's is the model's default,
-``--hf-overrides vision_attn_implementation`` ``"sdpa"`` (:data:`VISION_ATTN`). Everything runs
-under ``torch.inference_mode``. A graphed output must be within
-:data:`minicpmo_cg.measure.GRAPH_REL_TOL` of the eager one; non-finite outputs, or timed
-graphed calls that were not all served by replays, also fail the demo.
-
-Without CUDA only the eager pass runs (graphed columns "n/a"); the adapters are then wired once
-and called once per encoder to show that the patched call sites route through them and stay
-eager (``ineligible_misses``).
-
-The results table goes to stdout; progress and every log line (vLLM's included) go to stderr.
-Before importing torch or vLLM the demo asks the patch tool whether the patch set is applied.
-
-Exit status: 0 ok, 1 a check failed, 2 usage or environment error (e.g. patch set not applied).
 """
 
 from __future__ import annotations
@@ -162,18 +122,11 @@ def resolve_size(*, quick: bool, full: bool, cuda: bool) -> str:
     return "full" if cuda else "reduced"
 
 
-# ---------------------------------------------------------------------------------------------
 # The patch check (before any heavy import)
-# ---------------------------------------------------------------------------------------------
 
 
 def patch_problems(plan: Any) -> list[str]:
-    """What keeps the installation described by a patch tool plan from being patched (empty: patched).
-
-    Args:
-        plan: :func:`minicpmo_cg.patchtool.build_plan`'s result (``reports`` with a ``state`` per
-            patch, ``owned`` with a ``state`` per file this project copies into vllm-omni's tree).
-    """
+    """What keeps the installation described by a patch tool plan from being patched (empty: patched)."""
     from minicpmo_cg import resources
     from minicpmo_cg.patchtool.views import CONFLICT, NOT_APPLICABLE, PENDING
 
@@ -210,9 +163,7 @@ def check_patched() -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------
 # Results
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -309,93 +260,6 @@ def format_stats(name: str, stats: dict[str, Any] | None) -> str:
     return f"  {name:<15} " + " ".join(parts)
 
 
-@dataclass(frozen=True)
-class AdapterCalls:
-    """What one adapter received in a report's graphed pass, and how its stats split it.
-
-    ``units`` are the inputs (image, audio) or the sessions (duplex: the untimed ones and the timed
-    one) of the pass; each made ``per_unit`` adapter calls, ``calls`` in all, which the adapter's
-    ``graph_hits`` and ``graph_misses`` add up to (:func:`adapter_calls` checks it).
-    """
-
-    adapter: str
-    modality: str
-    inputs: int
-    warmup: int
-    timed: int
-    units: int
-    per_unit: int
-    calls: int
-    stats: dict[str, Any]
-
-    def stats_line(self) -> str:
-        """``vision: 7 inputs × 22 calls = 154 graphed calls, `graph_hits=147 ...```: the count, then the
-        counters that are not zero (``hit_rate`` left out: it is hits over calls)."""
-        what = "sessions" if self.modality == "duplex" else "inputs"
-        unit = "chunks" if self.modality == "duplex" else "calls"
-        shown = " ".join(
-            f"{k}={v}"
-            for k, v in self.stats.items()
-            if k != "hit_rate" and (v or k in ("graph_hits", "graph_misses"))
-        )
-        return f"{self.adapter}: {self.units} {what} × {self.per_unit} {unit} = {self.calls} graphed calls, `{shown}`"
-
-    def method(self, eager_warmup: int) -> str:
-        """How the rows of this modality were timed, in the counts of the pass (``eager_warmup``: the
-        untimed eager calls or sessions before the timed ones, 1 on CUDA)."""
-        untimed = {0: "no", 1: "one"}.get(eager_warmup, str(eager_warmup)) + " untimed"
-        if self.modality == "duplex":
-            return (
-                f"Eagerly, {untimed} session, then one timed session of {self.timed} chunks; graphed, "
-                f"{self.warmup} untimed sessions (the last captures each chunk's graph), then one timed session."
-            )
-        return (
-            f"Each {self.modality} input: eagerly, {untimed} call, then {self.timed} timed calls; graphed, {self.warmup} untimed "
-            f"calls (the last captures its graph), then {self.timed} timed replays."
-        )
-
-
-def adapter_calls(report: dict[str, Any]) -> dict[str, AdapterCalls]:
-    """The graphed pass's calls per adapter (:data:`ADAPTER_OF`), from a report's inputs.
-
-    An image or audio input makes ``len(graphed_warmup_ms) + len(graphed_ms)`` calls of the call
-    site, each ``encoder_calls_per_call`` adapter calls; the duplex row runs
-    ``len(graphed_warmup_ms)`` untimed sessions and one timed one of ``len(graphed_ms)`` chunks.
-
-    Raises:
-        ValueError: the inputs of one adapter were timed with different counts, or an adapter's
-            ``graph_hits + graph_misses`` is not the number of calls its inputs made.
-    """
-    out: dict[str, AdapterCalls] = {}
-    for adapter in dict.fromkeys(ADAPTER_OF.values()):
-        modality = next(m for m, a in ADAPTER_OF.items() if a == adapter)
-        items = [i for i in report["inputs"] if i["modality"] == modality]
-        stats = (report.get("stats") or {}).get(adapter)
-        if not items or stats is None:
-            continue
-        shapes = {
-            (len(i["graphed_warmup_ms"]), len(i["graphed_ms"]), i["encoder_calls_per_call"]) for i in items
-        }
-        if len(shapes) != 1:
-            raise ValueError(f"{adapter}: its inputs were timed with different counts {sorted(shapes)}")
-        ((warmup, timed, per_call),) = shapes
-        if modality == "duplex":
-            units, per_unit = len(items) * (warmup + 1), timed * per_call
-        else:
-            units, per_unit = len(items), (warmup + timed) * per_call
-        calls = units * per_unit
-        counted = stats["graph_hits"] + stats["graph_misses"]
-        if counted != calls:
-            raise ValueError(
-                f"{adapter}: graph_hits + graph_misses = {counted}, but its inputs made {units} × {per_unit} = "
-                f"{calls} calls"
-            )
-        out[adapter] = AdapterCalls(
-            adapter, modality, len(items), warmup, timed, units, per_unit, calls, stats
-        )
-    return out
-
-
 def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     """What the demo prints on stdout: header, notes, table, stats, checks and the verdict."""
     m, cuda = report["model"], report["cuda_graphs"]
@@ -441,9 +305,7 @@ def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
 # Setup
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -551,7 +413,8 @@ def build(demo: Demo) -> None:
 def _call_site(demo: Demo, item: Any) -> tuple[Any, int]:
     """``(fn, n_encoder_calls)``: a no-argument call of the input's model call site and the adapter
     calls (graph replays when graphed) it makes: one per call for images too, since the image graph
-    holds every ``vision_batch_size`` chunk of SigLIP and the resampler (vllm-omni patch 0005)."""
+    holds every ``vision_batch_size`` chunk of SigLIP and the resampler (vllm-omni patch 0005).
+    """
     model = demo.model
     data = item.data(demo.device, demo.dtype)
     if item.modality == "image":
@@ -565,9 +428,7 @@ def _attention(demo: Demo, item: Any) -> str:
     return info.vision_attn if item.modality == "image" else info.audio_attn
 
 
-# ---------------------------------------------------------------------------------------------
 # The passes
-# ---------------------------------------------------------------------------------------------
 
 
 def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
@@ -708,9 +569,7 @@ def cpu_routing_check(demo: Demo, results: list[InputResult], eager_out: dict[st
     return check
 
 
-# ---------------------------------------------------------------------------------------------
 # Run
-# ---------------------------------------------------------------------------------------------
 
 
 def _report_header(demo: Demo) -> dict[str, Any]:
@@ -748,10 +607,7 @@ def _report_header(demo: Demo) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict[str, Any], list[InputResult]]:
-    """Run the demo; return ``(exit status, JSON-able report, per-input results)``.
-
-    Prints nothing on stdout (:func:`format_report` makes the table from the results).
-    """
+    """Run the demo; return ``(exit status, JSON-able report, per-input results)``."""
     import torch
 
     demo = configure(args)

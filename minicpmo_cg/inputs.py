@@ -1,23 +1,4 @@
 """Real inputs through MiniCPM-o's own preprocessing, for tests and measurements outside an engine.
-
-Photos come from scikit-image's bundled sample data (``skimage.data``; the files ship inside
-the wheel, so nothing is downloaded) and go through vllm-omni's ``MiniCPMVImageProcessor``
-with the checkpoint's slicing (``max_slice_nums`` 9, ``scale_resolution`` 448, patch 14): each
-image becomes a source slice plus, when its area exceeds 448², a grid of slices, every slice
-unfolded to ``(3, 14, h*w*14)`` float32 with ``tgt_sizes`` row ``(h, w)`` in patches.
-(A reduced size slices at ``scale_resolution`` 224 instead, for about 4x fewer patches per
-slice.)
-
-Speech comes from the voice ``.wav`` files that the installed vllm-omni wheel ships (found by
-:func:`voice_files`), resampled to 16 kHz with ``scipy.signal.resample_poly`` and turned into
-80-bin log-mel features by transformers' ``WhisperFeatureExtractor`` (constructed locally, no
-download) the way MiniCPM-o's processor does it: padded to 30 s, then cut to the valid frames
-given by the attention mask (100 frames per second, hop 160 samples).
-
-The ``data`` dicts built here have the layout the model's call sites read:
-``get_vision_hidden_states({"pixel_values": [B x (3, 14, L_i)], "tgt_sizes": (B, 2)})``.
-The speech's: ``get_audio_hidden_states({"audio_features": (B, 80, T) or [B x (80, T_i)],
-"audio_feature_lens": [per audio: (n_chunks,) int64]})``.
 """
 
 from __future__ import annotations
@@ -42,22 +23,12 @@ SCALE_RESOLUTION = 448
 PATCH_SIZE = 14
 
 
-# ---------------------------------------------------------------------------------------------
 # Input containers
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class VisionInput:
-    """One ``get_vision_hidden_states`` call: the slices of one or more photos.
-
-    Attributes:
-        name: short label for the table.
-        source: where the pixels come from (photo names and original sizes, W x H).
-        pixel_values: per slice ``(3, 14, h_i*w_i*14)`` float32, normalised to [-1, 1].
-        tgt_sizes: ``(B, 2)`` int32, per slice ``(h_i, w_i)`` in 14-pixel patches.
-        num_images: photos in the call.
-    """
+    """One ``get_vision_hidden_states`` call: the slices of one or more photos."""
 
     name: str
     source: str
@@ -92,15 +63,7 @@ class VisionInput:
 
 @dataclass
 class AudioInput:
-    """One ``get_audio_hidden_states`` call: log-mel features of one or more clips.
-
-    Attributes:
-        name: short label for the table.
-        source: file names and the seconds cut from them.
-        features: per clip ``(80, T_i)`` float32 log-mel frames (100 per second).
-        as_list: pass ``audio_features`` as a list (the call site pads it to ``(B, 80, max T)``)
-            instead of one ``(B, 80, T)`` tensor; True whenever clip lengths differ.
-    """
+    """One ``get_audio_hidden_states`` call: log-mel features of one or more clips."""
 
     name: str
     source: str
@@ -121,12 +84,7 @@ class AudioInput:
         return f"{len(frames)} x {max(frames)} mel{padded}"
 
     def data(self, device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:
-        """The ``get_audio_hidden_states`` argument, on ``device``; features in ``dtype``.
-
-        ``audio_feature_lens`` holds one int64 tensor of chunk lengths per clip (one chunk each,
-        since every clip is at most 30 s), on the host, where vLLM hands them to the model (its
-        multimodal field config keeps them on the CPU).
-        """
+        """The ``get_audio_hidden_states`` argument, on ``device``; features in ``dtype``."""
         feats = [f.to(device=device, dtype=dtype) for f in self.features]
         lens = [torch.tensor([n], dtype=torch.int64) for n in self.frames]
         if self.as_list:
@@ -138,9 +96,7 @@ class AudioInput:
         return {"audio_features": audio_features, "audio_feature_lens": lens}
 
 
-# ---------------------------------------------------------------------------------------------
 # Photos
-# ---------------------------------------------------------------------------------------------
 
 
 def load_photo(name: str) -> Any:
@@ -168,10 +124,7 @@ def load_photo(name: str) -> Any:
 
 
 def duplex_frame(size: int = SCALE_RESOLUTION) -> Any:
-    """A ``size x size`` centre crop of ``skimage.data.coffee()``: a video-call frame in duplex mode.
-
-    At 448 x 448 it is one slice of 32 x 32 = 1024 patches with no padding.
-    """
+    """A ``size x size`` centre crop of ``skimage.data.coffee()``: a video-call frame in duplex mode."""
     image = load_photo("coffee")
     width, height = image.size
     side = min(width, height, size)
@@ -181,12 +134,7 @@ def duplex_frame(size: int = SCALE_RESOLUTION) -> Any:
 
 
 def make_image_processor(scale_resolution: int = SCALE_RESOLUTION) -> Any:
-    """vllm-omni's ``MiniCPMVImageProcessor`` configured as the thinker's ``__init__`` does.
-
-    Args:
-        scale_resolution: slice side in pixels (the checkpoint's ``image_size``, 448, gives
-            slices of about 32 x 32 = 1024 patches); a reduced size uses 224 (about 256 patches).
-    """
+    """vllm-omni's ``MiniCPMVImageProcessor`` configured as the thinker's ``__init__`` does."""
     from minicpmo_cg.thinker_config import model_module
 
     return model_module().MiniCPMVImageProcessor(
@@ -199,16 +147,7 @@ def make_image_processor(scale_resolution: int = SCALE_RESOLUTION) -> Any:
 
 
 def process_images(processor: Any, images: list[Any]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Slice and patchify photos with MiniCPM-o's processor.
-
-    Args:
-        processor: from :func:`make_image_processor`.
-        images: RGB ``PIL.Image`` objects.
-
-    Returns:
-        ``(pixel_values, tgt_sizes)``: per slice ``(3, 14, h*w*14)`` float32 tensors (all slices
-        of all images, in order) and ``(B, 2)`` int32 ``(h, w)`` patch grids.
-    """
+    """Slice and patchify photos with MiniCPM-o's processor."""
     out = processor.preprocess(images, max_slice_nums=MAX_SLICE_NUMS, return_tensors=None)
     pixel_values = [torch.from_numpy(np.ascontiguousarray(p)).float() for p in out["pixel_values"][0]]
     tgt_sizes = torch.from_numpy(np.asarray(out["tgt_sizes"][0])).to(torch.int32).reshape(-1, 2)
@@ -220,11 +159,7 @@ def process_images(processor: Any, images: list[Any]) -> tuple[list[torch.Tensor
 
 
 def vision_input(processor: Any, name: str, photos: list[str], *, frame: bool = False) -> VisionInput:
-    """Build a :class:`VisionInput` from ``skimage.data`` photo names.
-
-    With ``frame=True`` the single photo is replaced by :func:`duplex_frame` at the processor's
-    ``scale_resolution`` (one unpadded slice).
-    """
+    """Build a :class:`VisionInput` from ``skimage.data`` photo names."""
     images = [duplex_frame(processor.scale_resolution)] if frame else [load_photo(p) for p in photos]
     labels = ["coffee crop" if frame else p for p in photos]
     pixel_values, tgt_sizes = process_images(processor, images)
@@ -232,9 +167,7 @@ def vision_input(processor: Any, name: str, photos: list[str], *, frame: bool = 
     return VisionInput(name, source, pixel_values, tgt_sizes, num_images=len(images))
 
 
-# ---------------------------------------------------------------------------------------------
 # Speech
-# ---------------------------------------------------------------------------------------------
 
 
 def voice_files() -> list[Path]:
@@ -261,14 +194,7 @@ def voice_file(stem: str) -> Path:
 
 
 def load_wav_16k(path: str | Path) -> np.ndarray:
-    """Read a ``.wav`` file as mono float32 in [-1, 1] at 16 kHz.
-
-    Integer PCM is scaled by its full range, several channels are averaged, and other rates are
-    converted with ``scipy.signal.resample_poly`` (polyphase, anti-aliased).
-
-    Returns:
-        ``(n_samples,)`` float32 at :data:`SAMPLING_RATE`.
-    """
+    """Read a ``.wav`` file as mono float32 in [-1, 1] at 16 kHz."""
     from scipy.io import wavfile
     from scipy.signal import resample_poly
 
@@ -298,13 +224,6 @@ def make_feature_extractor() -> Any:
 def mel_features(extractor: Any, wav: np.ndarray) -> torch.Tensor:
     """Log-mel features of one clip of at most 30 s, as MiniCPM-o's processor computes them.
 
-    Args:
-        extractor: from :func:`make_feature_extractor`.
-        wav: ``(n_samples,)`` float32 at 16 kHz.
-
-    Returns:
-        ``(80, T)`` float32 with ``T = ceil(n_samples / 160)`` valid frames (100 per second).
-
     Raises:
         ValueError: the clip is longer than 30 s (MiniCPM-o would split it into parts).
     """
@@ -325,14 +244,7 @@ def mel_features(extractor: Any, wav: np.ndarray) -> torch.Tensor:
 def audio_input(
     extractor: Any, name: str, clips: list[tuple[str, float | None]], *, as_list: bool | None = None
 ) -> AudioInput:
-    """Build an :class:`AudioInput` from shipped voices.
-
-    Args:
-        extractor: from :func:`make_feature_extractor`.
-        name: table label.
-        clips: ``(voice stem, seconds from the start or None for the full clip)`` per clip.
-        as_list: see :class:`AudioInput`; default True when there are several clips.
-    """
+    """Build an :class:`AudioInput` from shipped voices."""
     features, parts = [], []
     for stem, seconds in clips:
         wav = load_wav_16k(voice_file(stem))
@@ -345,9 +257,7 @@ def audio_input(
     return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
-# ---------------------------------------------------------------------------------------------
 # The demo's input sets
-# ---------------------------------------------------------------------------------------------
 
 
 #: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches
@@ -356,20 +266,7 @@ QUICK_SCALE_RESOLUTION = 224
 
 
 def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
-    """The demo's inputs, vision first.
-
-    Full set (checkpoint slicing, ``scale_resolution`` 448): ``chelsea`` (451x300, 1 slice of
-    26x39), ``astronaut`` (512x512, 3 slices, padded mask), ``rocket`` (640x427, 3 slices,
-    padded), ``hubble`` (1000x872, 5 equal slices, no mask), ``retina`` (1411x1411, 10 slices of
-    32x32), ``duplex_frame`` (448x448 crop, 1 slice of 32x32), ``photos_x3`` (retina + hubble +
-    astronaut, 18 slices: two ``vision_batch_size`` chunks of 16 and 2); speech ``speech_1s``,
-    ``speech_5s``, ``speech_full`` (default_female.wav, 9.04 s) and ``speech_pair``
-    (default_male.wav 7.7 s + default_female.wav, padded batch of 2).
-
-    Reduced set (``quick=True``; smaller slices, ``scale_resolution`` :data:`QUICK_SCALE_RESOLUTION`):
-    ``chelsea@224`` (3 slices of up to 260 patches, padded mask), ``frame@224`` (224x224 crop,
-    1 slice of 16x16), ``speech_1s``, ``speech_5s``.
-    """
+    """The demo's inputs, vision first."""
     extractor = make_feature_extractor()
     if quick:
         processor = make_image_processor(QUICK_SCALE_RESOLUTION)

@@ -1,36 +1,4 @@
 """The supported vLLM / vllm-omni version pairs ("lanes"), read from ``lanes/*.txt``.
-
-This module is the one home of the version pairs: the patch tool, ``setup.py``'s lane
-extras and the tests read them here, never from a copy. It imports nothing outside the
-standard library (``setup.py`` loads it before anything is installed).
-
-A lane file ``lanes/<name>.txt`` holds exact pins, one ``package==version`` per line;
-``#`` starts a comment (whole line or trailing), blank lines are ignored. It must pin
-``vllm`` and ``vllm-omni``; the other pins (test and main-job extras) are carried along in
-:attr:`Lane.pins`. The files ship in a built wheel as package data
-(``minicpmo_cg/_payload/lanes/``), next to the patch series.
-
-API (stable)::
-
-    Lane(name, pins, vllm, vllm_omni)       frozen dataclass
-        .requirement(package) -> "package==version" of one pin (KeyError if not pinned)
-        .pair -> (vllm, vllm_omni)
-    all_lanes(directory=None) -> tuple[Lane, ...]   newest vLLM first (ties: by name)
-    get_lane(name, directory=None) -> Lane          LaneError naming the known lanes
-    lane_for_versions(vllm, vllm_omni, directory=None) -> Lane | None
-    lanes_dir() -> Path                             the directory read by default
-    LaneError(ValueError)                           unknown lane or malformed lane file
-
-Versions compare as PEP 440 public versions: ``0.30.0+cu130`` and ``0.30`` both match a pin
-``0.30.0`` (``packaging`` when installed, else a plain release-tuple comparison).
-
-Example::
-
-    >>> from minicpmo_cg import lanes
-    >>> lanes.get_lane("legacy").vllm
-    '0.28.0'
-    >>> lanes.lane_for_versions("0.30.0+cu130", "0.30.0").name
-    'current'
 """
 
 from __future__ import annotations
@@ -51,15 +19,7 @@ class LaneError(ValueError):
 
 @dataclass(frozen=True)
 class Lane:
-    """One supported pair and the pins that come with it.
-
-    Attributes:
-        name: the lane file's stem (``current``, ``legacy``).
-        pins: every ``package==version`` of the file, in file order, package names
-            canonical (lower case, ``-``).
-        vllm: the pinned vLLM version (``0.30.0``).
-        vllm_omni: the pinned vllm-omni version.
-    """
+    """One supported pair and the pins that come with it."""
 
     name: str
     pins: tuple[str, ...]
@@ -167,9 +127,6 @@ def _load(directory: Path) -> tuple[Lane, ...]:
 def all_lanes(directory: Path | None = None) -> tuple[Lane, ...]:
     """Every lane, newest vLLM first (then newest vllm-omni, then by name).
 
-    Args:
-        directory: directory of lane files; default :func:`lanes_dir`.
-
     Raises:
         LaneError: a malformed lane file, no lane file, or two lanes with one pair.
     """
@@ -190,10 +147,7 @@ def get_lane(name: str, directory: Path | None = None) -> Lane:
 
 
 def lane_for_versions(vllm: str, vllm_omni: str, directory: Path | None = None) -> Lane | None:
-    """The lane pinning exactly this installed pair, or None (also for an unparsable version).
-
-    Local labels and trailing zeros are ignored: ``0.30.0+cu130`` matches ``0.30.0``.
-    """
+    """The lane pinning exactly this installed pair, or None (also for an unparsable version)."""
     try:
         wanted = (_public(vllm), _public(vllm_omni))
     except ValueError:

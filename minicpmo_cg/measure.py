@@ -1,10 +1,5 @@
 """Timing, statistics, versions and the graph-vs-eager tolerance, shared by every measurement and
 comparison.
-
-The tolerance (:data:`GRAPH_REL_TOL`) and the output comparisons are :mod:`minicpmo_cg.tolerance`'s,
-re-exported here.
-
-``torch`` is imported inside the functions that need it, so importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -48,12 +43,7 @@ VERSIONED = ("vllm", "vllm-omni", "transformers")
 
 
 class Timer:
-    """Latency of one call in milliseconds.
-
-    CUDA: synchronize the device, record a start event, call, record an end event and wait for
-    it; the elapsed event time covers the call's GPU work and any host gaps inside it. CPU:
-    ``time.perf_counter`` around the call.
-    """
+    """Latency of one call in milliseconds."""
 
     def __init__(self, device: Any) -> None:
         import torch

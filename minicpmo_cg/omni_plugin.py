@@ -1,10 +1,4 @@
 """A vllm-omni general plugin: MiniCPM-o 4.5's thinker as a pipeline of its own (text out).
-
-vllm-omni 0.30 registers MiniCPM-o 4.5 as three stages (thinker, talker, Code2Wav); a deploy
-config cannot drop the last two, which need the ``tts.*`` weights and the token2wav assets.
-Like vllm-omni's own ``qwen2_5_omni_thinker_only``, this registers ``minicpmo_4_5_thinker_only``:
-the thinker stage alone, as vllm-omni defines it. Select it with a deploy config holding
-``pipeline: minicpmo_4_5_thinker_only`` (``vllm serve DIR --omni --deploy-config FILE``).
 """
 
 from __future__ import annotations
@@ -15,11 +9,7 @@ THINKER_ONLY = "minicpmo_4_5_thinker_only"
 
 
 def register_thinker_only() -> None:
-    """Register :data:`THINKER_ONLY` with vllm-omni's pipeline registry (once per process).
-
-    Never raises: vLLM loads this plugin in every process, so a vllm-omni without the registry
-    (or with another ``PipelineConfig``) gets a WARNING in the log instead of a failed start-up.
-    """
+    """Register :data:`THINKER_ONLY` with vllm-omni's pipeline registry (once per process)."""
     try:
         from vllm_omni.config.pipeline_registry import OMNI_PIPELINES, register_pipeline
         from vllm_omni.model_executor.models.minicpmo_4_5.pipeline import MINICPMO_4_5_PIPELINE

@@ -1,14 +1,4 @@
 """Where the patch set's payload lives: the source tree (editable install) or ``_payload`` (wheel).
-
-The payload is what the patch tool installs and what the lanes module reads::
-
-    patches/             the patch series (patches/README.md)
-    lanes/*.txt          the supported version pairs (minicpmo_cg.lanes)
-    vllm_omni/...        files this project owns in vllm-omni's tree, copied there by the
-                         patch tool (the adapter package, and any module beside it)
-
-A built wheel carries a copy under ``minicpmo_cg/_payload/`` (setup.py's ``build_py``);
-an editable install reads the checkout.
 """
 
 from __future__ import annotations
@@ -71,11 +61,7 @@ def adapter_source() -> Path:
 
 
 def owned_files(root: Path | None = None) -> dict[str, Path]:
-    """Every file of ``root/vllm_omni/`` (default :func:`owned_root`), by site-relative POSIX path.
-
-    Bytecode caches (``__pycache__``, ``*.pyc``), hidden files and the patch tool's own
-    temporary files are skipped. Sorted by path.
-    """
+    """Every file of ``root/vllm_omni/`` (default :func:`owned_root`), by site-relative POSIX path."""
     root = root or owned_root()
     found: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root / OWNED_PACKAGE_DIR):

@@ -1,32 +1,4 @@
 """MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
-
-Standalone runs and the CUDA tests need the input encoders at the checkpoint's
-dimensions, but neither the checkpoint (``openbmb/MiniCPM-o-4_5``, about 17 GB) nor its
-Qwen3-8B LLM. :func:`build_thinker_encoders` therefore
-builds a *bare* ``MiniCPMO45OmniLLMForConditionalGeneration`` from the installed
-``vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm``: the instance is
-created with ``object.__new__`` + ``nn.Module.__init__`` (so ``__init__``, which builds the
-LLM through vLLM's model registry, never runs) and is given exactly the attributes that
-``get_vision_hidden_states`` / ``get_audio_hidden_states`` and
-``_init_encoder_cuda_graphs`` read:
-
-=========================== ==================================================================
-``config``                  ``MiniCPMOConfig`` at the checkpoint's values (:func:`thinker_config`)
-``vpm``                     ``SiglipVisionTransformer`` (last layer dropped; attention chosen by ``vision_attn``)
-``resampler``               ``Resampler`` (64 queries, embed 4096, 32 heads, kv_dim 1152)
-``apm``                     ``MiniCPMWhisperEncoder`` (Whisper-medium encoder)
-``audio_projection_layer``  ``MultiModalProjector`` (1024 -> 4096 -> 4096)
-``audio_avg_pooler``        ``nn.AvgPool1d(5, stride=5)``
-``audio_encoder_layer``     ``-1`` (last hidden state, as the model sets it)
-=========================== ==================================================================
-
-Modules are constructed on the ``meta`` device (vllm-omni/transformers construction would
-otherwise spend ~35 s running default initialisers that are overwritten anyway), then
-materialised on the CPU and initialised deterministically from a seeded generator
-(:func:`init_weights_`), cast to the chosen dtype and moved to the chosen device.
-
-The configuration (:func:`thinker_config`, :func:`model_module` and the value tables they read) is
-:mod:`minicpmo_cg.thinker_config`'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -103,20 +75,7 @@ def _progress(msg: str) -> None:
 
 @torch.no_grad()
 def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> None:
-    """Initialise every parameter of ``module`` in place, deterministically.
-
-    LayerNorm weights are set to 1 and biases to 0; every other bias to 0; every other
-    parameter (linear/conv weights, embeddings, the resampler's query and projection, the
-    attention in-projection) is drawn from ``normal(0, std)`` by a CPU generator seeded with
-    ``seed``, in ``named_parameters()`` order, so the same seed gives the same weights on any
-    device. Parameters must be materialised (not on ``meta``).
-
-    Args:
-        module: the module to initialise.
-        seed: generator seed.
-        std: standard deviation of the normal draws (0.02, the usual transformer init; it keeps
-            random-weight activations finite through 26 SigLIP and 24 Whisper layers in bf16).
-    """
+    """Initialise every parameter of ``module`` in place, deterministically."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     layer_norm_params = {
         id(p) for m in module.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)
@@ -136,20 +95,7 @@ def init_weights_(module: nn.Module, *, seed: int = 0, std: float = 0.02) -> Non
 
 @dataclass(frozen=True)
 class EncoderBuildInfo:
-    """What :func:`build_thinker_encoders` built (for logs and reports).
-
-    Attributes:
-        vision_layers: SigLIP encoder layers that run (after ``drop_vision_last_layer``).
-        audio_layers: Whisper encoder layers.
-        vision_attn: SigLIP attention implementation (``"sdpa"``, ``"eager"`` or
-            ``"flash_attention_2"``), as the model resolves ``vision_attn_implementation``.
-        audio_attn: Whisper attention implementation (transformers' default for the config).
-        num_params: parameters of all encoder modules (count).
-        build_s: wall time of the build, seconds.
-        fused_layers: ``{"vision": state, "audio": state}`` as the model's constructor configures
-            ``--hf-overrides encoder_fused_layers`` (``"on"`` or ``"off (<why>)"``); both
-            ``"off (no fused_layers module)"`` where the installed tree has none.
-    """
+    """What :func:`build_thinker_encoders` built (for logs and reports)."""
 
     vision_layers: int
     audio_layers: int
@@ -172,29 +118,6 @@ def build_thinker_encoders(
     progress: bool = False,
 ) -> Any:
     """Build MiniCPM-o 4.5's thinker encoders (no LLM) with random weights.
-
-    Args:
-        device: where the model runs.
-        dtype: parameter dtype; default ``torch.bfloat16`` on CUDA, ``torch.float32`` on CPU.
-            The resampler's sincos position cache stays float32, as in the real model.
-        reduced: 2 vision + 2 audio layers at full widths (quick runs, tests).
-        seed: weight seed (:func:`init_weights_`); the same seed gives the same weights whatever
-            the attention implementation.
-        vision_attn: SigLIP's attention, the ``--hf-overrides`` key ``vision_attn_implementation``
-            (``"sdpa"``, the model's default, ``"eager"`` or ``"flash_attention_2"``), set on
-            ``model.config`` and resolved by the model file's own ``vision_attn_implementation``.
-        fused_layers: the ``--hf-overrides`` key ``encoder_fused_layers`` (``"all"``, ``"vision"``,
-            ``"audio"`` or ``"none"``); None keeps the option's default. Configured after
-            the weights are in place, as the model's constructor configures it (the q/k/v weights
-            are packed then).
-        config_overrides: extra attributes for ``model.config`` (see :func:`thinker_config`).
-        progress: print build progress to stderr.
-
-    Returns:
-        A ``MiniCPMO45OmniLLMForConditionalGeneration`` in eval mode without gradients, with the
-        attributes listed in the module docstring plus ``build_info``
-        (:class:`EncoderBuildInfo`). Encoder CUDA graphs are not wired yet: call
-        :func:`wire_encoder_graphs`.
 
     Raises:
         ValueError: a bad ``vision_attn`` (naming ``vision_attn_implementation``), or
@@ -236,12 +159,6 @@ def build_thinker_encoders(
 def configure_fused_layers(model: Any) -> dict[str, str]:
     """Configure ``--hf-overrides encoder_fused_layers`` on ``model`` as the model's constructor does.
 
-    Returns:
-        ``fused_layers.configure_fused_layers``'s ``{"vision": state, "audio": state}``.
-        Both ``"off (no fused_layers module)"`` where the installed vllm-omni tree has no such module,
-        or ``"off (no encoder_fused_layers key)"`` where it has the module but does not register the
-        key (then an ``encoder_fused_layers`` key on the config is refused instead).
-
     Raises:
         ValueError: a bad ``encoder_fused_layers`` (or any other encoder key), naming the key.
     """
@@ -271,9 +188,6 @@ def configure_fused_layers(model: Any) -> dict[str, str]:
 def resolve_vision_attn(config: Any, vision_attn: str) -> str:
     """Set ``vision_attn_implementation`` on ``config`` and resolve it as the model's ``__init__`` does.
 
-    Returns:
-        the SigLIP attention implementation the model would build.
-
     Raises:
         ValueError: see :func:`build_thinker_encoders`.
         EncoderWiringMissingError: see :func:`build_thinker_encoders`.
@@ -292,10 +206,7 @@ def resolve_vision_attn(config: Any, vision_attn: str) -> str:
 
 
 def _bare_model_on_meta(config: Any) -> Any:
-    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device.
-
-    SigLIP gets the attention named by ``config.vision_config._attn_implementation``.
-    """
+    """The thinker without ``__init__``, holding only the encoder modules, on the ``meta`` device."""
     mod = model_module()
     model = object.__new__(mod.MiniCPMO45OmniLLMForConditionalGeneration)
     nn.Module.__init__(model)
@@ -350,24 +261,6 @@ def wire_encoder_graphs(
 ) -> None:
     """Set every encoder CUDA graph ``--hf-overrides`` key on ``model.config`` (those not given to
     their defaults, so no wiring inherits an earlier one's options) and wire the graphs.
-
-    The values are validated by the adapter's own ``EncoderCudaGraphOptions`` first, exactly as the
-    model validates ``--hf-overrides`` (e.g. ``enabled="false"`` is rejected, not read as true), and
-    only then set on ``model.config``. Then the model's ``model._init_encoder_cuda_graphs(vllm_config)``
-    reads them and sets each encoder's adapter, None when graphs are off (the accessors below return
-    them, e.g. :func:`vision_graph`).
-
-    Args:
-        model: from :func:`build_thinker_encoders`.
-        vllm_config: a ``VllmConfig``, e.g. ``standalone_vllm_config()`` (a standalone one, no checkpoint).
-        enabled: value of ``encoder_cuda_graph`` (a bool).
-        backend: a device backend for the adapters' seam (``EncoderGraphBackend``), e.g. a CPU
-            stand-in; None keeps the adapter's CUDA backend.
-        **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
-            ``encoder_cuda_graph_max_graphs``.
-            ``streaming_audio=False`` sets ``encoder_cuda_graph_streaming_audio``.
-            ``duplex_batch=True`` turns on the opt-in batched duplex steps
-            (``encoder_cuda_graph_duplex_batch``, default false).
 
     Raises:
         EncoderWiringMissingError: the installed model file has no encoder CUDA graph wiring.

@@ -1,10 +1,4 @@
 """MiniCPM-o 4.5's thinker configuration at the checkpoint's values, without the checkpoint.
-
-:func:`thinker_config` is the ``MiniCPMOConfig`` of the installed
-``vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm`` (:func:`model_module`) at the
-values of MiniCPM-o 4.5's ``config.json`` (``openbmb/MiniCPM-o-4_5``) that its input encoders read:
-SigLIP so400m, the Whisper-medium encoder, the resampler and the slicing. Each value below names its
-source. Nothing here builds a module or reads a file.
 """
 
 from __future__ import annotations
@@ -85,14 +79,7 @@ def model_module() -> Any:
 
 
 def thinker_config(*, reduced: bool = False, **overrides: Any) -> Any:
-    """Return a ``MiniCPMOConfig`` at MiniCPM-o 4.5's checkpoint values.
-
-    Args:
-        reduced: keep 2 vision layers (3 before ``drop_vision_last_layer``) and 2 audio layers;
-            every width stays at the checkpoint's value.
-        **overrides: extra top-level attributes set on the config after construction, e.g.
-            the ``--hf-overrides`` keys ``encoder_cuda_graph`` or ``encoder_cuda_graph_max_graphs``.
-    """
+    """Return a ``MiniCPMOConfig`` at MiniCPM-o 4.5's checkpoint values."""
     mod = model_module()
     vision = dict(VISION_CONFIG)
     audio = dict(AUDIO_CONFIG)

@@ -1,9 +1,4 @@
 """The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one.
-
-The tolerance (:data:`GRAPH_REL_TOL`) is stated here and nowhere else: every comparison of a
-graphed output with the eager one imports it. Outputs are a tensor or a list of tensors.
-
-``torch`` is imported inside the functions that need it, so importing this module is cheap.
 """
 
 from __future__ import annotations

@@ -1,18 +1,4 @@
 """A vLLM general plugin: say in the server log when the patch set is not applied.
-
-``vllm serve`` with vllm-omni's MiniCPM-o 4.5 model file unpatched runs without encoder CUDA
-graphs although they are on by default, and nothing in its log says so. vLLM calls every entry
-point of the ``vllm.general_plugins`` group in each of its processes
-(``vllm.plugins.load_general_plugins``: the API server, the engine core, the workers); this
-project registers :func:`check_patch_set` there (``setup.py``). It checks the installed
-vllm-omni with :func:`minicpmo_cg.patchtool.applied.missing_pieces` (the patch tool's state
-record and file hashes: a few milliseconds, read-only, no subprocess) and, when something is
-missing, logs one WARNING through vLLM's logger naming the fix (``minicpmo-cg-patch apply``).
-
-It never raises and never writes: an error of the check becomes the warning's reason. It stays
-quiet when the command line turns encoder graphs off (``--hf-overrides`` with
-``"encoder_cuda_graph": false``), and it checks once per server: the first process sets
-:data:`ENV_CHECKED`, which the processes it starts inherit.
 """
 
 from __future__ import annotations
@@ -60,10 +46,7 @@ def encoder_graphs_disabled(argv: Sequence[str]) -> bool:
 
 
 def patch_set_warning(site: Path | None = None) -> str | None:
-    """The warning for the installation of ``site`` (default: where ``vllm`` is imported from), or None.
-
-    Never raises: a failure of the check is reported as the reason.
-    """
+    """The warning for the installation of ``site`` (default: where ``vllm`` is imported from), or None."""
     try:
         from minicpmo_cg.patchtool.applied import missing_pieces
         from minicpmo_cg.patchtool.install import discover_installation

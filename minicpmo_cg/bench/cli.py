@@ -18,12 +18,10 @@ import torch
 
 import minicpmo_cg.bench
 from minicpmo_cg.bench import (
-    bookkeeping,
     duplex,
     duplex_concurrency,
     offline,
     per_shape,
-    pools,
     streaming,
     vision_path,
 )
@@ -38,12 +36,10 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "vision": per_shape.run_vision,
     "audio": per_shape.run_audio,
     "vision_path": vision_path.run,
-    "bookkeeping": bookkeeping.run,
     "streaming": streaming.run,
     "duplex": duplex.run,
     "duplex_concurrency": duplex_concurrency.run,
     "offline": offline.run,
-    "pools": pools.run,
 }
 SECTIONS = tuple(SCENARIOS)
 
@@ -174,14 +170,7 @@ def run_scenarios(
     res: dict[str, Any],
     after_section: Callable[[dict[str, Any]], None] | None = None,
 ) -> bool:
-    """Run each selected scenario into ``res``; a failing one is reported and the others still run.
-
-    ``after_section(res)``, when given, is called after each scenario (finished or failed): the
-    console entry point writes the JSON there, so a run stopped part-way keeps what it measured.
-
-    Returns:
-        True when every scenario ran to the end.
-    """
+    """Run each selected scenario into ``res``; a failing one is reported and the others still run."""
     complete = True
     clock = ctx.backend.clock if ctx.cpu else None
     with torch.inference_mode(), adapter_clock(ctx.adapter_mod, clock):

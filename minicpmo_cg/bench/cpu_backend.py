@@ -1,19 +1,4 @@
 """The CPU stand-in for graph capture used by ``--allow-cpu`` (and only there).
-
-A device backend for the adapter's seam (``EncoderGraphBackend`` of the adapter package: eligible
-device, replay stream, free bytes, eager-call measurement, capture) that treats tensors on any
-device as eligible, scripts the measurements the cost rule reads, and "captures" an eager stand-in,
-so the benchmark's own logic (recording, admission through the adapter's real ``CaptureAdmission``
-and ``CaptureCostModel``, stats, memory and table code) runs end to end on a machine without CUDA.
-Everything CUDA-specific about the CPU dry run lives in this module; the adapter is used
-unmodified, with this object passed as its ``backend``.
-
-Time is scripted too. The adapter calibrates its capture estimate with the capture time it
-measures (``perf_counter`` around the backend's ``capture``); on a CPU that time would be the host's
-wall clock, which a loaded machine stretches, so the cost rule's decisions would depend on the
-load. With a :class:`ScriptedClock`, a capture advances the clock by its scripted duration instead
-of sleeping, and :func:`adapter_clock` lets the adapter read that clock: every decision of a dry
-run (and of a CPU test) is then a function of the scripted times alone.
 """
 
 from __future__ import annotations
@@ -39,11 +24,7 @@ CAPTURE_FIXED_MS = 3.0
 
 
 class ScriptedClock:
-    """A clock that moves only when told to: the scripted duration of what "took" time.
-
-    Args:
-        start_s: the reading before anything happened (seconds).
-    """
+    """A clock that moves only when told to: the scripted duration of what "took" time."""
 
     def __init__(self, start_s: float = 1000.0) -> None:
         self.now_s = start_s
@@ -77,10 +58,6 @@ class _TimeReadingClock:
 @contextlib.contextmanager
 def adapter_clock(adapter_mod: Any, clock: ScriptedClock | None) -> Iterator[None]:
     """Within the block, the adapter times its captures with ``clock`` (None: the real clock).
-
-    The adapter module is not edited: the ``time`` it imported is replaced, in the module that
-    defines ``EncoderCudaGraph._capture`` (where the capture is timed), by a view whose
-    ``perf_counter`` is ``clock``'s; the real module is put back on exit.
 
     Raises:
         RuntimeError: that module does not time captures with ``time.perf_counter`` any more
@@ -129,28 +106,6 @@ class _ScriptedMeasurement:
 
 class CpuGraphBackend:
     """The adapter's device seam with any device accepted, scripted timings and eager "replays".
-
-    A CPU has no GPU time to measure, and its host times (hundreds of ms for the dry run's tiny
-    encoders) say nothing about a GPU, so every measured eager call reports scripted times
-    instead, as the CUDA backend measures them: the host enqueues the call in ``host_ms``; the
-    GPU is busy ``busy_ms_per_item`` per batch item (the output's first dimension: image slices,
-    audio clips) and waits for the host otherwise, so the call's GPU span is the longer of the
-    two. An unheld call shows its span only; a call held ``hold`` ms shows ``max(busy, span -
-    hold)`` (the GPU's work, or the host's pace once the GPU has caught up). With the defaults a
-    single item idles 1.5 of its 8 ms (as a SigLIP slice does on an H200): recurring every call
-    it pays even with the least saving and is captured at its second call; recurring less often
-    it is held once, and captured if its idle time pays; a batch of 2 or more keeps the GPU busy
-    and is declined. A capture takes what one takes on a GPU, an eager run and a recorded run
-    plus :data:`CAPTURE_FIXED_MS`, since the adapter calibrates its capture estimate with the
-    measured capture times: with a ``clock`` it advances the clock by that much (read by the
-    adapter under :func:`adapter_clock`), without one it sleeps that long. Peak bytes and pool
-    growth are 0; graph bytes are the static buffers.
-
-    Args:
-        free_bytes: the free-memory reading the memory floor sees (default: plenty).
-        host_ms: scripted host time of every measured eager call (ms, > 0).
-        busy_ms_per_item: scripted GPU busy time per batch item (ms, > 0).
-        clock: the clock captures advance (None: they sleep, and the adapter reads the wall clock).
 
     Raises:
         ValueError: a time that is not > 0.

@@ -1,13 +1,4 @@
 """Fused vs unfused encoder layers, and where a graphed call's GPU time goes, kernel by kernel.
-
-- :func:`fused_layers` switches the fused encoder layers (``--hf-overrides encoder_fused_layers``,
-  ``fused_layers.py``) of a built model on or off for a block: the same weights (the packed q/k/v
-  views serve both paths), so a row with the fused layers and one without compare the kernels
-  alone. The streaming graphs' zero-mask plans depend on the choice, so they are dropped on entry
-  and exit (the caller re-wires its adapters per setting).
-- :func:`kernel_profile` runs a call under ``torch.profiler`` and returns its kernels by GPU time per
-  call (on a CPU dry run, its operators by CPU time): the per-kernel profile of a graphed call, which
-  replays the captured kernels and nothing else.
 """
 
 from __future__ import annotations
@@ -33,11 +24,7 @@ def layers_label(model: Any, module: str) -> str:
 
 @contextlib.contextmanager
 def fused_layers(model: Any, on: bool) -> Iterator[None]:
-    """The fused layers of every encoder of ``model`` on (as configured) or off for the block.
-
-    ``on=True`` keeps the configuration (an encoder the option left unfused stays unfused);
-    ``on=False`` turns every encoder's fused layers off. The flags are restored on exit.
-    """
+    """The fused layers of every encoder of ``model`` on (as configured) or off for the block."""
     saved = {name: getattr(model, name)._fused_layers for name in FUSED_MODULES if _has_flag(model, name)}
     plans = getattr(model, "_streaming_audio_mask_plans", None)
     if plans is not None:
@@ -59,13 +46,7 @@ def _has_flag(model: Any, name: str) -> bool:
 
 
 def kernel_profile(ctx: Ctx, call: Callable[[], Any], calls: int | None = None) -> dict[str, Any]:
-    """The kernels of ``call`` by GPU time (operators by CPU time on a CPU run).
-
-    Returns:
-        ``{"unit": "gpu_us" | "cpu_us", "calls": n, "total_us": per call, "kernels": [{"name",
-        "us" (per call), "count" (launches per call)}, ...]}``, the :data:`TOP_KERNELS` largest, in
-        descending time; ``total_us`` sums every kernel (every top-level operator on a CPU run).
-    """
+    """The kernels of ``call`` by GPU time (operators by CPU time on a CPU run)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,11 +1,7 @@
 """Scenarios ``vision`` and ``audio``: per input shape, eager vs graphed latency of the captured
 region (vision: the whole image call from pixels to resampler output, ``_encode_images``; audio:
 Whisper, projection and pooling), capture cost, graph memory and the graphed-vs-eager difference.
-
-Audio rows run twice, with Whisper's fused layers (``--hf-overrides encoder_fused_layers``, the
-default) and without them (the same weights, :func:`minicpmo_cg.bench.kernels.fused_layers`), and
-carry the per-kernel profile of their graphed call (``kernels``). Target: a 1 s chunk graphed in at
-most ``TARGETS["audio_1s_graphed_ms"]`` with the fused layers."""
+"""
 
 from __future__ import annotations
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from minicpmo_cg.bench import (
-    bookkeeping,
     duplex,
     duplex_concurrency,
     offline,
     per_shape,
-    pools,
     streaming,
     vision_path,
 )
@@ -39,12 +37,10 @@ def format_report(res: dict[str, Any]) -> str:
         lines += per_shape.format_rows(rows)
     for key, fmt in (
         ("vision_path", vision_path.format_section),
-        ("bookkeeping", bookkeeping.format_section),
         ("streaming", streaming.format_section),
         ("duplex", duplex.format_section),
         ("duplex_concurrency", duplex_concurrency.format_section),
         ("offline", offline.format_section),
-        ("pools", pools.format_section),
     ):
         if res.get(key):
             lines += fmt(res[key])

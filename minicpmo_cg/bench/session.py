@@ -51,20 +51,7 @@ def _hits_and_calls(stats: dict[str, dict[str, Any]]) -> tuple[int, int]:
 
 
 def graph_results(adapters: dict[str, Any], at_warmup: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
-    """A graphed run's figures from its adapters' stats.
-
-    Args:
-        adapters: encoder name -> adapter, after the run.
-        at_warmup: each adapter's ``get_cumulative_stats()`` at the end of the warm-up, or None.
-
-    Returns:
-        ``stats`` and ``detail`` per encoder (the adapters' two stats methods), ``hit_rate``,
-        ``hit_rate_after_warmup`` (None without a warm-up or calls after it), ``graphs``,
-        ``graph_bytes`` (the adapters' own accounts, ``get_detailed_stats``), ``misses`` by kind
-        (:data:`MISS_KINDS`, summed over encoders), ``held_calls`` (warmup calls the cost rule
-        measured behind a hold, summed) and ``memory`` (the allocator's view:
-        :func:`~minicpmo_cg.bench.memory.graph_memory`).
-    """
+    """A graphed run's figures from its adapters' stats."""
     stats = {k: a.get_cumulative_stats() for k, a in adapters.items()}
     detail = {k: a.get_detailed_stats() for k, a in adapters.items()}
     hits, calls = _hits_and_calls(stats)
@@ -90,12 +77,7 @@ def graph_results(adapters: dict[str, Any], at_warmup: dict[str, dict[str, Any]]
 def run_session(
     ctx: Ctx, events: Events, options: dict[str, Any] | None, warmup_events: int = 0
 ) -> dict[str, Any]:
-    """Run ``events`` through the model, eagerly (``options`` None) or graphed with ``options``.
-
-    Every call is timed at its call site (:class:`minicpmo_cg.measure.Timer`), so a graphed run's
-    encoder time includes its captures. ``warmup_events``: the adapters' stats are also read after
-    that many events (for the hit rate after warm-up).
-    """
+    """Run ``events`` through the model, eagerly (``options`` None) or graphed with ``options``."""
     graphed = options is not None
     release_memory()
     before = mem_state()
@@ -129,12 +111,7 @@ def run_session(
 
 
 def warm_call_sites(ctx: Ctx, events: Events) -> None:
-    """Pay one-time costs before the timed runs, so that no run carries them.
-
-    One eager call per modality (lazy setup of the call sites), then one capture per modality
-    into throwaway adapters (the first capture in a process also pays for imports and the graph
-    machinery's own setup).
-    """
+    """Pay one-time costs before the timed runs, so that no run carries them."""
     firsts: dict[str, dict[str, Any]] = {}
     for modality, data in events:
         firsts.setdefault(modality, data)
@@ -154,12 +131,7 @@ def warm_call_sites(ctx: Ctx, events: Events) -> None:
 def compare_admissions(
     ctx: Ctx, events: Events, warmup_events: int = 0, extra: Sequence[tuple[str, dict[str, Any]]] = ()
 ) -> dict[str, dict[str, Any]]:
-    """Eager, then graphed under each rule of :data:`ADMISSION_RUNS` and the ``extra`` runs.
-
-    Returns:
-        run key (``eager``, ``count``, ``cost``, then the ``extra`` keys) -> :func:`run_session`'s
-        result plus ``vs_eager`` (eager encoder time / this run's: > 1 is faster than eager).
-    """
+    """Eager, then graphed under each rule of :data:`ADMISSION_RUNS` and the ``extra`` runs."""
     warm_call_sites(ctx, events)
     runs = {"eager": run_session(ctx, events, None)}
     for key, options in (*ADMISSION_RUNS.items(), *extra):

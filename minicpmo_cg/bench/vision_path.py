@@ -1,27 +1,5 @@
 """Scenario ``vision_path``: the whole image call, ``get_vision_hidden_states``, eager vs graphed,
 with SigLIP's eager and SDPA attention side by side.
-
-The call as the model runs it (vllm-omni patches 0001 and 0005): slices stacked and padded, then one
-graph from pixels to resampler output (patch and position embeddings, SigLIP, post layernorm,
-resampler). Rows: 1 slice (a duplex frame, the 448x448 ``coffee`` crop), 3 slices (``astronaut``:
-1024/1035/1035 patches, padded) and 10 slices (``retina``: 10 x 1024 patches), each through
-MiniCPM-o's own slicer; each timed call rotates among :data:`~.context.ROTATE` copies with a little
-noise. Both attentions run on the same weights (the builder's seed): the run's model (SDPA, the
-default) and one more built with ``vision_attn="eager"``. The SDPA model runs each row twice, with
-its fused encoder layers (``--hf-overrides encoder_fused_layers``, the default) and without them (the
-same weights, :func:`minicpmo_cg.bench.kernels.fused_layers`); SigLIP's eager attention has no fused
-layers. Every SDPA row carries the per-kernel profile of its graphed call (``kernels``: kernels by
-GPU time per call, :func:`minicpmo_cg.bench.kernels.kernel_profile`).
-
-Per row and attention: eager and graphed ms of the whole call (median and p90,
-:class:`minicpmo_cg.measure.Timer`), their ratio, the graph's bytes (the adapter's account: pool
-growth + static buffers; a fresh adapter per row, ``share_pools=False``, captured by count) and
-whether graphed == eager bitwise (the same kernels on the same inputs: anything else is a problem,
-exit status 1). Targets (the default attention with the fused layers, ``TARGETS`` in :mod:`.context`):
-one slice graphed <= 2.8 ms, 10 slices graphed <= 25 ms, the single-slice graph <= 64 MiB (static
-buffers included). Where one is missed, the
-row carries a profile of the graphed and of the eager call (``torch.profiler``, operators by device
-time), which the report prints: where the time goes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Write a MiniCPM-o 4.5 checkpoint folder with random weights (see the package docstring)."""
+"""Write a MiniCPM-o 4.5 checkpoint folder of random weights under the real names (see :mod:`.layout`)."""
 
 from __future__ import annotations
 
@@ -85,19 +85,6 @@ def build(
     progress: bool = False,
 ) -> Path:
     """Write a checkpoint folder at ``out`` (built in ``<out>.partial``, renamed when complete).
-
-    Weights are drawn one shard at a time, so memory stays at about one shard (``SHARD_BYTES``).
-
-    Args:
-        out: the folder to create; it must not exist or be empty.
-        size: ``"full"`` or ``"reduced"`` (:func:`layout.checkpoint_config`).
-        seed: weight seed; with ``device`` it fixes every value.
-        device: where random values are drawn (``"cuda"`` makes the full size fast).
-        config: a ``config.json`` dict to use instead of ``size``'s (tests build narrower ones).
-        progress: log each weight file to stderr.
-
-    Returns:
-        the folder.
 
     Raises:
         FileExistsError: ``out`` exists and is not empty.

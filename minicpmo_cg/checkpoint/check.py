@@ -79,11 +79,7 @@ def _check_tokenizer(folder: Path, config: dict[str, Any]) -> None:
 
 
 def _check_weights(folder: Path, specs: dict[str, tuple[tuple[int, ...], str]]) -> int:
-    """Every tensor of ``specs`` in the folder's safetensors file(s) at its shape, in bf16, and no other.
-
-    Returns:
-        the weights' bytes.
-    """
+    """Every tensor of ``specs`` in the folder's safetensors file(s) at its shape, in bf16, and no other."""
     from safetensors import safe_open
 
     index = "model.safetensors.index.json"
@@ -123,9 +119,6 @@ def _check_weights(folder: Path, specs: dict[str, tuple[tuple[int, ...], str]]) 
 
 def check(folder: str | Path) -> str:
     """Validate a checkpoint folder.
-
-    Returns:
-        a one-line summary.
 
     Raises:
         CheckError: the first problem found, naming its file.

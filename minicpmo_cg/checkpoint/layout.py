@@ -1,11 +1,5 @@
 """What a MiniCPM-o 4.5 checkpoint folder holds: its ``config.json`` per size, its special tokens and
 the names, shapes and initial values of its tensors.
-
-The encoder values are :mod:`minicpmo_cg.thinker_config`'s; the LLM is Qwen3-8B's (full) or a narrow
-two-layer Qwen3 (reduced, every encoder width unchanged). Tensor names and shapes are read off the
-modules themselves, built on the ``meta`` device: vllm-omni's SigLIP, resampler, Whisper encoder and
-audio projection, and transformers' ``Qwen3ForCausalLM`` under the ``llm.`` prefix, which is what
-vllm-omni's ``load_weights`` hands to vLLM's Qwen3 loader.
 """
 
 from __future__ import annotations
@@ -121,9 +115,6 @@ def hf_config(config: dict[str, Any]) -> Any:
 def thinker_modules(config: Any) -> dict[str, Any]:
     """The thinker's modules on the ``meta`` device, by checkpoint prefix, built as vllm-omni's model
     builds them (last SigLIP layer dropped, Qwen3 for ``attention_bias`` false).
-
-    Args:
-        config: a ``MiniCPMOConfig`` (:func:`hf_config`).
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -152,9 +143,6 @@ def thinker_modules(config: Any) -> dict[str, Any]:
 def tensor_specs(config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every checkpoint tensor: ``name -> (shape, init)``, ``init`` one of ``"normal"``, ``"ones"``,
     ``"zeros"`` (norm weights 1, biases 0, everything else normal).
-
-    Args:
-        config: a ``MiniCPMOConfig``.
     """
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
     for prefix, module in thinker_modules(config).items():

@@ -1,8 +1,4 @@
 """The checkpoint's tokenizer: byte-level, built with ``tokenizers``, no download.
-
-Ids ``0 .. 151642`` are plain tokens (the 256 byte symbols first, then unused multi-byte symbols that
-no merge produces, so text encodes byte by byte and every id decodes); ids ``151643 ..`` are the
-special tokens of :func:`layout.special_tokens`, so every id the model can sample decodes.
 """
 
 from __future__ import annotations

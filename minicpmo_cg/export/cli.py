@@ -1,16 +1,4 @@
 """``minicpmo-cg-export OUT [--verify]``: each PR of :data:`.stack.STACK` as a ``git format-patch`` series.
-
-The base is the pinned release as the lane's installation holds it: the patch tool's plan gives each
-patched file's pristine bytes and the owned files' absence. In a scratch repository each PR adds its
-owned files and applies its patches (``git apply``, no fuzz) on the tree of the PR before it, one commit
-per patch; ``OUT/NN-KEY/`` gets the series and ``PR.md``, its text from ``docs/upstream/``. The vLLM PR
-goes to ``OUT/vllm-KEY/``, on the pristine vLLM files it changes.
-
-``--verify`` checks each vllm-omni PR on its own tree: the written series applies (``git am``) on the
-tree of the PR before it and gives the same tree, its Python files compile, and its tests pass there
-(``-m "not cuda"``, the checkout's test helpers on the path) unless ``--no-tests``.
-
-Exit status: 0 written (and verified), 1 a check of ``--verify`` failed, 2 the export is impossible.
 """
 
 from __future__ import annotations

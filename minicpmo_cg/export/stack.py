@@ -1,9 +1,4 @@
 """The stack of upstream pull requests, in merge order: the changes that need no graph first.
-
-Each vllm-omni PR is whole patches of ``patches/vllm-omni/`` (in series order) and whole owned
-files (site-relative), each in the first PR whose tree imports it; ``tests`` are this repository's
-tests of the PR, each in the first PR whose tree they pass on (``--verify`` runs them there). Its
-text is ``docs/upstream/NN-KEY.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
 """``bundle``: build the offline GPU bundle of one or more lanes, on a machine that reaches PyPI.
-
-Per lane, in a temporary directory: the lane's pinned vLLM and vllm-omni wheels are unpacked
-through the strip rules (:mod:`.strip`), this checkout's patch series is applied by the patch
-tool (``python -m minicpmo_cg.patchtool apply --site-packages SITE``, then ``check``), the
-dependency wheels of ``deps.txt`` are installed for CPython 3.12, vLLM's compiled kernels are
-slimmed to sm_90 (:mod:`.native`), the stubs are copied, the
-GPU-side modules are imported with a host-like Python 3.12 (:mod:`.hostlike`), and the site is
-packed into ``<out>/<lane>/site.tar.xz`` with a ``MANIFEST.json``. Packing (xz, the slow step)
-of one lane overlaps the preparation of the next. Downloads are cached.
 """
 
 from __future__ import annotations
@@ -35,17 +26,7 @@ def default_cache() -> Path:
 
 @dataclass
 class BuildOptions:
-    """Options of ``bundle``.
-
-    Attributes:
-        repo: the checkout whose patch series and adapter go into the bundle.
-        out: bundle directory; each lane lands in ``out/<lane>/``.
-        cache: download cache (upstream wheels, dependency wheels, the host-like environment).
-        patched: apply the patch series (False builds an upstream bundle, for development only).
-        verify: ``"auto"`` (import check when the host-like environment exists), ``"yes"``
-            (create it when missing) or ``"no"``.
-        host_python: Python 3.12 interpreter to create the host-like environment with.
-    """
+    """Options of ``bundle``."""
 
     repo: Path
     out: Path

@@ -1,7 +1,4 @@
 """Command line of the offline GPU runner: ``python -m minicpmo_cg.offline_gpu {bundle,check,env,run}``.
-
-Also installed as ``minicpmo-cg-offline-gpu``. On the GPU host the project is not installed:
-run it from the checkout's root with the host's ``python3``. See ``docs/offline_gpu_host.md``.
 """
 
 from __future__ import annotations
@@ -16,11 +13,7 @@ from minicpmo_cg.offline_gpu import build, hostenv, payload, runner
 
 
 def checkout_root() -> Path:
-    """The source checkout: the one holding this package, else the working directory.
-
-    Everything the runner does needs a checkout (patches, adapter, tests); on the GPU host it
-    runs from one without being installed.
-    """
+    """The source checkout: the one holding this package, else the working directory."""
     here = Path(__file__).resolve().parents[2]
     return here if (here / "patches").is_dir() and (here / "tests").is_dir() else Path.cwd().resolve()
 

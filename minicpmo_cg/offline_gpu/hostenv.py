@@ -1,9 +1,4 @@
 """On the GPU host: unpack a lane bundle and describe the environment that runs against it.
-
-:func:`install` unpacks ``<bundle dir>/<lane>/site.tar.xz`` into a site directory (reused while
-the same archive and checkout are in place), and re-patches it from this checkout when the
-bundle is stale but its dependencies still match. :func:`environment` lists the variables every
-command run against the bundle needs; ``env`` prints them as shell ``export`` lines.
 """
 
 from __future__ import annotations
@@ -47,11 +42,7 @@ def default_site(lane: str) -> Path:
 
 
 def environment(site: Path, repo: Path) -> dict[str, str]:
-    """Variables for a process that runs this checkout against the unpacked bundle ``site``.
-
-    ``PYTHONPATH`` puts the bundle first: its patched ``vllm_omni`` package must win over the
-    checkout's ``vllm_omni/`` source folder (which holds only the files this project owns there).
-    """
+    """Variables for a process that runs this checkout against the unpacked bundle ``site``."""
     return {"PYTHONPATH": f"{site}{os.pathsep}{repo}", **FIXED_ENV}
 
 
@@ -61,14 +52,7 @@ def shell_exports(env: dict[str, str]) -> str:
 
 @dataclass
 class Installed:
-    """Outcome of :func:`install`.
-
-    Attributes:
-        code: 0 usable; :data:`payload.STALE` (3) stale and not re-patchable here;
-            :data:`payload.MISSING` (4) no bundle or a damaged archive.
-        message: what happened, one line per step.
-        status: the bundle's freshness before installing.
-    """
+    """Outcome of :func:`install`."""
 
     code: int
     message: str
@@ -101,9 +85,6 @@ def _unpack(lane_dir: Path, site: Path, status: payload.BundleStatus) -> str:
 def repatch(site: Path, repo: Path, python: str, status: payload.BundleStatus) -> str:
     """Bring a stale unpacked bundle to this checkout's patch series, adapter and stubs.
 
-    The patch tool reverts the bundle's series byte-exactly and applies the checkout's (needs GNU
-    ``patch``); a bundle built with another dependency list cannot be fixed here.
-
     Raises:
         RuntimeError: the dependency list changed, or the patch tool failed.
     """
@@ -125,12 +106,7 @@ KERNEL_PROBE = "import torch, vllm._C_stable_libtorch; torch.ops._C.rms_norm.def
 
 
 def load_kernels(site: Path, python: str) -> str:
-    """Check that vLLM's compiled kernels load from ``site`` here; otherwise fall back to the stub.
-
-    The check runs in a fresh interpreter. On failure the extension is renamed (``.unloadable``) so
-    that the import stub beside it (``stubs/vllm/_C_stable_libtorch.py``) is imported instead: vLLM
-    then imports, and any call of one of its kernels fails. Returns a report line.
-    """
+    """Check that vLLM's compiled kernels load from ``site`` here; otherwise fall back to the stub."""
     so = site / native.CARRIED[0]
     if not so.is_file():
         return f"WARNING: the bundle carries no {so.name}: the import stub stands in, vLLM's kernels fail when called"

@@ -1,9 +1,4 @@
 """A host-like Python 3.12 environment, to check a bundle's imports before it goes to a GPU host.
-
-The environment holds what a typical offline GPU host has (Python 3.12, torch 2.11,
-transformers 5.17 and the scientific stack, no vLLM) and not what the bundle brings
-(pydantic and the other server dependencies of ``deps.txt``); with the bundle on ``PYTHONPATH``
-and a faked NVML it imports the modules the host will import (:mod:`.importcheck`).
 """
 
 from __future__ import annotations
@@ -74,11 +69,7 @@ def ensure(venv: Path, make: bool, python312: str | None = None) -> Path | None:
 
 
 def check_imports(python: Path, site: Path, repo: Path, log: Path) -> tuple[bool, str]:
-    """Import the GPU-side modules from ``site`` with the faked CUDA platform; output goes to ``log``.
-
-    Returns:
-        ``(ok, summary)``: ``summary`` counts the modules, or names the failures.
-    """
+    """Import the GPU-side modules from ``site`` with the faked CUDA platform; output goes to ``log``."""
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}", "PYTHONDONTWRITEBYTECODE": "1"}
     with open(log, "w") as fh:
         argv = [str(python), "-m", "minicpmo_cg.offline_gpu.importcheck", "--fake-cuda-platform"]

@@ -1,17 +1,4 @@
 """Import the GPU-side modules from a bundle the way a GPU host will, on a machine without a GPU.
-
-Run with a Python 3.12 environment that holds only the host's packages (``bundle --verify``
-makes one) and ``PYTHONPATH=<unpacked site>:<checkout>``::
-
-    python -m minicpmo_cg.offline_gpu.importcheck [--fake-cuda-platform] [--dep-usage SITE] [MODULE ...]
-
-``--fake-cuda-platform`` serves a ``pynvml`` stand-in (one Hopper GPU, compute capability 9.0)
-*in this process only*, so vLLM resolves its CUDA platform and imports what it imports on a GPU
-host (``vllm/platforms/cuda.py`` pulls the stubbed ``vllm._C_stable_libtorch``, the attention
-backends pull ``vllm.vllm_flash_attn``). torch still has no GPU, so nothing runs a kernel, and the
-stand-in never goes into a bundle. ``--dep-usage SITE`` lists, per top-level package of the
-bundled dependencies, whether the imports loaded it (one nobody loads is a candidate to drop).
-Exit status: 0 when every module imported, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -97,7 +84,8 @@ class _FakeNvmlFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves the fake under both names vLLM imports it by (its vendored copy is loaded while
     ``import vllm`` runs), through the normal machinery so parents bind the attribute. vLLM's
     compiled kernels need a CUDA driver, so their import stub stands in, as on a host where they
-    do not load."""
+    do not load.
+    """
 
     def __init__(self) -> None:
         self.module = fake_nvml()

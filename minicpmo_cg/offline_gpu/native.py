@@ -1,10 +1,4 @@
 """vLLM's compiled kernels for the offline GPU host, slimmed to one GPU architecture.
-
-vLLM 0.28/0.30 build ``vllm/_C_stable_libtorch.abi3.so`` on torch's stable C ABI, so it loads under
-a torch other than the one vLLM pins (the host's 2.11). Its fat binary holds cubins for seven
-architectures; :func:`slim` strips the symbols and zeroes the payload of every cubin built for
-another architecture, in place. The CUDA driver picks the image of the device's architecture, so
-the zeroed ones are never read, and zeroes compress to almost nothing in the bundle's archive.
 """
 
 from __future__ import annotations
@@ -42,11 +36,6 @@ def _section(data: bytes | bytearray, name: bytes) -> tuple[int, int]:
 def zero_foreign_cubins(data: bytearray, arch: int) -> tuple[int, int]:
     """Zero, in ``data``, the payload of every cubin whose architecture is not ``arch`` (e.g. 90).
 
-    PTX images are kept: a kernel built only as PTX still JIT-compiles for ``arch``.
-
-    Returns:
-        ``(kept, zeroed)``: cubins for ``arch`` and cubins zeroed.
-
     Raises:
         ValueError: no ``.nv_fatbin`` section, or no cubin for ``arch`` (a bundle that cannot run).
     """
@@ -76,9 +65,6 @@ def zero_foreign_cubins(data: bytearray, arch: int) -> tuple[int, int]:
 
 def slim(path: Path, arch: int = 90) -> str:
     """Strip ``path`` (``strip --strip-unneeded``) and zero its cubins for other architectures.
-
-    Returns:
-        A one-line summary (sizes, cubins kept and zeroed).
 
     Raises:
         ValueError: see :func:`zero_foreign_cubins`.

@@ -1,10 +1,4 @@
 """A lane bundle on disk: its payload fingerprint, archive, manifest and freshness.
-
-A bundle is a directory ``<bundle dir>/<lane>/`` holding ``site.tar.xz`` (a ready site-packages
-tree) and ``MANIFEST.json`` (pins, payload fingerprint, archive checksum, build facts). The
-payload fingerprint hashes everything of this checkout that decides the bundle's content besides
-the pinned upstream wheels, so a bundle that no longer matches the checkout is recognised before
-a GPU run is spent on it.
 """
 
 from __future__ import annotations
@@ -35,8 +29,6 @@ FRESH, STALE, MISSING = 0, 3, 4
 def read_deps(lane: str, path: Path = DEPS_FILE) -> list[str]:
     """Dependency pins for ``lane`` from ``deps.txt``.
 
-    Format: ``name==version  [lanes=a,b]  # why``; a line without ``lanes=`` applies to every lane.
-
     Raises:
         ValueError: a line is not an exact pin or carries an unknown option.
     """
@@ -58,13 +50,7 @@ def read_deps(lane: str, path: Path = DEPS_FILE) -> list[str]:
 
 
 def payload_files(repo: Path, package_dir: Path = PACKAGE_DIR) -> list[Path]:
-    """Files that decide a bundle's content besides the pinned upstream wheels.
-
-    The patch series (``patches/**`` except prose), the files this project owns in vllm-omni's
-    tree that the patch tool copies (``vllm_omni/**``: the adapter and any module beside it), the
-    stubs and the dependency list. The patch tool's own code is left out: a change there that
-    changes its output also changes ``patches/`` or the owned files.
-    """
+    """Files that decide a bundle's content besides the pinned upstream wheels."""
     files = sorted(
         p
         for p in (repo / "patches").rglob("*")
@@ -78,11 +64,7 @@ def payload_files(repo: Path, package_dir: Path = PACKAGE_DIR) -> list[Path]:
 
 
 def payload_fingerprint(repo: Path, package_dir: Path = PACKAGE_DIR) -> str:
-    """sha256 over the names and contents of :func:`payload_files` (first 16 hex digits).
-
-    Names are taken relative to ``repo`` (patches, owned files) or ``package_dir`` (stubs, deps), so
-    the value does not depend on where the checkout lives.
-    """
+    """sha256 over the names and contents of :func:`payload_files` (first 16 hex digits)."""
     digest = hashlib.sha256()
     for path in payload_files(repo, package_dir):
         base = package_dir if path.is_relative_to(package_dir) else repo
@@ -106,14 +88,7 @@ def _normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def pack(site: Path, out: Path, preset: int = 9) -> int:
-    """Write the files below ``site`` to the xz tarball ``out`` (sorted, owner root, fixed mtime).
-
-    xz packs Python source about twice as tightly as the wheels' deflate. The archive is written
-    to ``out.part`` first and renamed, so ``out`` is never half-written.
-
-    Returns:
-        the archive's size in bytes.
-    """
+    """Write the files below ``site`` to the xz tarball ``out`` (sorted, owner root, fixed mtime)."""
     tmp = out.with_name(out.name + ".part")
     with tarfile.open(tmp, "w:xz", preset=preset) as tf:
         for path in sorted(site.rglob("*")):
@@ -147,14 +122,7 @@ def write_manifest(lane_dir: Path, items: dict) -> Path:
 
 @dataclass
 class BundleStatus:
-    """Whether a lane bundle can serve this checkout.
-
-    Attributes:
-        code: :data:`FRESH` (0), :data:`STALE` (3: built from another payload, or unpatched) or
-            :data:`MISSING` (4: no archive or manifest).
-        message: one line for people.
-        manifest: the bundle's manifest (empty when missing).
-    """
+    """Whether a lane bundle can serve this checkout."""
 
     code: int
     message: str
@@ -189,15 +157,7 @@ def bundle_status(lane_dir: Path, repo: Path, package_dir: Path = PACKAGE_DIR) -
 
 
 def size_report(bundle_dir: Path, max_mib: float | None = None) -> tuple[str, bool]:
-    """Archive size of every lane bundle below ``bundle_dir`` and of all of them together.
-
-    Args:
-        max_mib: optional limit for all bundles together (e.g. what one transfer to the host
-            may carry); None checks nothing.
-
-    Returns:
-        ``(text, ok)``: ``ok`` is False when the total exceeds ``max_mib``.
-    """
+    """Archive size of every lane bundle below ``bundle_dir`` and of all of them together."""
     lanes = (
         sorted(p for p in bundle_dir.glob("*/") if (p / MANIFEST).is_file()) if bundle_dir.is_dir() else []
     )

@@ -1,8 +1,4 @@
 """Print the interpreter, torch, CUDA devices, package versions and vLLM platform of this environment.
-
-``run`` starts it with the bundle's environment (``python -m minicpmo_cg.offline_gpu.probe``), so
-the run log records what the parts ran against. Exit status 1 when vLLM or the adapter does not
-import.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
 """``run``: the CUDA tests, the demo and the benchmark of one lane against its bundle, on the GPU host.
-
-Each part runs as its own process group under a time limit (the smaller of the part's limit and
-what is left of the run's budget); a part that fails or times out does not stop the others. The
-output folder gets, flat: ``run-LANE.log`` (everything printed), ``run-LANE.json`` (the summary),
-``PART-LANE.log`` per part, ``junit-LANE.xml`` (tests), ``demo-LANE.json`` and ``bench-LANE.json``.
 """
 
 from __future__ import annotations
@@ -32,12 +27,7 @@ RESULTS_MARKER = "=== RESULTS"
 
 @dataclass(frozen=True)
 class PartSpec:
-    """One part: its default time limit and its command after the interpreter.
-
-    ``argv`` is split like a shell line, then ``{out}``, ``{lane}`` and ``{markers}`` are filled
-    into each word; the words naming ``{out}/FILE`` are the part's result files. ``quick`` parts
-    get ``--quick`` when the run is quick.
-    """
+    """One part: its default time limit and its command after the interpreter."""
 
     timeout_s: int
     argv: str
@@ -77,19 +67,7 @@ def _names_tests(word: str) -> bool:
 
 @dataclass
 class RunPlan:
-    """What ``run`` does for one lane (also what ``check`` and ``run --dry-run`` print).
-
-    Attributes:
-        lane: lane name.
-        parts: part names in run order, each at most once.
-        python: interpreter of the parts (the host's ``python3``).
-        out: output folder.
-        budget_s: wall-clock seconds for the whole run, installing included.
-        quick: pass ``--quick`` to the demo and the benchmark.
-        markers: pytest marker expression of the tests part.
-        extra: part -> extra arguments appended to its command.
-        timeouts: part -> time limit overriding :data:`PARTS`' default.
-    """
+    """What ``run`` does for one lane (also what ``check`` and ``run --dry-run`` print)."""
 
     lane: str
     parts: list[str]
@@ -166,12 +144,7 @@ class PartResult:
 def run_limited(
     argv: list[str], log: Path, env: dict[str, str], cwd: Path, limit_s: int
 ) -> tuple[int | None, bool]:
-    """Run ``argv`` as a new process group with output to ``log``; kill the group after ``limit_s``.
-
-    Returns:
-        ``(returncode, timed_out)``; on a timeout the group gets SIGTERM, then SIGKILL after
-        :data:`KILL_GRACE_S` seconds.
-    """
+    """Run ``argv`` as a new process group with output to ``log``; kill the group after ``limit_s``."""
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             argv,
@@ -309,12 +282,7 @@ def run_parts(
 
 
 def execute(plan: RunPlan, lane_dir: Path, site: Path, repo: Path) -> int:
-    """Install the bundle, report the host, run the parts, write the summary.
-
-    Returns:
-        0 when every part passed, 1 when one failed, timed out or was skipped,
-        3 / 4 when the bundle is stale (not fixable here) / missing or damaged.
-    """
+    """Install the bundle, report the host, run the parts, write the summary."""
     started = time.monotonic()
     plan.out.mkdir(parents=True, exist_ok=True)
     say = Console(plan.out / f"run-{plan.lane}.log")

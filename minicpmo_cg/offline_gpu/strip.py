@@ -1,9 +1,4 @@
 """What of the upstream wheels goes into an offline GPU bundle, and what is dropped (and why).
-
-The pinned vLLM wheel is mostly native code. The bundle carries vLLM's and vllm-omni's pure-Python
-code, the data files that code reads, and the one compiled extension built on torch's stable C ABI
-(:data:`.native.CARRIED`, slimmed by :func:`.native.slim`), which loads under the host's torch.
-:func:`classify` is the one place that decides.
 """
 
 from __future__ import annotations
@@ -38,16 +33,7 @@ KEEP = "keep"
 
 
 def classify(name: str, head: bytes = b"") -> tuple[bool, str]:
-    """Decide whether wheel member ``name`` goes into the bundle.
-
-    Args:
-        name: the member's path inside the wheel (``/``-separated).
-        head: the member's first bytes (at least 4), to recognise executables without an
-            extension such as ``vllm/vllm-rs``; may be empty for the extension-based rules.
-
-    Returns:
-        ``(keep, rule)``: ``rule`` names the reason, ``"keep"`` when kept.
-    """
+    """Decide whether wheel member ``name`` goes into the bundle."""
     base = name.rsplit("/", 1)[-1]
     lower = base.lower()
     if name.endswith("/"):
@@ -83,9 +69,6 @@ def _head(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
 
 def extract_wheel(wheel: str | os.PathLike, site: str | os.PathLike) -> dict:
     """Unpack ``wheel`` into the directory ``site`` through :func:`classify`.
-
-    Returns:
-        ``{"wheel", "kept_files", "kept_bytes", "dropped": {rule: [files, bytes]}}``.
 
     Raises:
         ValueError: a member would land outside ``site``.
@@ -130,15 +113,7 @@ def _tree_bytes(path: Path) -> int:
 
 
 def strip_site(site: str | os.PathLike) -> dict[str, int]:
-    """Drop bytecode caches, ``bin/`` scripts, RECORD files and C headers of the installed dependencies.
-
-    The dependencies' own native code is needed and kept, and so are their ``tests``/``testing``
-    packages: xgrammar imports its ``testing`` subpackage at import time. ``vllm``/``vllm_omni``
-    are left alone (already stripped by :func:`extract_wheel`).
-
-    Returns:
-        bytes removed per kind (``"__pycache__"``, ``"bin"``, ``"files"``).
-    """
+    """Drop bytecode caches, ``bin/`` scripts, RECORD files and C headers of the installed dependencies."""
     removed: Counter[str] = Counter()
     for top in sorted(Path(site).iterdir()):
         if top.name in UPSTREAM_TOPS or not top.is_dir():

@@ -1,8 +1,4 @@
 """Fetching and installing the CPython 3.12 manylinux wheels of a bundle with pip.
-
-pip runs with the user's pip configuration file and ``PIP_FIND_LINKS`` / ``PIP_CONSTRAINT``
-ignored (the same rule as ``tools/setup_lane.sh``): a machine-wide find-links folder of CPU
-wheels would otherwise win over the index; on an ordinary machine this changes nothing.
 """
 
 from __future__ import annotations

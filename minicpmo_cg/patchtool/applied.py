@@ -1,10 +1,4 @@
 """Whether an installation holds the patch set, from the state record alone: cheap, read-only, no GNU patch.
-
-:func:`missing_pieces` answers what a server start needs to know (is the MiniCPM-o 4.5 wiring in
-place?) in a few milliseconds: it parses the series, reads ``state.json`` and hashes the files
-the record names and the owned files, and never writes (not even a temporary file). It trusts
-``minicpmo-cg-patch``'s own record: a patch set applied by hand, without a record, is reported
-as not applied (``minicpmo-cg-patch status`` tells the full story).
 """
 
 from __future__ import annotations
@@ -45,9 +39,6 @@ def missing_pieces(
     install: Installation, patches_dir: Path | None = None, owned_root: Path | None = None
 ) -> list[str]:
     """Why the installation does not hold the vllm-omni side of the patch set; empty when it does.
-
-    Every active patch and the owned files count; with no vllm-omni patch active (e.g. once
-    upstream ships the MiniCPM-o 4.5 wiring) there is nothing to install, so nothing is missing.
 
     Raises:
         ToolError, StateError, PatchFormatError, OSError: the series, the record or a file cannot

@@ -1,4 +1,4 @@
-"""The command line of ``minicpmo-cg-patch`` (see the package docstring for the commands)."""
+"""The command line of ``minicpmo-cg-patch`` (commands and exit codes: patches/README.md)."""
 
 from __future__ import annotations
 
@@ -233,11 +233,7 @@ def _emit(text: str, stream_name: str) -> None:
 
 
 def _io_error(command: str, exc: OSError) -> ToolError:
-    """An I/O error no step handled (reading the site, the series, a scratch directory) as exit 2.
-
-    Writes to the installation handle their own errors (rolled back, exit 2 or 3), so one that
-    reaches here happened before anything was changed.
-    """
+    """An I/O error no step handled (reading the site, the series, a scratch directory) as exit 2."""
     detail = str(exc)
     if exc.strerror and exc.filename and not isinstance(exc, ScratchDirError):
         detail = f"{exc.strerror}: {exc.filename}"

@@ -26,12 +26,7 @@ __all__ = ["Outcome", "cmd_apply", "cmd_base", "cmd_check", "cmd_revert"]
 
 @dataclass
 class Outcome:
-    """What a command did: ``result`` word, written files, the exit code and the lines to show.
-
-    Attributes:
-        states: after a failed write, ``"<rel>: <state>"`` per file, read back from disk.
-        warnings: problems that did not stop the command.
-    """
+    """What a command did: ``result`` word, written files, the exit code and the lines to show."""
 
     result: str
     exit_code: int
@@ -117,9 +112,7 @@ def cmd_revert(plan: Plan) -> Outcome:
     return _finish("revert", plan, result, f"revert: restored {len(changes)} file(s)")
 
 
-# ---------------------------------------------------------------------------------------------
 # base: the starting file of a new or refreshed patch
-# ---------------------------------------------------------------------------------------------
 
 
 def _find_patch(plan: Plan, name: str) -> Patch:

@@ -25,11 +25,7 @@ EXIT_CODES_HELP = (
 
 
 class ToolError(Exception):
-    """An error that ends the command with a one-paragraph message (no traceback).
-
-    Attributes:
-        exit_code: process exit status (:data:`EXIT_ERROR` unless stated).
-    """
+    """An error that ends the command with a one-paragraph message (no traceback)."""
 
     def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
         super().__init__(message)

@@ -1,16 +1,4 @@
 """Why a patch does not apply, in words that point at the fix.
-
-Four causes are told apart (checked in this order):
-
-- **ambiguous context**: a hunk's old side occurs at several places of the file, so GNU
-  patch could land it at the wrong one; the patch needs more (unique) context.
-- **stale starting point**: the patch applies to the pristine file but not after the
-  earlier patches of the series that change the same file: it was made from the
-  pristine file; regenerate it from ``minicpmo-cg-patch base --before NAME``.
-- **an earlier patch changed**: where a hunk expects other text, the file (after the
-  earlier patches) has lines an earlier patch adds: that patch changed since this one
-  was made; regenerate from ``minicpmo-cg-patch base --before NAME``.
-- **wrong version** (or a local change, when the file differs from its wheel's RECORD).
 """
 
 from __future__ import annotations
@@ -43,12 +31,7 @@ def _best_window(lines: list[str], old: tuple[str, ...]) -> int:
 
 
 def _changed_by_earlier(patch: Patch, earlier: list[Patch], before: dict[str, bytes | None]) -> list[str]:
-    """Earlier patches whose added lines sit where a failing hunk of ``patch`` expects other text.
-
-    For each hunk that matches nowhere, the best-agreeing window of the file (after the
-    earlier patches) is compared with the hunk's old side; a differing line there that an
-    earlier patch added means that patch changed since this one was made.
-    """
+    """Earlier patches whose added lines sit where a failing hunk of ``patch`` expects other text."""
     names = []
     for other in earlier:
         added = {line for line in _added_lines(other, set(patch.file_paths)) if line.strip()}
@@ -77,14 +60,7 @@ def explain_failure(
     ambiguous: list[str],
     run: PatchRun | None,
 ) -> str:
-    """One detail line for a patch that cannot be applied to ``before`` (its files after the earlier patches).
-
-    Args:
-        files: the plan's file views (``pristine`` is each file's pre-apply content).
-        done: the earlier active patches that applied.
-        ambiguous: :func:`~minicpmo_cg.patchtool.gnupatch.ambiguous_hunks` of ``before``.
-        run: GNU patch's failed run (None when not run because of ambiguity).
-    """
+    """One detail line for a patch that cannot be applied to ``before`` (its files after the earlier patches)."""
     if ambiguous:
         return (
             "context is ambiguous, refused so that no hunk lands in the wrong place: "

@@ -1,28 +1,4 @@
 """Every write the patch tool makes, in one place, one observable step at a time.
-
-The tool never writes into an existing file: a new content goes to a temporary file in
-the same directory (``.<name>.<random>.minicpmo-cg-tmp``), is flushed to disk and renamed
-over the target, so each target holds either its old or its new bytes at every instant,
-and files that are hard links shared with other installations are never modified (the
-rename replaces this directory's entry only). Deletions are single ``unlink``/``rmdir``
-calls. A temporary file left by a killed run is removed by the next ``apply``/``revert``
-(:func:`remove_litter`).
-
-Reading is the other direction of the same distrust: :func:`read_regular` is how the tool reads
-every file (the installation's, its state directory's, the dist-info metadata, the series and the
-owned tree), opening it without blocking and refusing anything that is not a regular file (a FIFO
-would block every command, a device would be read forever) or larger than its caller allows, and,
-for its own state, refusing a symbolic link instead of following it. :func:`resolves_outside` is
-how a path read back from somewhere (the state record, the owned tree) is checked against the
-directory it must stay in, every symbolic link on its way resolved. Directories the tool creates
-get :data:`DIR_MODE` whatever the umask, so that everyone who may read the files in them can.
-
-Steps (the names the hook sees): ``tmp-create``, ``tmp-write`` (data, mode, fsync),
-``rename``, ``unlink``, ``mkdir``, ``rmdir``. :func:`set_hook` installs a callable that
-runs before each step with ``(step, path)``; it may raise (an ``OSError`` models an I/O or
-permission failure, :class:`SimulatedKill` a killed process) or end the process. After a
-:class:`SimulatedKill` every later step raises it again, as nothing runs in a dead
-process; the fault-injection tests use this to stop the tool at every step.
 """
 
 from __future__ import annotations
@@ -95,15 +71,6 @@ def file_kind(mode: int) -> str:
 def read_regular(path: Path, *, follow_links: bool = True, limit: int | None = None) -> bytes:
     """The bytes of the regular file at ``path``, read without ever blocking on it.
 
-    What is at ``path`` is checked before it is opened, so nothing but a regular file is ever
-    opened; it is opened with ``O_NONBLOCK`` (a FIFO swapped in meanwhile opens at once instead of
-    waiting for a writer) and checked again with ``fstat`` on the open descriptor before anything
-    is read, so what is read is what was checked.
-
-    Args:
-        follow_links: False refuses a symbolic link at ``path`` itself (``O_NOFOLLOW``).
-        limit: the most bytes the caller accepts; a larger file is refused before it is read.
-
     Raises:
         FileNotFoundError: nothing at ``path``.
         NotRegularFileError: a directory, FIFO, socket or device (or a link, without
@@ -171,7 +138,8 @@ def _fsync_dir(directory: Path) -> None:
 def make_dirs(directory: Path, stop: Path) -> list[Path]:
     """Create ``directory`` and its missing parents below ``stop``, each with :data:`DIR_MODE` (the
     umask would make a 0o700 package whose files nobody else can import under ``umask 077``);
-    return those created, top first."""
+    return those created, top first.
+    """
     missing = []
     current = directory
     while current != stop and not current.exists():
@@ -186,9 +154,6 @@ def make_dirs(directory: Path, stop: Path) -> list[Path]:
 
 def write_file(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Replace ``path`` with ``data`` by rename; the parent directory must exist.
-
-    Args:
-        mode: permission bits of the new file; default: the old file's, or 0o644.
 
     Raises:
         OSError: from any step; the temporary file is removed unless the process is gone.

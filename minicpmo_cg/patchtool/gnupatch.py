@@ -1,28 +1,4 @@
 """Apply one unified diff to in-memory file contents with GNU ``patch``.
-
-Why GNU ``patch`` (not ``git apply``): it needs no repository, so running it
-from inside a git checkout (this repo, a CI workspace) cannot redirect paths to
-that repository; ``--fuzz=0`` makes it as strict as ``git apply`` about context
-while still accepting line offsets (vllm-omni 0.28.0 and 0.30.0 place the same
-code at different line numbers, so one diff serves both).
-
-Every call materialises the given files in a fresh temporary directory, runs
-``patch`` there and reads the result back; the installation is never touched
-here. Options: ``-p1`` (strip ``a/``/``b/``), ``--force`` (never guess that a
-patch is reversed: an already-applied patch must *fail* the forward direction),
-``--fuzz=0`` (every context line must match), ``--no-backup-if-mismatch``,
-``--reject-file=-`` (no ``.rej`` files), ``--batch``-free so nothing prompts.
-
-A run is a conflict only when ``patch`` says so: exit status 1 (hunks that do not apply). Exit
-status 2 ("more serious trouble": it could not write its output or its temporary files), a
-``patch`` killed by a signal (``SIGXFSZ`` past the file size limit, ``SIGKILL``) and one that does
-not finish within :data:`PATCH_TIMEOUT_S` are :class:`PatchRunError`: an I/O failure of this
-machine, reported with the directory or limit at fault, never as a patch that needs refreshing.
-
-GNU patch applies a hunk at an offset wherever its old side matches, nearest to the
-line number in its ``@@`` header first. When that old side (context and removed lines)
-also occurs elsewhere in the file, "nearest" may be the wrong place, so
-:func:`ambiguous_hunks` is checked first: a hunk must match at exactly one place.
 """
 
 from __future__ import annotations
@@ -84,13 +60,7 @@ def _file_size_limit() -> str:
 
 @dataclass(frozen=True)
 class PatchRun:
-    """Result of one :meth:`GnuPatch.run`.
-
-    Attributes:
-        ok: the whole diff applied (every hunk of every file).
-        contents: the resulting files (only the diff's files), or None when not ok.
-        output: ``patch``'s combined stdout/stderr (for the report on failure).
-    """
+    """Result of one :meth:`GnuPatch.run`."""
 
     ok: bool
     contents: Contents | None
@@ -144,9 +114,6 @@ def _run_key(executable: str, diff: str, files: Contents, reverse: bool) -> tupl
 class GnuPatch:
     """Thin wrapper around the GNU ``patch`` executable.
 
-    Args:
-        executable: path or name of ``patch`` (default: looked up on ``PATH``).
-
     Raises:
         PatchToolMissingError: not found, or ``patch --version`` is not GNU patch.
     """
@@ -156,19 +123,7 @@ class GnuPatch:
         self.executable, self.version = _probe(found)
 
     def run(self, diff: str, files: Contents, *, reverse: bool = False) -> PatchRun:
-        """Apply ``diff`` (forward or reversed) to ``files``.
-
-        Args:
-            diff: unified diff text with ``a/``/``b/`` prefixed site-relative paths.
-            files: the current content of every file the diff touches (None = absent).
-            reverse: un-apply instead of apply.
-
-        Returns:
-            A :class:`PatchRun`; a failing diff leaves ``files`` untouched
-            (they are copies on disk in a temporary directory). Results are memoised
-            per process by the sha256 of the diff and of every input file (``patch`` is a
-            pure function of them), so a second plan in one run does not re-run it.
-        """
+        """Apply ``diff`` (forward or reversed) to ``files``."""
         key = _run_key(self.executable, diff, files, reverse)
         cached = _RUNS.get(key)
         if cached is None:
@@ -321,17 +276,7 @@ def _occurrences(haystack: list[str], needle: tuple[str, ...]) -> list[int]:
 def ambiguous_hunks(
     changes: Iterable[FileChange], files: dict[str, bytes | None], *, reverse: bool = False
 ) -> list[str]:
-    """Hunks whose old side (new side when ``reverse``) occurs more than once in the file.
-
-    Args:
-        changes: the diff's files (:attr:`Patch.files`).
-        files: the content each file has before this diff (None = absent).
-        reverse: check for un-applying: the new side must be unique.
-
-    Returns:
-        One message per ambiguous hunk naming the file, the hunk and the matching lines;
-        empty when every hunk can land at one place only.
-    """
+    """Hunks whose old side (new side when ``reverse``) occurs more than once in the file."""
     problems = []
     for change in changes:
         data = files.get(change.path)

@@ -1,9 +1,4 @@
 """``patches/INDEX.md``: a one-page index of the series, generated from the patch headers.
-
-One row per patch in series order: the patch, the files it changes, the versions it targets
-(and since when upstream ships it), why (the first sentence of ``Why``), upstream and
-drop-when. ``minicpmo-cg-patch index --write`` regenerates it, ``--check`` fails when the
-committed file is out of date (a test runs it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
 """The installation being patched: where it is, which lane it is, and what pip says is pristine.
-
-Nothing here imports vLLM or vllm-omni (their import takes ~10 s): the directory comes from
-:func:`importlib.util.find_spec` on the top-level names, the versions and the RECORD hashes
-from the ``*.dist-info`` metadata of that directory. The metadata is read as the rest of the
-installation is (nothing read back is trusted): ``METADATA`` and ``RECORD`` must be regular
-files of a sane size (a FIFO is never waited on), UTF-8, and well-formed (a ``Version`` field;
-CSV rows whose hashes are sha256 digests); anything else is a one-line error naming the file
-(exit 2). RECORD rows outside the patched packages' directories (scripts in ``../../bin``) are
-not the tool's business and are skipped.
 """
 
 from __future__ import annotations
@@ -35,13 +26,7 @@ MAX_RECORD_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class WheelFile:
-    """A file pip installed, as its distribution's RECORD lists it.
-
-    Attributes:
-        dist: canonical distribution name (``vllm-omni``).
-        version: the installed version.
-        sha256: hex digest RECORD gives for the file.
-    """
+    """A file pip installed, as its distribution's RECORD lists it."""
 
     dist: str
     version: str
@@ -53,13 +38,7 @@ class WheelFile:
 
 @dataclass(frozen=True)
 class Installation:
-    """The site-packages directory being patched.
-
-    Attributes:
-        site: the directory holding ``vllm/``, ``vllm_omni/`` and their dist-info.
-        versions: canonical distribution name -> installed version.
-        lane: the lane name (``current``, ``legacy``; see :mod:`minicpmo_cg.lanes`).
-    """
+    """The site-packages directory being patched."""
 
     site: Path
     versions: dict[str, str]
@@ -142,9 +121,6 @@ def _sha256_hex(value: str) -> str | None:
 
 def _record_entries(site: Path) -> dict[str, WheelFile]:
     """rel -> what the RECORD files of vllm and vllm-omni say about it (files with a sha256 only).
-
-    A distribution without RECORD contributes nothing; the tool then relies on its own state
-    record alone. Rows outside the patched packages' import directories are skipped.
 
     Raises:
         ToolError: a RECORD that is not a regular file, too large, not UTF-8, not CSV, or with a
@@ -230,10 +206,6 @@ def _locate_site(site_packages: Path | None) -> Path:
 
 def discover_installation(site_packages: Path | None = None) -> Installation:
     """Locate the installation and check that it is a supported pair (a lane).
-
-    Args:
-        site_packages: explicit directory (``--site-packages``); default: where
-            the running interpreter would import ``vllm`` and ``vllm_omni`` from.
 
     Raises:
         ToolError: a package is missing, the two live in different directories,

@@ -1,25 +1,4 @@
 """The crash-safe write protocol shared by ``apply`` and ``revert``.
-
-Given the plan and the bytes every file must end with, :func:`execute` runs these steps,
-each file and record replaced by rename (:mod:`.fsops`):
-
-1. remove temporary files an interrupted run left;
-2. store the pre-apply bytes of every file the command touches or records (``originals/``);
-3. write the journal: ``state.json`` with ``complete: false`` listing, per file, its
-   original, its target and its current content (every content the file can hold until
-   step 6), and every directory the command may create;
-4. create missing directories, then replace the files one by one (apply: owned files
-   before patched files, so a patched model never imports a module that is not there
-   yet; revert: the other way round), then remove directories no longer needed;
-5. commit: ``state.json`` with ``complete: true`` (apply) or no ``state.json`` (revert);
-6. delete what the committed record does not need (originals, the state directory).
-
-Invariant: at every instant each file the journal on disk names holds one of the contents
-it lists for that file, every original it names is stored with the recorded hash, and no
-other file of the installation has been changed. So a kill at any point leaves a state
-the next ``status`` describes and from which ``apply`` and ``revert`` both finish. An
-I/O error in steps 2-5 is rolled back to the state before the command (exit 2); when the
-roll-back fails too, the journal stays (exit 3) and the message lists each file's state.
 """
 
 from __future__ import annotations
@@ -37,15 +16,7 @@ __all__ = ["WriteResult", "describe_files", "execute"]
 
 @dataclass
 class WriteResult:
-    """What :func:`execute` did.
-
-    Attributes:
-        exit_code: 0 done, 2 failed and rolled back, 3 failed part-way (journal kept).
-        changed: files that now hold their target content (relpaths, sorted).
-        error: the I/O error, when one happened.
-        states: for a failure, one ``"<rel>: <state>"`` line per file the command touches.
-        warnings: non-fatal problems (e.g. a leftover that could not be removed).
-    """
+    """What :func:`execute` did."""
 
     exit_code: int
     changed: list[str] = field(default_factory=list)
@@ -94,12 +65,7 @@ def _order(plan: Plan, rels: list[str], reverting: bool) -> list[str]:
 
 
 def _remove_dirs(site: Path, rels: list[str]) -> list[str]:
-    """Remove directories the tool created (deepest first) with their bytecode caches.
-
-    Returns:
-        ``"<rel>/: <why>"`` for each directory kept: one that holds other files, and one a symbolic
-        link leads to (nothing is ever deleted through a link).
-    """
+    """Remove directories the tool created (deepest first) with their bytecode caches."""
     kept = []
     for rel in sorted(rels, key=lambda r: r.count("/"), reverse=True):
         if link_problem(site, rel):

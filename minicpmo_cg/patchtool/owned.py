@@ -1,19 +1,4 @@
 """Owned files: this project's modules installed into vllm-omni's tree.
-
-The modules of the payload's ``vllm_omni/`` tree (:func:`minicpmo_cg.resources.owned_files`:
-the adapter package ``encoder_cuda_graph/`` and any module beside it) are copied to the same
-path in site-packages while a vllm-omni patch is active, with the same journal, originals and
-revert guarantees as patched files; directories apply creates for them (a package) are removed
-by revert, with the bytecode caches an import left there. A file already at that path that is not ours (not a
-byte-identical copy) is stored and restored by revert. Owned files that left the project
-stay in the record until apply or revert restores what was there before.
-
-What belongs (:func:`select_sources`): ``*.py`` modules and the package data :data:`PACKAGE_DATA`
-lists, whose site-relative paths are plain (the rule :func:`~.series.package_relpath_problem`
-checks on every path read back from the record). Editor backups (``x.py~``), caches, hidden and
-other files are not installed; a module whose name is not plain (a space, a non-ASCII letter) is
-not either, and the plan says so. Each source must be a regular file that resolves inside the
-owned tree (a link out of it, a FIFO or a device is refused naming it, exit 2).
 """
 
 from __future__ import annotations
@@ -147,11 +132,7 @@ def _state(view: FileView, source: bytes | None, needed: bool) -> tuple[str, str
 
 
 def add_owned(plan: Plan, sources: dict[str, tuple[Path, bytes]], needed: bool) -> None:
-    """Add a view, a report and the apply/revert contents of every owned file to ``plan``.
-
-    Args:
-        needed: a vllm-omni patch is active (the owned files are installed only then).
-    """
+    """Add a view, a report and the apply/revert contents of every owned file to ``plan``."""
     recorded = plan.record.files if plan.record else {}
     rels = list(sources) + sorted(
         rel for rel, r in recorded.items() if r.role == "owned" and rel not in sources
@@ -172,12 +153,7 @@ def add_owned(plan: Plan, sources: dict[str, tuple[Path, bytes]], needed: bool) 
 
 
 def _orphan_dirs(plan: Plan) -> tuple[str, ...]:
-    """Directories of owned copies that did not exist before apply and that pip did not install.
-
-    They are the tool's even when no record names them (state lost, or a record of the first
-    format, which had no ``created_dirs``): wheels carry no empty directories, so a directory
-    without any file RECORD lists was made by this tool. Without RECORD nothing is claimed.
-    """
+    """Directories of owned copies that did not exist before apply and that pip did not install."""
     candidates = {
         parent.as_posix()
         for view in plan.files.values()

@@ -1,15 +1,4 @@
 """The plan: every patch's state and the bytes ``apply`` and ``revert`` would leave, computed without writing.
-
-Steps (``patches/README.md`` states the rules for authors):
-
-1. classify each patch: ``upstream`` / ``n/a`` / active (:func:`classify_patches`);
-2. find each file's pre-apply content from the journal, the stored originals and the
-   file itself (:func:`scan_patch_files`); patches applied without a record are
-   un-applied in memory (:func:`unapply_unrecorded`); pip's RECORD hashes tell a
-   pristine file from one changed by hand (:func:`check_against_wheel`);
-3. apply the active patches in series order to the pre-apply contents with GNU patch,
-   refusing ambiguous hunks (:func:`simulate_series`);
-4. the owned files (this project's modules in vllm-omni's tree, :mod:`.owned`).
 """
 
 from __future__ import annotations
@@ -53,9 +42,7 @@ __all__ = [
     "unapply_unrecorded",
 ]
 
-# ---------------------------------------------------------------------------------------------
 # 1. patches
-# ---------------------------------------------------------------------------------------------
 
 
 def _probe_report(patch: Patch, site: Path) -> PatchReport:
@@ -110,9 +97,7 @@ def classify_patches(
     return reports, active
 
 
-# ---------------------------------------------------------------------------------------------
 # 2. files
-# ---------------------------------------------------------------------------------------------
 
 
 def scan_patch_files(
@@ -143,12 +128,7 @@ def _matches_wheel(install: Installation, rel: str, data: bytes | None) -> bool:
 def unapply_unrecorded(
     files: dict[str, FileView], active: list[Patch], gnu: GnuPatch | None, install: Installation
 ) -> set[str]:
-    """Find patches applied without a record (hand-applied, state lost), last first; un-apply them in memory.
-
-    A patch counts as applied when its diff does not apply forward but does in reverse,
-    with unambiguous hunks both ways. Files whose content is the wheel's (RECORD) are
-    pristine and skipped.
-    """
+    """Find patches applied without a record (hand-applied, state lost), last first; un-apply them in memory."""
     found: set[str] = set()
     for patch in reversed(active):
         views = [files[rel] for rel in patch.file_paths]
@@ -172,13 +152,7 @@ def unapply_unrecorded(
 def check_against_wheel(
     files: dict[str, FileView], reports: dict[str, PatchReport], install: Installation
 ) -> list[str]:
-    """Compare unrecorded pre-apply contents with RECORD; return notes.
-
-    A file that differs from its wheel is kept as pre-apply content when the series
-    applies to it (a local change revert keeps); when a patch of it conflicts, nothing
-    can explain it (another revision of the patch set, a hand edit), so it becomes a
-    conflict for revert too: the remedy is reinstalling the file from the wheel.
-    """
+    """Compare unrecorded pre-apply contents with RECORD; return notes."""
     notes = []
     for view in files.values():
         wheel = install.wheel_file(view.rel)
@@ -203,9 +177,7 @@ def check_against_wheel(
     return notes
 
 
-# ---------------------------------------------------------------------------------------------
 # 3. the series
-# ---------------------------------------------------------------------------------------------
 
 
 def _applied_report(
@@ -274,9 +246,7 @@ def simulate_series(
     return work
 
 
-# ---------------------------------------------------------------------------------------------
 # the whole plan
-# ---------------------------------------------------------------------------------------------
 
 
 def _load_record(
@@ -378,12 +348,6 @@ def build_plan(
     install: Installation, patches_dir: Path | None = None, owned_root: Path | None = None
 ) -> Plan:
     """Classify every patch and owned file and compute the contents ``apply`` and ``revert`` would write.
-
-    Nothing is written. See ``patches/README.md`` for the decision rules.
-
-    Args:
-        patches_dir: the series root (default: the shipped one).
-        owned_root: directory whose ``vllm_omni/`` tree is installed (default: the shipped one).
 
     Raises:
         ToolError: a series/patch format error, a damaged ``state.json``, an owned file that

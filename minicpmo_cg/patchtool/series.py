@@ -1,17 +1,4 @@
 """The patch series format shared by every upstream folder under ``patches/``.
-
-Layout (documented for patch authors in ``patches/README.md``)::
-
-    patches/<package>/series          patch file names in apply order, ``#`` comments
-    patches/<package>/<name>.patch    header block, a line ``---``, a unified diff
-
-``<package>`` is a distribution name from :data:`KNOWN_PACKAGES` (``vllm``,
-``vllm-omni``). Diff paths are relative to site-packages with ``a/``/``b/``
-prefixes and must lie inside that package's import directory.
-
-This module only parses and validates; it never touches an installation and
-imports nothing outside the standard library (the patch tool must not pay
-vLLM's import time).
 """
 
 from __future__ import annotations
@@ -80,17 +67,11 @@ def canonical_package(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-# ---------------------------------------------------------------------------
 # Versions
-# ---------------------------------------------------------------------------
 
 
 def parse_version(text: str):
     """Return a comparable, hashable version object for ``text``.
-
-    Uses ``packaging.version.Version`` when installed (it is in every lane venv);
-    otherwise a plain release tuple, which covers ``N(.N)*`` with an optional
-    ``+local`` label. Trailing zeros are insignificant either way (0.30 == 0.30.0).
 
     Raises:
         ValueError: ``text`` is not a version.
@@ -162,21 +143,12 @@ def _parse_spec(text: str, where: str, field: str) -> VersionSpec:
     return VersionSpec(package, op, version)
 
 
-# ---------------------------------------------------------------------------
 # Patches
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Hunk:
-    """One ``@@`` hunk of a file's diff.
-
-    Attributes:
-        header: the ``@@ -a,b +c,d @@`` line as written.
-        old_start: ``a``, the 1-based line the hunk expects its old side at.
-        old_lines: context and removed lines (without the leading tag), in order.
-        new_lines: context and added lines, in order.
-    """
+    """One ``@@`` hunk of a file's diff."""
 
     header: str
     old_start: int
@@ -186,14 +158,7 @@ class Hunk:
 
 @dataclass(frozen=True)
 class FileChange:
-    """One file of a diff.
-
-    Attributes:
-        path: POSIX path relative to site-packages (``vllm_omni/...``), no prefix.
-        creates: the diff's old side is ``/dev/null`` (the file is new).
-        deletes: the diff's new side is ``/dev/null`` (the file is removed).
-        hunks: the file's hunks, in diff order.
-    """
+    """One file of a diff."""
 
     path: str
     creates: bool = False
@@ -203,22 +168,7 @@ class FileChange:
 
 @dataclass(frozen=True)
 class Patch:
-    """A parsed patch file.
-
-    Attributes:
-        name: ``<package folder>/<file name>``, the patch's id in reports and state.
-        path: the patch file.
-        package: canonical distribution the diff edits (the folder name).
-        subject, why, origin, upstream, drop_when: header text (continuations
-            joined with single spaces).
-        targets: ``Targets:`` specs, all ``==`` and all for ``package``.
-        upstream_since: ``Upstream-Since:`` spec or None.
-        upstream_probe: compiled ``Upstream-Probe:`` regex (``re.MULTILINE``) or None.
-        diff: the unified diff (everything after the ``---`` line), fed to GNU patch.
-        files: the files the diff touches, in diff order.
-        sha256: hex digest of the whole patch file; the state records it so an
-            edited patch is re-applied from the originals.
-    """
+    """A parsed patch file."""
 
     name: str
     path: Path
@@ -287,13 +237,7 @@ def _parse_header(lines: list[str], where: str) -> tuple[dict[str, str], int]:
 def package_relpath_problem(
     rel: object, import_dirs: tuple[str, ...] = tuple(KNOWN_PACKAGES.values())
 ) -> str | None:
-    """Why ``rel`` is not a site-relative path of a file below one of ``import_dirs``, or None.
-
-    The rule diff paths follow, applied to every path the tool reads from elsewhere (its state
-    record, ``base FILE``): a relative POSIX path of plain parts (``[A-Za-z0-9_.-]``, no empty,
-    ``.`` or ``..`` part) whose first part is an import directory of a patched package
-    (``vllm``, ``vllm_omni``) and that names something inside it.
-    """
+    """Why ``rel`` is not a site-relative path of a file below one of ``import_dirs``, or None."""
     inside = " or ".join(f"{d}/" for d in import_dirs)
     if not isinstance(rel, str) or not rel:
         return f"is not a path (expected a site-relative path inside {inside})"
@@ -468,11 +412,6 @@ def _check_fields(
 def parse_patch(path: Path, package: str, *, name: str | None = None) -> Patch:
     """Parse and validate one patch file of the ``package`` folder.
 
-    Args:
-        path: the patch file (UTF-8).
-        package: canonical distribution name of the folder (``vllm-omni``).
-        name: id used in reports; default ``<package>/<file name>``.
-
     Raises:
         PatchFormatError: a missing/duplicate/unknown/empty header field, a bad
             ``Targets``/``Upstream-Since`` spec, an uncompilable
@@ -534,10 +473,6 @@ def _kind(path: Path) -> str:
 def load_series(folder: Path) -> list[Patch]:
     """Parse ``folder/series`` and every patch it lists, in order.
 
-    A folder without a ``series`` file has no patches; a ``series`` that is there but is
-    not a regular file (a directory, a FIFO, a dangling link) is an error, never "no
-    patches". The folder name must be a key of :data:`KNOWN_PACKAGES`.
-
     Raises:
         PatchFormatError: unknown folder, a ``series`` that is not a regular file, a listed
             file that is missing, not a regular file or listed twice, a name with a path
@@ -579,10 +514,6 @@ def load_series(folder: Path) -> list[Patch]:
 
 def load_all_series(patches_dir: Path) -> list[Patch]:
     """Load every known upstream folder of ``patches_dir`` (``vllm`` first, then ``vllm-omni``).
-
-    Sub-directories that are not known packages raise :class:`PatchFormatError`
-    when they hold a ``series`` file and are ignored otherwise; two patches may
-    not edit the same file across folders (folders own disjoint trees).
 
     Raises:
         PatchFormatError: see :func:`load_series`; also a missing ``patches_dir`` and a

@@ -1,44 +1,4 @@
 """What ``minicpmo-cg-patch`` remembers inside an installation: the journal and the originals.
-
-State lives in ``<site-packages>/minicpmo_cg_patch_state/``::
-
-    state.json                 the record (format below)
-    originals/<relpath>        byte-exact pre-apply copy of every recorded file that existed
-
-``state.json``::
-
-    {"format": 2,
-     "complete": true,
-     "versions": {"vllm": "0.30.0", "vllm-omni": "0.30.0"},
-     "patches": {"vllm-omni/0001-....patch": "<sha256 of the patch file>", ...},
-     "files": {"vllm_omni/.../minicpmo_4_5_omni_llm.py":
-                  {"original_sha256": "<hex>" | null, "written_sha256": "<hex>" | null,
-                   "role": "patch" | "owned", "interim_sha256": ["<hex>", ...]}, ...},
-     "created_dirs": ["vllm_omni/...", ...]}
-
-``original_sha256`` null means "did not exist before apply", ``written_sha256`` null "apply
-removes it". The record is a write-ahead journal: it is written (with ``complete: false``)
-before the first file changes and lists, per file, every content the file may hold until
-the command finishes (original, written and, in ``interim_sha256``, what it held before,
-e.g. an older revision of a patch); ``complete: true`` is written after the last file.
-``created_dirs`` are directories apply creates (revert removes them when empty). Format 1
-(the first release: no ``complete``, ``interim_sha256`` or ``created_dirs``, role
-``adapter``) is read as a complete record. A record made for other package versions is
-stale (pip replaced the files) and is ignored.
-
-Nothing read back is trusted. Every path (``files`` keys, ``created_dirs``) must be a plain
-site-relative path inside ``vllm/`` or ``vllm_omni/`` (owned files: ``vllm_omni/``) and must
-resolve there on disk, every symbolic link on its way followed (a directory, or a file's
-directory, that a link takes elsewhere is refused: revert would delete or write there); every
-hash 64 hex digits or null, every role known; the state directory and every directory below it
-must be directories, not symbolic links, and ``state.json`` a regular file (a link or a FIFO is
-never opened as the record) of at most :data:`MAX_RECORD_BYTES` holding JSON the parser can
-read. Anything else makes :meth:`StateStore.load` raise :class:`StateError` (the state is
-damaged) before a command acts on the record. A stored original that is not a regular file is
-damaged like one with the wrong hash (:meth:`StateStore.load_original`).
-
-:func:`locked` serialises commands on one installation; one that has to wait says whose lock it
-waits for at once and gives up after a timeout when given one.
 """
 
 from __future__ import annotations
@@ -95,14 +55,7 @@ def sha256_or_none(data: bytes | None) -> str | None:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One file a command changes.
-
-    Attributes:
-        original_sha256: before any apply (None = absent).
-        written_sha256: what apply leaves (None = removed).
-        role: ``patch`` (edited by diffs) or ``owned`` (copied from this project).
-        interim_sha256: other contents the file may hold while the record is incomplete.
-    """
+    """One file a command changes."""
 
     original_sha256: str | None
     written_sha256: str | None
@@ -221,13 +174,7 @@ def _holds(path: Path, digest: str | None) -> bool:
 
 
 class StateStore:
-    """Reads and writes the state directory of one site-packages directory.
-
-    Every write goes through :mod:`minicpmo_cg.patchtool.fsops` (rename, never in place).
-
-    Args:
-        site: the site-packages directory.
-    """
+    """Reads and writes the state directory of one site-packages directory."""
 
     def __init__(self, site: Path) -> None:
         self.site = site
@@ -277,7 +224,7 @@ class StateStore:
         Raises:
             StateError: the state directory fails :meth:`check_tree`, or ``state.json`` is not a
                 regular file (a link, a FIFO, ...) holding valid JSON of a known format whose
-                paths and hashes pass the checks of the module docstring.
+                paths and hashes pass the checks of the State section of patches/README.md.
         """
         self.check_tree()
         try:
@@ -434,12 +381,6 @@ def locked(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[None]:
     """Hold an advisory ``flock`` on the site-packages directory itself.
-
-    Serialises concurrent ``minicpmo-cg-patch`` runs on one installation without creating a
-    lock file there. When another process holds the lock, ``on_wait`` is called at once with
-    who holds it (``"PID 1234"``: a stopped or hung command keeps it until it goes on or is
-    killed), then the call waits: for good without ``timeout``, else trying again every
-    :data:`LOCK_POLL_S` until ``timeout`` seconds of ``clock`` have passed.
 
     Raises:
         LockTimeoutError: the lock was still taken after ``timeout`` seconds.

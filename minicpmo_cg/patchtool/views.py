@@ -63,19 +63,7 @@ class OwnedReport:
 
 @dataclass
 class FileView:
-    """One file the plan may write.
-
-    Attributes:
-        rel: site-relative POSIX path.
-        role: ``patch`` (edited by diffs) or ``owned`` (copied).
-        current: bytes on disk now (None = absent).
-        pristine: bytes before any apply (None = absent); unknown when ``conflict``.
-        at: which recorded content the file holds (``unrecorded``, ``original``,
-            ``written``, ``interim``).
-        record: the state record entry when the file holds ``written`` or ``interim``.
-        conflict: why the file cannot be written safely, or None.
-        unapplied: the pristine content was found by un-applying patches (no record).
-    """
+    """One file the plan may write."""
 
     rel: str
     role: str
@@ -89,20 +77,7 @@ class FileView:
 
 @dataclass
 class Plan:
-    """Everything ``apply``/``revert`` would do, computed without writing.
-
-    Attributes:
-        apply_contents / revert_contents: relpath -> bytes (None = absent) each
-            command would leave; only files without a conflict appear.
-        new_record: the state record after ``apply`` (None: nothing to record).
-        record: the loaded record when it belongs to these versions.
-        loaded: the record on disk, even one made for other versions (stale).
-        record_present: a ``state.json`` exists (possibly stale).
-        litter: temporary files a killed run left (apply/revert remove them).
-        leftover: files in the state directory no record needs (apply/revert remove them).
-        orphan_dirs: directories of owned copies that pip did not install, whether or not a
-            record names them (revert removes them when empty).
-    """
+    """Everything ``apply``/``revert`` would do, computed without writing."""
 
     install: Installation
     patches_dir: Path

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The benchmark on CUDA at the reduced size (2+2 layers): the new miss paths are reached and counted
-with the real CUDA backend, and the streaming session's runs report the adapters' byte accounts,
-which must agree with the allocator's view (kept apart from ``test_bench.py`` so that
-``-m "core_model and cpu"`` never selects it)."""
+"""The benchmark on CUDA at the reduced size (2+2 layers): the streaming session's runs report the
+adapters' byte accounts, which must agree with the allocator's view (kept apart from ``test_bench.py``
+so that ``-m "core_model and cpu"`` never selects it)."""
 
 from __future__ import annotations
 
@@ -17,18 +16,14 @@ MIB = 1 << 20
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="encoder CUDA graphs need a CUDA device")
-def test_reduced_bench_counts_new_misses_and_accounts_graph_bytes(tmp_path):
+def test_reduced_bench_accounts_graph_bytes(tmp_path):
     proc, res = run_module(
         "minicpmo_cg.bench",
-        *("--quick", "--reduced", "--device", "cuda", "--only", "bookkeeping,streaming"),
+        *("--quick", "--reduced", "--device", "cuda", "--only", "streaming"),
         tmp_path=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert res["problems"] == [] and res["meta"]["mode"] == "quick"
-    misses = res["bookkeeping"]["misses"]
-    # a no-op forward measured through CUDA events saves nothing when replayed: declined
-    for kind in ("declined (cost rule)", "budget (max_bytes)", "profile (start-up profiling)"):
-        assert misses[kind]["count_grew"], (kind, misses[kind])
     runs = res["streaming"]["runs"]
     assert list(runs) == ["eager", "count", "cost"]
     count = runs["count"]

@@ -30,18 +30,7 @@ def _per_prompt(items, leaf_types):
 
 
 class MiniCPMO45Processor(ProcessorMixin):
-    """Image processor, Whisper feature extractor and tokenizer of a MiniCPM-o 4.5 checkpoint.
-
-    Args:
-        image_processor: a ``MiniCPMVImageProcessor`` (slicing; ``image_feature_size`` = ``query_num``).
-        feature_extractor: a ``WhisperFeatureExtractor`` (80 mel bins, 16 kHz, hop 160, 30 s window).
-        tokenizer: the folder's tokenizer.
-        chat_template: kept for ``ProcessorMixin``; prompts use the tokenizer's template.
-        pool_step: mel frames after Whisper's stride-2 conv averaged into one LLM token; vllm-omni sets
-            it from ``config.audio_pool_step``.
-        audio_chunk_length: seconds per group of chunked audio placeholders.
-        audio_start, audio_end: the markers around each audio (chunk) placeholder.
-    """
+    """Image processor, Whisper feature extractor and tokenizer of a MiniCPM-o 4.5 checkpoint."""
 
     def __init__(
         self,
@@ -149,20 +138,6 @@ class MiniCPMO45Processor(ProcessorMixin):
         **kwargs,
     ):
         """Process prompts with their images and audio clips (vLLM passes one prompt per item).
-
-        Args:
-            text: a prompt or a list of prompts holding ``(<image>./</image>)`` / ``(<audio>./</audio>)``.
-            images: PIL images or arrays: one, a list (one prompt) or a list per prompt.
-            audios: 1-D float waveforms at ``sampling_rate``, nested like ``images``.
-            max_slice_nums, use_image_id: override the image processor's values.
-            chunk_input: chunked audio placeholders (see :meth:`get_audio_placeholder`).
-            return_tensors: passed to the image processor.
-
-        Returns:
-            ``BatchFeature`` with what the inputs allow: ``input_ids`` and ``attention_mask``
-            ``(prompts, tokens)``; per prompt ``pixel_values`` (a list of ``(3, patch, patches * patch)``
-            slices), ``image_sizes`` (``(w, h)`` per image), ``tgt_sizes`` ``(slices, 2)`` (patch rows,
-            columns); ``audio_features`` ``(segments, mel, frames)`` and per prompt ``audio_feature_lens``.
 
         Raises:
             ValueError: prompts and media do not match.

@@ -1,20 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Audio clip lengths for MiniCPM-o 4.5's Whisper call sites, without reading device tensors.
+"""Audio clip lengths for MiniCPM-o 4.5's Whisper call sites, kept on the host.
 
-Both audio paths of the model cut the encoder's padded output to each clip's embedding count,
-which follows from the clip's mel-frame count (``audio_feature_lens``). Cutting a tensor at a
-length held in a device tensor makes the host read it, which waits for every kernel queued
-before it, the encoder (or its CUDA graph replay) included: the call returns only when the GPU
-is done. These helpers keep the lengths on the host instead:
-
-- the stateless call (``get_audio_hidden_states``) gets ``audio_feature_lens`` on the host
-  (the model's multimodal field config keeps it on the CPU, as vLLM does for other models'
-  per-item sizes); :func:`host_values` reads them there, :func:`mask_lengths` copies them to the
-  device without waiting, for the attention mask built there, and :func:`embedding_counts`
-  turns them into embedding counts with Python integers (:func:`pooled_lengths`). Lengths a
-  caller passes on the device are still read (nothing else tells the counts);
-- the streaming (duplex) chunk call (``get_audio_embedding_streaming``) takes its embedding
-  count from the encoder output's shape (:func:`streaming_embedding_count`).
+Cutting the encoder output at a length held in a device tensor makes the host wait for the GPU.
+The stateless call gets ``audio_feature_lens`` on the CPU (:func:`host_values`, :func:`mask_lengths`,
+:func:`embedding_counts`); the streaming chunk call takes its count from the output's shape
+(:func:`streaming_embedding_count`).
 """
 
 from __future__ import annotations
@@ -52,20 +42,13 @@ def host_values(lengths: Sequence[torch.Tensor] | torch.Tensor) -> list[int] | N
 
 
 def pooled_lengths(frames: Sequence[int], pool_step: int) -> list[int]:
-    """Embedding counts of clips of ``frames`` mel frames after Whisper's stride-2 convolution and
-    the model's average pooling of ``pool_step``: the values of
-    ``MiniCPMO45OmniLLMForConditionalGeneration._get_feat_extract_output_lengths`` (floor
-    division, as ``//`` on integer tensors), computed on the host."""
+    """Embedding counts of clips of ``frames`` mel frames, as the model's
+    ``_get_feat_extract_output_lengths`` computes them, on the host."""
     return [((n - 1) // 2 + 1 - pool_step) // pool_step + 1 for n in frames]
 
 
 def to_device(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``lengths`` (a CPU tensor) on ``device``, copied without making the host wait.
-
-    A copy from pageable host memory makes the host wait until the device's queue has drained;
-    one from pinned memory is queued like a kernel (the caching host allocator keeps the pinned
-    block until the copy has run). Returns ``lengths`` itself when ``device`` is the CPU.
-    """
+    """``lengths`` (a CPU tensor) on ``device``, copied without making the host wait."""
     if device.type == "cpu":
         return lengths
     return lengths.pin_memory().to(device, non_blocking=True)
@@ -74,7 +57,8 @@ def to_device(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
 def mask_lengths(lengths: torch.Tensor, host: list[int] | None, device: torch.device) -> torch.Tensor:
     """``lengths`` (``torch.hstack`` of ``audio_feature_lens``) where the attention mask is built:
     on ``device`` (a queued copy, :func:`to_device`) when they came on the host (``host`` is
-    :func:`host_values`' result), else where they are (the mask is built on their device)."""
+    :func:`host_values`' result), else where they are (the mask is built on their device).
+    """
     return lengths if host is None else to_device(lengths, device)
 
 
@@ -90,11 +74,6 @@ def streaming_embedding_count(
     embeds: torch.Tensor, lengths: Sequence[torch.Tensor] | torch.Tensor, pool_step: int
 ) -> int:
     """Embeddings of one streaming (duplex) chunk: every one the encoder produced.
-
-    A streaming chunk is one unpadded clip: the encoder attends to and caches every frame it is
-    given, so ``audio_feature_lens`` can only be the chunk's frame count, whose pooled count
-    (context frames included) is never below the encoder's (context frames cut). The count
-    therefore comes from ``embeds``' shape, and a length on the device is never read.
 
     Args:
         embeds: the encoder output ``(1, n, embed_dim)``.

@@ -1,25 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MiniCPM-o 4.5's encoders wired to the exact-shape CUDA graph adapter (``encoder_cuda_graph``).
+"""MiniCPM-o 4.5's encoders wired to the exact-shape CUDA graph adapter, called from the model file's hooks.
 
-What the model file's hooks call:
-
-- :func:`validate_hf_overrides` at the start of the model's ``__init__``: every bad or unknown
-  look-alike ``--hf-overrides`` key of the project, reported at once, before anything heavy is built.
-- :func:`init_encoder_cuda_graphs` from ``_init_encoder_cuda_graphs``: builds the vision adapter
-  (``vpm._encoder_graph``, over the region the model class names in ``_vision_graph_region``) and the
-  stateless audio adapter (``_audio_encoder_graph``, over ``_encode_audio_features``), logs one
-  line with each encoder's effective state, and warns when ``--compilation-config`` sets vLLM's
-  runner-managed encoder graphs, which do not reach this model (:func:`runner_encoder_graph_settings`).
-- The captured regions, each behind a one-line method of the model file (the adapter checks the
-  modules of the method's owner for hooks): :func:`encode_last_hidden_state` (SigLIP's encoder
-  layers + post layernorm) and :func:`encode_audio_features` (Whisper -> projection -> pooling).
-- The routing: :func:`encode_audio` (``get_audio_hidden_states``), which keeps the eager path where
-  the audio graph cannot replay the call; the model file routes the vision calls.
-
-A replay re-runs only the GPU work recorded at capture: Python side effects inside a captured region
-(attribute writes, counters, logging, forward hooks) happen on the eager warm-up calls and the
-capture, never on replay. Keep the regions free of them; the adapter refuses to capture, and stays
-eager, when it finds hooks on the modules a region names.
+A replay re-runs only the GPU work recorded at capture, so the captured regions
+(:func:`encode_last_hidden_state`, :func:`encode_audio_features`) must be free of Python side effects;
+the adapter refuses to capture when it finds hooks on their modules.
 """
 
 from __future__ import annotations
@@ -75,17 +59,6 @@ def validate_hf_overrides(hf_config: Any) -> EncoderCudaGraphOptions:
 
 def init_encoder_cuda_graphs(model: nn.Module, vllm_config: Any) -> EncoderCudaGraphOptions:
     """Attach the exact-shape CUDA graph adapters to the vision and audio encoders of ``model``.
-
-    Needs only ``model.config``, ``model.vpm`` and ``model.apm``, callable on a partially built
-    model.
-    The vision adapter also waits for the model attributes that the model class's
-    ``_vision_graph_region`` names in ``needs``: it is built only once they are set.
-    Sets ``model.vpm._encoder_graph`` when ``vpm`` exists, and ``model._audio_encoder_graph`` (None
-    without ``apm``). An encoder gets no adapter when ``encoder_cuda_graph`` is false, under
-    ``--enforce-eager``, or when the engine's LoRA config could put adapters on its modules (a
-    replay would keep the weights live at capture). Logs one line with the effective state per
-    encoder and why it is off, and a WARNING naming the ``--compilation-config`` fields of vLLM's
-    runner-managed encoder graphs the user set (:func:`runner_encoder_graph_settings`).
 
     Returns:
         The validated options.
@@ -150,11 +123,6 @@ RUNNER_ENCODER_GRAPH_FIELDS: dict[str, Any] = {
 def runner_encoder_graph_settings(model: nn.Module, vllm_config: Any) -> list[str]:
     """The runner-managed encoder graph settings the user changed that cannot reach ``model``.
 
-    vLLM's model runner builds its own ``EncoderCudaGraphManager`` when
-    ``compilation_config.cudagraph_mm_encoder`` is true and the model implements vLLM's
-    ``SupportsEncoderCudaGraph`` (the runner's own test, vLLM's ``supports_encoder_cudagraph``);
-    it silently builds none otherwise, and the ``encoder_cudagraph_*`` fields then do nothing either.
-
     Returns:
         ``["cudagraph_mm_encoder=true", "encoder_cudagraph_token_budgets=[1024]", ...]``: each
         field of :data:`RUNNER_ENCODER_GRAPH_FIELDS` set away from its default, in that order;
@@ -175,9 +143,6 @@ def encode_last_hidden_state(
     vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """SigLIP's encoder layers + post layernorm (``SiglipVisionTransformer._encode_last_hidden_state``).
-
-    The one function through which every SigLIP path of the model runs the layer stack: the vision
-    graph's region and its eager fallback.
 
     Args:
         vpm: the ``SiglipVisionTransformer``.
@@ -207,8 +172,6 @@ def encode_audio_features(
     model: nn.Module, wavforms: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """Whisper encoder -> projection -> average pooling (the model's ``_encode_audio_features``).
-
-    The region the stateless audio graph captures; its modules are :data:`AUDIO_CAPTURED_MODULES`.
 
     Args:
         model: the MiniCPM-o 4.5 thinker (``apm``, ``audio_projection_layer``,
@@ -244,9 +207,6 @@ def encode_audio_features(
 def encode_audio(model: nn.Module, wavforms: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The stateless audio call of ``get_audio_hidden_states``: ``model._audio_encoder_graph`` or,
     where a graph cannot replay it, ``model._encode_audio_features`` (same arguments and result).
-
-    Eager: in training, for an intermediate ``audio_encoder_layer`` (it needs
-    ``output_hidden_states``) and for FP16 Whisper (its inf/nan clamp is decided on the host).
     """
     if (
         model._audio_encoder_graph is not None

@@ -1,60 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fused layer paths for MiniCPM-o 4.5's input encoders: SigLIP (vision) and Whisper (audio).
+"""Fused layer paths for MiniCPM-o 4.5's SigLIP and Whisper encoder layers, same parameters.
 
-The encoder layers of vllm-omni's model file are pre-norm transformer layers built from separate
-modules: q, k and v projections, an output projection, a two-GEMM MLP and two LayerNorms. Run one
-module at a time, every layer launches about a dozen small kernels and reads and writes the hidden
-states between each of them; inside a CUDA graph the launches are gone but the kernels and the
-memory traffic stay. The functions here run the same layers, with the same parameters, as:
+- one q/k/v GEMM on weights packed once (:func:`pack_qkv`; the modules' parameters become views,
+  so memory, ``state_dict`` and weight loading are unchanged);
+- bias + GELU in the GEMM epilogue where the activation is that math (SigLIP's tanh GELU);
+- the residual add fused with the LayerNorm after it (:func:`~.ops.add_layer_norm`);
+- SDPA on packed q/k/v with pinned backends; SigLIP's patch embedding as a GEMM and the resampler's
+  attention through SDPA; Whisper's streaming graphs drop the all-zero mask.
 
-- **one q/k/v GEMM**: the three projection weights are concatenated once into a ``(3E, E)``
-  tensor and the modules' own ``weight`` and ``bias`` parameters are re-pointed to views of it
-  (:func:`pack_qkv`), so weight memory does not grow and the unfused path, ``state_dict`` and
-  in-place weight loading keep working. Whisper's ``k_proj`` has no bias: its slot of the packed
-  bias is zeros, which adds exactly 0;
-- **bias + GELU in the GEMM's epilogue** where the layer's activation is that math: SigLIP's
-  ``gelu_pytorch_tanh`` is the tanh approximation cuBLASLt's GELU epilogue computes
-  (``torch._addmm_activation(..., use_gelu=True)`` on CUDA; on the CPU that op computes the exact
-  GELU, so the CPU runs ``addmm`` and the tanh GELU). Whisper's ``gelu`` is the exact erf GELU and
-  stays a separate op after the fc1 GEMM with its bias epilogue;
-- **the residual add fused with the LayerNorm after it** (:func:`~.ops.add_layer_norm`): one
-  kernel adds the residual and the sub-layer's output and writes both the sum (the next residual)
-  and its LayerNorm (the next sub-layer's, the next layer's, or the encoder's final one). SigLIP's
-  output projection and fc2 keep their biases in their GEMMs, so the sum is the one the unfused
-  ``residual + update`` rounds (see Numerics); Whisper's output projection and fc2 run without
-  theirs and the kernel adds them with the residual. Every residual add of both encoders is
-  followed by a LayerNorm, so none is left on its own;
-- **SDPA on packed q/k/v** with the backend pinned for the shapes (:data:`SIGLIP_SDPA_BACKENDS`,
-  :data:`WHISPER_SDPA_BACKENDS`, :data:`WHISPER_STREAMING_SDPA_BACKENDS`), reading strided views
-  of the q/k/v GEMM's output (no copies) and writing its output in the layout the output
-  projection reads;
-- around SigLIP's layers, its **patch embedding as the GEMM it is** (:func:`siglip_patch_embeddings`)
-  and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`) on contiguous
-  keys and values (:func:`resampler_keys_values`); for Whisper's
-  streaming chunks, graphs that **leave out the all-zero mask** (:func:`whisper_streaming_drops_zero_mask`).
-
-Numerics: SigLIP's fused stack rounds where the unfused layers round wherever that costs little:
-each GEMM rounds ``acc + bias`` once as ``nn.Linear`` does, the fused add rounds the float32 sum
-of two bf16 tensors once as torch's bf16 ``residual + update`` does, and the LayerNorm normalises
-that stored sum with float32 statistics as torch's LayerNorm does. What still rounds elsewhere:
-the GELU epilogue rounds ``gelu(acc + bias)`` once where the unfused fc1 rounds ``acc + bias``
-before its GELU, and the attention, q/k/v and patch GEMMs are other kernels (other summation
-orders). Each such piece (:data:`SIGLIP_PIECES`) can be switched off for a diagnostic
-(:func:`siglip_fused_pieces`); :data:`SIGLIP_DEFAULT_PIECES` are those the fused vision path
-runs. Whisper's fused add sums residual, update and bias in float32 and rounds once (the
-unfused layers round twice). In float32 on the CPU the fused paths match the unfused ones to
-float32 rounding, and in bf16 at the checkpoint's size their error against the upstream layers
-(eager attention, unfused) is to stay below 1e-2 of the output's largest magnitude, with a mean
-error against float32 no larger than theirs (tests/model_executor/models/minicpmo_4_5/
-test_fused_layers_cuda.py). Graphed and eager calls both run these functions, so a replay stays
-bitwise equal to the eager call.
-
-``--hf-overrides encoder_fused_layers`` (``"all"``, ``"vision"``, ``"audio"`` or ``"none"``; the
-default is the option registry's, ``encoder_cuda_graph/options.py``) chooses which encoders run
-them (:func:`configure_fused_layers`). SigLIP runs them only with its SDPA attention
-(``vision_attn_implementation="sdpa"``, the default); ``"eager"`` keeps its
-original math. They apply to inference calls only (eval mode, autograd and autocast off; not FP16
-Whisper, whose overflow clamp reads values on the host): anything else runs the unfused layers.
+Numerics: each piece rounds where the unfused layer rounds where that is cheap; the rest (GELU
+epilogue, other GEMM and attention kernels) is bounded by the CUDA tests in
+``test_fused_layers_cuda.py``. Graphed and eager calls run the same functions, so a replay is
+bitwise equal to its eager call. ``--hf-overrides encoder_fused_layers`` chooses the encoders
+(:func:`configure_fused_layers`); SigLIP runs them only with its SDPA attention, and only inference
+calls (eval, no autograd, no autocast, not FP16 Whisper) take them.
 """
 
 from __future__ import annotations
@@ -103,14 +62,7 @@ FUSED_LAYERS_KEY = "encoder_fused_layers"
 #: Its values: both encoders, one of them, or neither.
 FUSED_LAYERS_CHOICES = ("all", "vision", "audio", "none")
 
-#: The pieces of SigLIP's fused path, each of which a diagnostic can switch off on its own
-#: (:func:`siglip_fused_pieces`; not an option): the patch embedding as a GEMM
-#: (:func:`siglip_patch_embeddings`), the packed q/k/v GEMM (:func:`pack_qkv`; off: three GEMMs),
-#: the pinned attention backends (:data:`SIGLIP_SDPA_BACKENDS`; off: SDPA's own choice), fc1's
-#: bias + GELU epilogue (off: fc1, then the tanh GELU), the fused residual add + LayerNorm
-#: (off: torch's add and ``layer_norm``), the resampler's attention through SDPA
-#: (:func:`resampler_needs_weights`) and its keys and values written contiguous
-#: (:func:`resampler_keys_values`).
+#: The pieces of SigLIP's fused path, each of which a diagnostic can switch off (:func:`siglip_fused_pieces`).
 SIGLIP_PIECES = (
     "patch_gemm",
     "packed_qkv",
@@ -137,12 +89,8 @@ WHISPER_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
-#: SDPA backends for Whisper's streaming chunks. The eager chunk carries an all-zero mask and its
-#: graph drops it (:func:`whisper_streaming_drops_zero_mask`), so the backend must be one that runs
-#: with and without a mask and gives the same bits either way: cuDNN (measured bitwise equal with
-#: a zero bias and without one at every past length 0, 50, ..., 1450 of a cache cycle on an H200,
-#: cuDNN 9.19), the memory-efficient kernel and the math path (which add 0.0 to each score). Flash
-#: attention, fastest without a mask, refuses one, so the eager call would run another kernel.
+#: SDPA backends for Whisper's streaming chunks: the graph drops the eager call's all-zero mask, so
+#: only backends that give the same bits with and without it (flash attention refuses a mask).
 WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -150,21 +98,10 @@ WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# Option and configuration
-# ---------------------------------------------------------------------------------------------
 
 
 def configure_fused_layers(model: nn.Module) -> dict[str, str]:
     """Choose, from ``--hf-overrides encoder_fused_layers``, which encoders of ``model`` run fused.
-
-    Sets ``_fused_layers`` (bool) on ``model.vpm``, ``model.resampler`` (with the vision state)
-    and ``model.apm`` (where they exist), ``_fused_pieces`` (:data:`SIGLIP_DEFAULT_PIECES`) on
-    the first two, packs
-    their q/k/v weights (:func:`pack_qkv`) and logs one INFO line with each encoder's state.
-    Called by the model's constructor, after the encoders exist; the weights may be loaded later
-    (loading writes into the packed views in place), and a call that finds the views replaced
-    (the parameters moved or cast) packs again before it runs.
 
     Args:
         model: the thinker (``MiniCPMO45OmniLLMForConditionalGeneration``) or anything with
@@ -223,24 +160,16 @@ def configure_fused_layers(model: nn.Module) -> dict[str, str]:
 
 
 def _inference_call(module: nn.Module, device: torch.device) -> bool:
-    """Eval mode, autograd off and autocast off: the calls the fused kernels are written for."""
     return not module.training and not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type)
 
 
 def _piece(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` (SigLIP or the resampler) runs the fused piece ``name``."""
     return name in module.__dict__.get("_fused_pieces", SIGLIP_DEFAULT_PIECES)
 
 
 @contextlib.contextmanager
 def siglip_fused_pieces(model: nn.Module, pieces: Sequence[str]) -> Any:
     """Run SigLIP's fused path with only ``pieces`` of :data:`SIGLIP_PIECES` for the block.
-
-    A diagnostic for tests and measurements, not an option: it measures what each piece does to the
-    numerics or the time. It sets ``_fused_pieces`` on ``model.vpm`` and ``model.resampler`` and
-    restores what they had on exit. Whether the fused path runs at all stays
-    ``_fused_layers``'s choice. A graph captured before the block replays the pieces it was
-    captured with: run the block's calls eagerly (graph adapters detached).
 
     Raises:
         ValueError: a name that is not one of :data:`SIGLIP_PIECES`.
@@ -262,9 +191,6 @@ def siglip_fused_pieces(model: nn.Module, pieces: Sequence[str]) -> Any:
                 module._fused_pieces = value
 
 
-# ---------------------------------------------------------------------------------------------
-# Packed q/k/v
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -296,13 +222,6 @@ class PackedQKV:
 def pack_qkv(attention: nn.Module) -> PackedQKV:
     """The packed q/k/v projection of ``attention``, packing (or re-packing) it when needed.
 
-    The first call concatenates the three weights (and biases) into new tensors on their
-    device and re-points each projection's ``weight.data`` / ``bias.data`` to its slice, so
-    the former tensors are freed (no extra weight memory) and every later in-place write to a
-    parameter (weight loading, ``copy_``) lands in the packed tensor. Later calls return the
-    same packing while the parameters are still its views; a parameter replaced since (e.g.
-    the module moved or cast, which swaps ``.data``) is packed again.
-
     Args:
         attention: a module with ``q_proj``, ``k_proj`` and ``v_proj`` ``nn.Linear`` of the same
             input width (SigLIP's and Whisper's attention).
@@ -311,9 +230,7 @@ def pack_qkv(attention: nn.Module) -> PackedQKV:
         the :class:`PackedQKV`, also kept on ``attention`` as ``_packed_qkv``.
 
     Raises:
-        RuntimeError: packing is needed while the current CUDA stream is capturing a graph (it
-            allocates, and the views it makes would point into the graph's pool): pack before,
-            as the eager warmup calls before a capture do.
+        RuntimeError: packing is needed while the current CUDA stream is capturing a graph.
     """
     packed = attention.__dict__.get("_packed_qkv")
     if packed is not None and packed.shared_by(attention):
@@ -348,13 +265,9 @@ def pack_qkv(attention: nn.Module) -> PackedQKV:
     return packed
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared pieces
-# ---------------------------------------------------------------------------------------------
 
 
 def _sdpa_pin(backends: Sequence[SDPBackend]) -> contextlib.AbstractContextManager:
-    """``sdpa_kernel`` with ``backends`` in priority order (torch >= 2.6), else as the allowed set."""
     try:
         return sdpa_kernel(list(backends), set_priority=True)
     except TypeError:  # torch without set_priority: the set, in torch's own order
@@ -371,10 +284,6 @@ def _attention(
 ) -> torch.Tensor:
     """SDPA of ``(B, heads, Nq, d)`` q over ``(B, heads, Nk, d)`` k/v, backend pinned on CUDA
     (``backends`` None: SDPA's own choice).
-
-    Returns ``(B, Nq, heads * d)``: the attention output read as the output projection takes it
-    (a view when the kernel writes ``(B, Nq, heads, d)`` rows, as flash, memory-efficient and
-    cuDNN attention do for these inputs; a copy otherwise).
     """
     if query.device.type == "cuda" and backends is not None:
         with _sdpa_pin(backends):
@@ -386,7 +295,6 @@ def _attention(
 
 
 def _split_qkv(qkv: torch.Tensor, batch: int, positions: int, heads: int) -> tuple[torch.Tensor, ...]:
-    """``(B * N, 3E)`` packed projections -> q, k, v as ``(B, heads, N, E / heads)`` strided views."""
     head_dim = qkv.shape[-1] // (3 * heads)
     split = qkv.view(batch, positions, 3, heads, head_dim)
     return tuple(split[:, :, index].transpose(1, 2) for index in range(3))
@@ -405,13 +313,6 @@ def _attention_update(
     out_bias: bool = False,
     linear: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
-    """The attention sub-layer's output projection for ``(B * N, E)`` rows, ``(B * N, E)``.
-
-    One packed q/k/v GEMM (``packed``; else the three projections), SDPA on its strided views
-    (keys and values through ``cache.update`` when there is a cache), the output projection with
-    its bias (``out_bias``) or without it; every intermediate is freed on return, so a graph's
-    pool holds the q/k/v and attention outputs of one sub-layer at a time.
-    """
     if packed:
         qkv = pack_qkv(attention)
         query, key, value = _split_qkv(
@@ -434,7 +335,8 @@ def _siglip_mlp(mlp: nn.Module, normed: torch.Tensor, epilogue: bool) -> torch.T
     """SigLIP's MLP with fc2's bias in its GEMM (as ``nn.Linear`` rounds it; cuBLAS also picks a
     faster kernel with the bias epilogue at these shapes: 21 vs 26 us per layer at 1 x 1024
     patches on an H200); fc1 with the bias + GELU epilogue where ``epilogue`` and the activation is
-    the tanh GELU. fc1's output is freed on return."""
+    the tanh GELU. fc1's output is freed on return.
+    """
     if epilogue and mlp.config.hidden_act == "gelu_pytorch_tanh":
         return mlp.fc2(_gelu_tanh_epilogue(mlp.fc1, normed))
     return mlp.fc2(mlp.activation_fn(mlp.fc1(normed)))
@@ -448,13 +350,11 @@ def _norm(
     store_sum: bool = True,
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The residual sum and its LayerNorm: the fused kernel, or (``fused`` False) torch's ops."""
     op = add_layer_norm if fused else add_layer_norm_reference
     return op(residual, update, update_bias, norm.weight, norm.bias, norm.eps, store_sum)
 
 
 def _gelu_tanh_epilogue(linear: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(linear(hidden))``: one cuBLASLt GEMM with the bias + GELU epilogue on CUDA."""
     if hidden.is_cuda and linear.bias is not None:
         return torch._addmm_activation(linear.bias, hidden, linear.weight.t(), use_gelu=True)
     # torch._addmm_activation(use_gelu=True) computes the exact GELU on the CPU.
@@ -465,20 +365,12 @@ def _affine_layer_norms(norms: Sequence[Any]) -> bool:
     return all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
 
 
-# ---------------------------------------------------------------------------------------------
-# SigLIP
-# ---------------------------------------------------------------------------------------------
 
 
 def siglip_fused_applies(
     vpm: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> bool:
-    """Whether :func:`siglip_encode` runs this call of ``vpm``'s encoder.
-
-    True when :func:`configure_fused_layers` turned it on (``vpm._fused_layers``), the attention
-    is SDPA with no mask or an additive float mask, the call is an inference call (eval, autograd
-    and autocast off) and every layer has the modules the fused path reads.
-    """
+    """Whether :func:`siglip_encode` runs this call of ``vpm``'s encoder."""
     if not getattr(vpm, "_fused_layers", False) or not _inference_call(vpm, hidden_states.device):
         return False
     if attention_mask is not None and not attention_mask.is_floating_point():
@@ -490,17 +382,7 @@ def siglip_fused_applies(
 
 
 def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)``.
-
-    The embedding is a ``Conv2d`` whose stride is its kernel (``P``), over one row of ``N``
-    patches; with the fused layers on (:func:`siglip_fused_applies` without a mask) it runs as
-    the GEMM it is (piece ``"patch_gemm"`` of :data:`SIGLIP_PIECES`): the patches reshaped to
-    ``(B * N, 3 * P * P)`` rows times the flattened kernel, plus the bias, written contiguous (on an
-    H200 25 us instead of the convolution's
-    101 us for one 1024-patch slice, 0.11 instead of 0.50 ms for ten; nearer a float32 reference
-    too). Otherwise, or for any other layout or convolution, the convolution itself, read as
-    ``(B, N, hidden)`` (a transposed view).
-    """
+    """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)``."""
     conv = vpm.embeddings.patch_embedding
     patch = conv.kernel_size[0]
     gemm = (
@@ -528,31 +410,12 @@ def siglip_patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch
 
 
 def resampler_needs_weights(resampler: nn.Module) -> bool:
-    """``need_weights`` for the resampler's attention call: False with the fused vision layers.
-
-    The resampler discards the attention weights its ``MultiheadAttention`` returns; asking for
-    them runs the attention as explicit GEMMs and a softmax over materialised ``(B * heads, Q,
-    N)`` weights, and averages them over heads. Without them it runs SDPA (with the key-padding
-    mask as an additive mask; piece ``"resampler_sdpa"`` of :data:`SIGLIP_PIECES`): on an H200
-    2 MiB less graph pool and 7 % less time for one slice (48.2 -> 46.1 MiB, 0.180 -> 0.168 ms), 24
-    % less pool for ten slices.
-    """
+    """``need_weights`` for the resampler's attention call: False with the fused vision layers."""
     return not (getattr(resampler, "_fused_layers", False) and _piece(resampler, "resampler_sdpa"))
 
 
 def resampler_keys_values(resampler: nn.Module, keys: torch.Tensor) -> torch.Tensor:
     """The resampler's keys and values ``(L, B, D)`` as its attention reads them.
-
-    The resampler permutes its ``(B, L, D)`` LayerNorm output to ``(L, B, D)``: for more than one
-    slice a non-contiguous view, which the key sum ``keys + pos_embed`` inherits. Its attention's
-    in-projections of such inputs cannot fold into one GEMM over the rows: in the graphed call's
-    profile on an H200 they were two GEMM kernels whose narrow tile is the slice count (8 and 16
-    columns), without a bias epilogue (a strided add after each), 3.7 ms each for three padded
-    slices and 3.9 ms each for ten: 45 % and 28 % of the call. With the fused
-    vision layers (piece ``"resampler_kv_layout"`` of :data:`SIGLIP_PIECES`) the view is copied
-    once to a contiguous ``(L, B, D)`` tensor (the same values; one slice's view is contiguous
-    already and is returned as it is), so both projections are single GEMMs with their bias
-    epilogue. Otherwise ``keys`` is returned unchanged.
 
     Args:
         resampler: the ``Resampler`` (its ``_fused_layers`` and pieces).
@@ -589,12 +452,7 @@ def siglip_encode(
     # A column-sliced or transposed input is copied here, once, not by each of the two calls below.
     residual = contiguous_rows(hidden_states.reshape(batch * positions, width))
     normed, _ = _norm(residual, None, None, layers[0].layer_norm1, store_sum=False, fused=fused_norm)
-    # Intermediates are handed on, never kept in a name into the next sub-layer, so each is freed
-    # as soon as its consumer returns and a graph's pool holds one sub-layer's intermediates at a
-    # time. The pool grows in 20 MiB segments: on an H200 a one-slice stack graph took 64 MiB when
-    # the loop kept its GEMM outputs in names until the next layer rebound them, 44 MiB without.
-    # Both projections keep their biases in their GEMMs, so each residual sum is the one the
-    # unfused layers compute (the module docstring's Numerics).
+    # Intermediates are handed on, never kept in a name, so a graph's pool holds one sub-layer's at a time.
     for index, layer in enumerate(layers):
         attention = layer.self_attn
         normed, residual = _norm(
@@ -627,21 +485,12 @@ def siglip_encode(
     return normed.view(batch, positions, width)
 
 
-# ---------------------------------------------------------------------------------------------
-# Whisper
-# ---------------------------------------------------------------------------------------------
 
 
 def whisper_fused_applies(
     apm: nn.Module, hidden_states: torch.Tensor, head_mask: torch.Tensor | None, output_attentions: bool
 ) -> bool:
-    """Whether :func:`whisper_encode_layers` runs this call of ``apm``'s layers.
-
-    True when :func:`configure_fused_layers` turned it on (``apm._fused_layers``), no head mask
-    and no attention weights are asked for, the call is an inference call (eval, autograd and
-    autocast off), the dtype is not FP16 (Whisper's FP16 overflow clamp reads values on the host)
-    and every layer has the modules the fused path reads.
-    """
+    """Whether :func:`whisper_encode_layers` runs this call of ``apm``'s layers."""
     if not getattr(apm, "_fused_layers", False) or head_mask is not None or output_attentions:
         return False
     if hidden_states.dtype == torch.float16 or not _inference_call(apm, hidden_states.device):
@@ -675,15 +524,10 @@ def whisper_encode_layers(
         apm: ``MiniCPMWhisperEncoder`` (its ``layers`` and ``layer_norm``).
         hidden_states: ``(B, T, d_model)``, the embeddings plus positions, in the model dtype.
         attention_mask: None, or the additive mask ``(B, 1, T, T_keys)`` in that dtype.
-        past_key_values: None (stateless), or the streaming cache: an ``EncoderDecoderCache``
-            (its ``self_attention_cache`` is updated) or a cache with ``update(key, value,
-            layer_idx)``, which receives each layer's ``(B, heads, T, head_dim)`` keys and values
-            and returns past and new ones concatenated, as ``DynamicCache.update`` does.
-        output_hidden_states: also return the hidden states as the unfused encoder's
-            ``encoder_states``: the input, each layer's output but the last, then the final
-            LayerNorm's output.
-        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear`` (a caller
-            batching independent rows may pass one that keeps each row's bits).
+        past_key_values: None (stateless), an ``EncoderDecoderCache``, or a cache whose
+            ``update(key, value, layer_idx)`` returns past and new ``(B, heads, T, head_dim)`` concatenated.
+        output_hidden_states: also return the unfused encoder's ``encoder_states``.
+        linear: every GEMM of the layers, ``linear(x, weight, bias)`` as ``F.linear``.
 
     Returns:
         ``(last_hidden_state (B, T, d_model), encoder_states or None)``, what the unfused loop
@@ -741,14 +585,7 @@ def whisper_encoder_output(
     output_hidden_states: bool | None,
     return_dict: bool | None,
 ) -> Any:
-    """What ``MiniCPMWhisperEncoder.forward`` returns after its layers, with the fused layers.
-
-    ``hidden_states`` and ``past_key_values`` as the forward holds them before its layer loop
-    (``past_key_values`` already wrapped in an ``EncoderDecoderCache`` when ``use_cache``); the
-    cache is updated in place. Returns a ``BaseModelOutputWithPast`` (``attentions`` None,
-    ``past_key_values`` the cache when ``use_cache``) or, without ``return_dict``, the tuple of
-    its non-None fields but the cache, as the unfused forward does.
-    """
+    """What ``MiniCPMWhisperEncoder.forward`` returns after its layers, with the fused layers."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     # The layers get the cache whether or not use_cache is set, as in the unfused forward.
@@ -766,12 +603,5 @@ def whisper_encoder_output(
 
 
 def whisper_streaming_drops_zero_mask(apm: nn.Module) -> bool:
-    """Whether a streaming audio graph may leave out the all-zero mask of its chunk.
-
-    True when ``apm`` runs the fused layers (``apm._fused_layers``): their streaming attention
-    (:data:`WHISPER_STREAMING_SDPA_BACKENDS`) gives the same bits with the all-zero mask the eager
-    chunk passes and without it, so the graph skips building the mask and the kernel's bias reads
-    (on an H200 cuDNN attention takes 12.6 instead of 17.2 us per layer at a past of 700
-    positions). The other calls of the streaming path decide as before.
-    """
+    """Whether a streaming audio graph may leave out the all-zero mask of its chunk."""
     return bool(getattr(apm, "_fused_layers", False))

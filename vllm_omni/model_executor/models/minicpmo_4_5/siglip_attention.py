@@ -1,23 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""SigLIP's attention for MiniCPM-o 4.5: SDPA, the key-padding mask, and the choice of implementation.
+"""SigLIP's attention for MiniCPM-o 4.5: SDPA, the key-padding mask and the choice of implementation.
 
-The model file's SigLIP took its attention implementation from
-``vllm_config.model_config._attn_implementation``, an attribute vLLM's ``ModelConfig`` (pydantic,
-``extra="forbid"``) never has, so serving always ran the eager attention: logits rounded to the model
-dtype before the softmax, a ``(B, heads, N, N)`` score tensor per layer and a ``(B, 1, N, N)`` padding
-mask. This module gives the model file what it needs to do better, each piece called from one hook:
-
-- :func:`vision_attn_implementation`: the implementation from ``--hf-overrides
-  vision_attn_implementation`` (``"sdpa"`` by default, ``"eager"``, ``"flash_attention_2"``),
-  validated here (this module needs nothing else of the project); :func:`set_vision_attention`
-  puts it on the vision config and logs it.
-- :class:`SiglipSdpaAttentionMixin`: the forward of the model file's ``SiglipSdpaAttention``
-  (``SiglipAttention``'s parameters, :func:`torch.nn.functional.scaled_dot_product_attention`).
-- :func:`siglip_attention_class`: the attention class a SigLIP encoder layer builds.
-- :func:`encoder_attention_mask` / :func:`check_attention_mask`: the padding mask in key-padding
-  form ``(B, 1, 1, N)``, which eager attention adds exactly as it added the ``(B, 1, N, N)`` one.
-
-The model file imports this module; this module never imports the model file.
+The model file read the implementation from an attribute vLLM's ``ModelConfig`` never has, so serving
+always ran the eager attention. ``--hf-overrides vision_attn_implementation`` (validated here) now
+chooses it, ``"sdpa"`` by default. This module never imports the model file.
 """
 
 from __future__ import annotations
@@ -74,18 +60,13 @@ def vision_attn_problem(value: Any) -> str | None:
 def vision_attn_implementation(hf_config: Any) -> str:
     """SigLIP's attention implementation, from ``--hf-overrides vision_attn_implementation``.
 
-    ``--hf-overrides`` keys land as attributes of ``hf_config``.
-
     Returns:
         ``"sdpa"`` (the default), ``"eager"`` (the original math: logits rounded to the model
         dtype, materialised scores) or ``"flash_attention_2"``.
 
     Raises:
-        ValueError: a value that is not one of those strings (the message names the key, the
-            value as JSON and the allowed values); ``"flash_attention_2"`` while the flash-attn 2
-            package does not import here (``transformers.utils.is_flash_attn_2_available()``,
-            which also guards the model file's ``flash_attn`` imports, is False: not installed,
-            too old, or no CUDA).
+        ValueError: a value that is not one of those strings; ``"flash_attention_2"`` while
+            ``transformers.utils.is_flash_attn_2_available()`` is False.
     """
     implementation = getattr(hf_config, VISION_ATTN_KEY, VISION_ATTN_DEFAULT)
     problem = vision_attn_problem(implementation)
@@ -135,9 +116,8 @@ def sdpa_attention(
             over heads and queries.
 
     Returns:
-        ``(B, N, hidden)``: the attention output after ``out_proj``. Neither the
-        ``(B, heads, N, N)`` scores nor a ``(B, 1, N, N)`` mask are materialised, and the softmax
-        runs on the kernel's float32 accumulators instead of logits rounded to the model dtype.
+        ``(B, N, hidden)``: the attention output after ``out_proj``; no ``(B, heads, N, N)``
+        scores are materialised.
     """
     batch_size, q_len, _ = hidden_states.size()
     heads = (batch_size, q_len, attention.num_heads, attention.head_dim)
@@ -157,13 +137,7 @@ def sdpa_attention(
 
 
 class SiglipSdpaAttentionMixin:
-    """The forward of SigLIP's SDPA attention, mixed in front of the model file's ``SiglipAttention``.
-
-    The class keeps the parameters and weight names of ``SiglipAttention`` (the model file defines
-    ``SiglipSdpaAttention(SiglipSdpaAttentionMixin, SiglipAttention)``: this module cannot import
-    the model file, which imports it). SDPA returns no attention probabilities:
-    ``output_attentions=True`` runs the eager math of ``SiglipAttention``.
-    """
+    """The forward of SigLIP's SDPA attention, mixed in front of the model file's ``SiglipAttention``."""
 
     def forward(
         self,
@@ -180,10 +154,6 @@ class SiglipSdpaAttentionMixin:
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, q_len: int, k_v_seq_len: int) -> None:
     """Refuse an additive mask that eager SigLIP attention cannot add to its ``(B, heads, N, N)`` scores.
 
-    Accepted: the key-padding form ``(B, 1, 1, N)``, which broadcasts over the queries (adding it
-    gives the same sums as adding the ``(B, 1, N, N)`` mask whose rows all repeat it), and that
-    ``(B, 1, N, N)`` form itself.
-
     Raises:
         ValueError: any other size ("Attention mask should be of size ...").
     """
@@ -197,13 +167,7 @@ def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, q_len: i
 def encoder_attention_mask(
     patch_valid: torch.Tensor, dtype: torch.dtype, flash_attention_2: bool
 ) -> torch.Tensor:
-    """SigLIP encoder's padding mask for ``patch_valid``, ``(B, N)`` bool (True: a real patch).
-
-    FA2 (``flash_attention_2``) takes ``patch_valid`` itself. Eager and SDPA attention take the
-    additive key-padding mask ``(B, 1, 1, N)`` in ``dtype``: 0 for a real patch and
-    ``torch.finfo(dtype).min`` for padding, the values of transformers'
-    ``_prepare_4d_attention_mask`` (which repeats them for each of the ``N`` queries).
-    """
+    """SigLIP encoder's padding mask for ``patch_valid``, ``(B, N)`` bool (True: a real patch)."""
     if flash_attention_2:
         return patch_valid
     batch_size, num_patches = patch_valid.shape

@@ -1,34 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """MiniCPM-o 4.5's image call without host reads, captured by the vision CUDA graph as a whole.
 
-In vllm-omni 0.30.0, every ``get_vision_hidden_states`` call ran, around SigLIP's encoder stack, host syncs and
-dozens of small eager kernels: the per-slice padding loop, ``max().item()`` on ``tgt_sizes``, a per-slice
-mask loop, position ids built on the CPU and copied from pageable memory, ``torch.any`` on the patch
-mask, and the resampler's per-slice host reads of ``tgt_sizes``, which also kept the resampler out of
-any graph (reading a tensor on the host invalidates a capture). Here everything that depends on the
-values of ``tgt_sizes`` is computed on the device, so the whole call from pixels to resampler output
-(:func:`encode_images`: patch and position embeddings, SigLIP, post layernorm, resampler) is one
-region of the vision adapter (:data:`IMAGE_CALL`), keyed by the exact input shapes alone: whether a
-slice is padded follows from the slice lengths, and one graph serves every call of its shapes
-whatever the grids.
-
-- SigLIP's position ids come from a grow-only table of the host mapping's own float32
-  ``arange``/``bucketize`` buckets for every grid side (:func:`position_bucket_rows`; a division
-  evaluated on the device rounds differently at some sides, e.g. 25, 49, 50, 55).
-- The resampler's positions come from the 1-D sincos rows the 2-D cache is made of
-  (:func:`pos_embed_rows`, the same values bitwise), its key padding mask from ``tgt_sizes``.
-- The tables (:class:`GrowingDeviceTable`) are built before a call reaches the graph
-  (:func:`get_vision_hidden_states`), never inside a capture.
-- The embedding sum is written to a contiguous tensor (:func:`encode_packed_slices`), so no
-  encoder layer copies its hidden states or runs a strided residual add.
-
-With the same attention implementation the eager outputs are bitwise those of vllm-omni 0.30.0's image call (the
-same operations on the same values in the same order).
-FA2 with padding stays eager (unpadding reads lengths on the host).
-
-Each function takes the model-file module it works on (the thinker, ``SiglipVisionEmbeddings``,
-``Resampler``, ``SiglipVisionTransformer``); this module imports the model file only inside
-:func:`pos_embed_rows`, for its sincos helper.
+Everything that depends on the values of ``tgt_sizes`` is computed on the device, so the call from
+pixels to resampler output (:func:`encode_images`) is one graph region keyed by input shapes alone.
+Position ids come from grow-only device tables (:class:`GrowingDeviceTable`) built before the graph
+runs. With the same attention, eager outputs are bitwise those of vllm-omni's own image call; FA2
+with padding stays eager.
 """
 
 from __future__ import annotations
@@ -65,14 +42,11 @@ IMAGE_CALL = VisionGraphRegion(
 class GrowingDeviceTable:
     """Lookup tables built on the host, one per (device, dtype), grown to what a call needs.
 
-    ``get(size, device, dtype, build)`` returns ``build(rows)`` on ``device`` (cast to
-    ``dtype`` unless it is None), ``rows`` being ``size`` rounded up to a multiple of
-    ``granule``, and rebuilds only when a call needs more than the current table covers.
-    Tables are normal tensors even when built under ``torch.inference_mode`` (calls under
-    ``torch.no_grad`` read them too). A replaced table stays referenced, since a CUDA
-    graph captured with it keeps reading its memory. A build copies from the host, which
-    a CUDA graph capture cannot record: while the current stream is capturing it raises
-    ``RuntimeError`` instead, so callers build before a capture can start.
+    ``get(size, device, dtype, build)`` returns ``build(rows)`` on ``device``, ``rows`` being ``size``
+    rounded up to a multiple of ``granule``. A replaced table stays referenced (graphs read it).
+
+    Raises:
+        RuntimeError: a build while the current stream is capturing (build before a capture).
     """
 
     def __init__(self, granule: int = 256) -> None:
@@ -103,9 +77,6 @@ class GrowingDeviceTable:
         return table
 
 
-# ---------------------------------------------------------------------------
-# SigLIP position ids (SiglipVisionEmbeddings, its ``_bucket_tables``)
-# ---------------------------------------------------------------------------
 
 
 def position_bucket_rows(embeddings: nn.Module, max_side: int) -> torch.Tensor:
@@ -117,10 +88,8 @@ def position_bucket_rows(embeddings: nn.Module, max_side: int) -> torch.Tensor:
     Returns:
         A flat int16 CPU tensor of ``max_side * (max_side + 1) // 2`` entries; entry
         ``side * (side - 1) // 2 + k`` is the bucket of row ``k`` of a side of ``side``
-        patches. Computed as ``_create_grid_position_ids`` computes it, with the same float32
-        ``arange`` fractions and ``bucketize`` boundaries, so the ids are the host mapping's
-        own; a division evaluated on the device (``k / side``, as vLLM's Idefics2 position ids
-        do) lands in another bucket for some rows of some sides (25, 49, 50, 55).
+        patches, with ``_create_grid_position_ids``'s float32 ``arange`` and ``bucketize``
+        (a division on the device lands in another bucket for some sides).
     """
     step = 1 / embeddings.num_patches_per_side
     boundaries = torch.arange(step, 1.0, step)
@@ -135,9 +104,6 @@ def position_bucket_rows(embeddings: nn.Module, max_side: int) -> torch.Tensor:
 def position_bucket_table(embeddings: nn.Module, max_side: int, device: torch.device) -> torch.Tensor:
     """The :func:`position_bucket_rows` table of ``embeddings`` on ``device``, covering every grid
     side ``<= max_side`` (kept in ``embeddings._bucket_tables``).
-
-    Built at its first use and grown when a larger side comes (host work and a copy to the
-    device): call it before a CUDA graph capture that runs :func:`position_ids_from_tgt_sizes`.
     """
     return embeddings._bucket_tables.get(
         max_side, device, None, lambda rows: position_bucket_rows(embeddings, rows)
@@ -157,9 +123,8 @@ def position_ids_from_tgt_sizes(
 
     Returns:
         ``(B, N)`` int64: patch ``p < h * w`` (row ``p // w``, column ``p % w``) gets
-        ``bucket(row of h) * num_patches_per_side + bucket(column of w)``, a padding patch 0,
-        which is what ``_create_position_ids`` returns for the mask ``p < h * w``, for every
-        grid; tensor ops only, no value read on the host, so a CUDA graph can capture it.
+        ``bucket(row of h) * num_patches_per_side + bucket(column of w)``, a padding patch 0, as
+        ``_create_position_ids`` returns; no host read, so a CUDA graph can capture it.
     """
     table = position_bucket_table(embeddings, num_patches, tgt_sizes.device)
     sizes = tgt_sizes.to(torch.int64)
@@ -175,18 +140,10 @@ def position_ids_from_tgt_sizes(
     return position_ids.masked_fill(~valid, 0)
 
 
-# ---------------------------------------------------------------------------
-# Resampler positions (Resampler, its ``_pos_embed_tables``)
-# ---------------------------------------------------------------------------
 
 
 def pos_embed_rows(resampler: nn.Module, num_rows: int) -> torch.Tensor:
-    """``(num_rows + 1, embed_dim // 2)`` float32 sincos rows on the host, the last one zero.
-
-    Row ``k`` is the 1-D embedding of position ``k`` that ``get_2d_sincos_pos_embed`` writes
-    into both halves of the resampler's 2-D cache, ``pos_embed[r, c] == cat(row c, row r)``
-    (the first half encodes the column), bitwise. The zero row is the padding value.
-    """
+    """``(num_rows + 1, embed_dim // 2)`` float32 sincos rows on the host, the last one zero."""
     from .minicpmo_4_5_omni_llm import get_1d_sincos_pos_embed_from_grid_new
 
     positions = np.arange(num_rows, dtype=np.float32)[None, :]
@@ -199,9 +156,6 @@ def pos_embed_table(
 ) -> torch.Tensor:
     """The :func:`pos_embed_rows` table in ``dtype`` on ``device``, covering sides ``<= max_side``
     (kept in ``resampler._pos_embed_tables``).
-
-    Built at its first use and grown when a larger side comes (host work and a copy to the
-    device): call it before a CUDA graph capture that runs the resampler.
     """
     return resampler._pos_embed_tables.get(
         max_side, device, dtype, lambda rows: pos_embed_rows(resampler, rows)
@@ -220,10 +174,8 @@ def resampler_positions(
         tgt_sizes: ``(B, 2)`` integer ``(h_i, w_i)``, ``h_i * w_i <= N``.
 
     Returns:
-        ``pos_embed (N, B, embed_dim)`` in ``x``'s dtype: the 2-D sincos position of each real
-        patch in its grid and zeros for padding, the values the former per-slice slicing of the
-        2-D cache gave; ``key_padding_mask (B, N)`` bool, True for padding. Tensor ops only, no
-        value read on the host, so a CUDA graph can capture the call.
+        ``pos_embed (N, B, embed_dim)`` in ``x``'s dtype (the 2-D sincos position of each real
+        patch, zeros for padding) and ``key_padding_mask (B, N)`` bool, True for padding.
     """
     num_patches, device, dtype = x.shape[1], x.device, x.dtype
     sizes = tgt_sizes.to(device=device, dtype=torch.int64)
@@ -240,18 +192,10 @@ def resampler_positions(
     return pos_embed, key_padding_mask
 
 
-# ---------------------------------------------------------------------------
-# The image call
-# ---------------------------------------------------------------------------
 
 
 def pad_vision_slices(pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """Stack image slices ``(3, patch, L_i)`` into one ``(B, 3, patch, max L_i)`` batch, zero-padded.
-
-    Returns the contiguous batch and whether any slice is shorter than the longest (from
-    the shapes alone, nothing read from the device). A ``(B, 3, patch, L)`` tensor is a
-    batch of equal slices already.
-    """
+    """Stack image slices ``(3, patch, L_i)`` into one ``(B, 3, patch, max L_i)`` batch, zero-padded."""
     if isinstance(pixel_values, torch.Tensor):
         return pixel_values.contiguous(), False
     lengths = [item.shape[-1] for item in pixel_values]
@@ -292,15 +236,10 @@ def encode_packed_slices(
 
     Returns:
         ``(B, N, hidden)``: ``SiglipVisionTransformer.forward``'s ``last_hidden_state`` for the
-        patch mask ``patch_valid`` (with eager attention the same bits; a chunk of full slices in
-        a padded call gets a zero mask, which adds nothing), with tensor ops only and no value
-        read on the host. The encoder's hidden states are contiguous in every layer.
+        patch mask ``patch_valid``, without host reads.
     """
-    # The conv output (B, hidden, N) read as (B, N, hidden) is a transposed view, and an add
-    # lays its result out like its operands: the sum, and every residual sum of the encoder
-    # after it, would keep the transposed layout, so each layer would copy its input before
-    # both LayerNorms and run both residual adds through the strided elementwise kernel.
-    # The sum is written to a contiguous tensor instead (the same values).
+    # The conv output read as (B, N, hidden) is a transposed view; the sum is written contiguous so
+    # that no layer copies its input or runs a strided residual add.
     embeddings = patch_embeddings(vpm, pixel_values)
     position_ids = position_ids_from_tgt_sizes(vpm.embeddings, tgt_sizes, embeddings.shape[1])
     position_embeds = vpm.embeddings.position_embedding(position_ids)
@@ -321,7 +260,8 @@ def encode_packed_slices(
 def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """SigLIP's patch embedding of packed slices, ``(B, 3, P, P * N)`` -> ``(B, N, hidden)`` in the
     convolution's dtype, not necessarily contiguous (the convolution's output read as
-    ``(B, N, hidden)`` is a transposed view)."""
+    ``(B, N, hidden)`` is a transposed view).
+    """
     # with the fused layers on, the convolution runs as the GEMM it is, contiguous already
     # (fused_layers.siglip_patch_embeddings, which falls back to the convolution itself)
     if getattr(vpm, "_fused_layers", False):
@@ -331,18 +271,12 @@ def patch_embeddings(vpm: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor
 
 def get_vision_hidden_states(model: nn.Module, data: dict) -> torch.Tensor:
     """Resampled features of ``B`` image slices, ``(B, query_num, hidden_size)`` (the thinker's
-    ``get_vision_hidden_states``).
+    ``get_vision_hidden_states``), through ``model.vpm._encoder_graph`` when one is set.
 
-    ``data["pixel_values"]``: the slices as the image processor unfolds them, ``(3, patch,
-    patch * h_i * w_i)`` each (a list, or one ``(B, 3, patch, L)`` tensor of equal slices);
-    ``data["tgt_sizes"]``: ``(B, 2)`` integer ``(h_i, w_i)``, on any device.
-
-    No tensor value is read on the host: the slices are padded to the longest (which slices are
-    padded follows from their lengths), and position ids, masks and resampler positions are
-    computed on the device from ``tgt_sizes``. The whole call from pixels to resampler output
-    (``model._encode_images``) goes through the vision CUDA graph adapter
-    ``model.vpm._encoder_graph`` when one is set, keyed by the shapes alone, except in training
-    and for FA2 with padding, which unpads on lengths read on the host.
+    Args:
+        data: ``pixel_values``, the slices as the image processor unfolds them, ``(3, patch, patch *
+            h_i * w_i)`` each (a list, or one tensor of equal slices); ``tgt_sizes``, ``(B, 2)``
+            integer ``(h_i, w_i)`` on any device.
     """
     pixel_values, padded = pad_vision_slices(data["pixel_values"])
     device = pixel_values.device
@@ -369,20 +303,15 @@ def encode_images(
     """Pixels to resampled features: the region the vision CUDA graph captures (the thinker's
     ``_encode_images``; its modules are :data:`VISION_CAPTURED_MODULES`).
 
-    A replay re-runs only the GPU work recorded at capture: keep this and the modules it calls
-    free of Python side effects (see :mod:`.encoder_graphs`).
-
     Args:
         model: the MiniCPM-o 4.5 thinker (``vpm``, ``resampler``, ``config.vision_batch_size``).
-        pixel_values: ``(B, 3, patch, patch * N)`` slices padded to the longest, in the model
-            dtype.
+        pixel_values: ``(B, 3, patch, patch * N)`` slices padded to the longest, model dtype.
         tgt_sizes: ``(B, 2)`` integer ``(h_i, w_i)`` on the pixels' device.
         patch_valid: None when no slice is padded, else ``(B, N)`` bool, True for the first
             ``h_i * w_i`` patches of slice ``i``.
 
     Returns:
-        ``(B, query_num, hidden_size)`` in the model dtype. SigLIP runs in chunks of
-        ``config.vision_batch_size`` slices, the resampler once on all of them.
+        ``(B, query_num, hidden_size)`` in the model dtype.
     """
     batch_size = pixel_values.shape[0]
     chunk = max(1, int(model.config.vision_batch_size))

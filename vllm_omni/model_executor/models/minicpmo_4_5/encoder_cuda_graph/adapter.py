@@ -1,11 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The callable adapter: :class:`EncoderCudaGraph` replays an encoder call from a CUDA graph.
-
-It ties the policy (:mod:`.admission`) to a device backend (:mod:`.backend`):
-keys, the profiling guard, per-key measurements, the byte budget, the memory
-floor, shared graph pools, the hooks check, stats, the periodic stats line and
-the fatal capture-failure contract.
-"""
+"""The callable adapter :class:`EncoderCudaGraph`: replays an encoder call from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -79,93 +73,28 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", 
 class EncoderCudaGraph:
     """Replay an encoder call from a CUDA graph captured for its exact input shapes.
 
-    ``adapter(*inputs)`` returns what ``forward(*inputs)`` returns: a fresh
-    tensor (replayed outputs are clones, so a returned tensor survives later
-    replays), an inference tensor exactly when the eager call's would be (the
-    call runs under ``torch.inference_mode()``). Graphs captured under
-    ``inference_mode`` replay under plain ``torch.no_grad()`` and the reverse.
-    Inputs are positional tensors or None; the graph key is the replay stream,
-    the device of the tensor inputs and, per input, a tensor's ``(shape,
-    dtype)`` or None (so "mask given" and "no mask" are different graphs).
-    Strides and tensor values are not part of the key; replays read the live
-    input values.
-
-    *Static arguments* (``static_args=True``): any positional input that is
-    neither a tensor nor None (an int, a tuple, an object) is part of the key
-    by value, as ``(STATIC_ARG, value)`` (``==`` and ``hash``, so it must be
-    hashable; an object without ``__eq__`` counts by identity) and is passed
-    unchanged to every call of ``forward`` (warm-up, capture, eager); it never
-    becomes a static input buffer. A graph bakes in what ``forward`` did with
-    it at capture, so each value is its own graph. They carry what fixes the
-    forward's control flow or shapes without being a tensor shape (e.g. a
-    KV-cache length), or a persistent buffer the forward reads and writes in
-    place (e.g. a K/V arena) instead of a static copy. The choice is made once
-    per adapter, so an adapter whose inputs are all tensors keeps the
-    tensor-only key and replay path; there, a call with any other input is
-    ineligible (below), while with ``static_args`` such an input is a static
-    argument and no reason to run eagerly.
-
-    A call runs ``forward`` eagerly, without touching any graph, when it is
-    *ineligible*: autograd enabled, an input that is neither a tensor nor
-    None, or the backend refuses the tensor inputs (for
-    :class:`CudaGraphBackend`: no tensor inputs, a non-CUDA tensor, tensors on
-    more than one device, CUDA autocast enabled, or the current stream being
-    captured by someone else). Calls made during vLLM's start-up memory
-    profiling (:func:`in_memory_profiling`) run eagerly and count as profile
-    misses, without touching admission. Other eligible calls follow
-    :class:`CaptureAdmission`; at a key's capture threshold, ``admission="cost"``
-    asks :class:`CaptureCostModel` whether the graph pays (from the key's eager
-    calls, measured by the backend), then the byte budget ``max_bytes`` and the
-    free-memory floor may defer the capture (each deferral logs a WARNING the
-    first time and every :attr:`MEMORY_WARNING_EVERY` deferrals).
-
-    Stats: :meth:`get_cumulative_stats` (nine keys: vLLM's manager's
-    ``graph_hits``/``graph_misses``/``hit_rate`` and six of this adapter's) and
-    :meth:`get_detailed_stats` (miss kinds beyond those, bytes and hits per
-    graph). With ``log_interval_s`` the call path logs one INFO line with the
-    hit rate, graphs and bytes when that many seconds have passed since the
-    last one (no timer thread).
-
-    Python side effects: a replay runs the recorded GPU work only. Attribute
-    writes, counters or hooks inside ``forward`` happen on the warmup calls and
-    the capture, never on replay, so ``forward`` must have none. Before each
-    capture (and again after it, in case the forward registered some) the
-    adapter looks for forward/backward hooks on the modules ``forward`` runs
-    (``captured_modules``) and for torch's global module hooks. If it finds any,
-    it does not capture: it logs one WARNING naming the hooks and turns eager
-    for good (no captures, no replays of earlier graphs; its calls count as
-    ineligible misses). This is not fatal, as the eager forward runs the hooks
-    as registered (e.g. vLLM's ``--enable-layerwise-nvtx-tracing`` hooks every
-    module). Hooks registered after the last capture are not seen.
-
-    Fatal contract: if a capture raises, the original exception propagates,
-    nothing is registered, and every later call raises
-    :class:`EncoderCudaGraphCaptureFailedError` without capturing or running any
-    CUDA work. The backend first cleans up what the capture left in the process
-    (for :class:`CudaGraphBackend`: graph pool routing, capture stream, the CUDA
-    generator's capture mark), so the rest of the process (RNG, other graphs,
-    eager encoders) keeps working; this adapter does not. Restart the worker,
-    optionally with ``--hf-overrides '{"encoder_cuda_graph": false}'``.
+    ``adapter(*inputs)`` returns what ``forward(*inputs)`` returns, as a fresh tensor (replays are
+    cloned). The key is the replay stream, the device and, per positional input, ``(shape, dtype)``
+    or None; values and strides are not part of it. A call runs ``forward`` eagerly when it is
+    ineligible (autograd or CUDA autocast on, inputs the backend refuses, a capture in progress), during
+    vLLM's start-up profiling, or when admission defers it. A replay runs the recorded GPU work only:
+    ``forward`` must have no Python side effects, and module hooks found at a capture turn the adapter
+    eager for good. If a capture raises, the exception propagates and every later call raises
+    :class:`EncoderCudaGraphCaptureFailedError` without CUDA work.
 
     Args:
-        forward: the eager encoder, ``forward(*inputs) -> Tensor``; must be
-            capturable (no host syncs, no data-dependent shapes) and free of
-            Python side effects.
-        vllm_config: the engine's ``VllmConfig``; copied per capture, never
-            mutated (the manager needs ``model_config.multimodal_config``).
-        max_graphs, min_capture_calls, min_free_bytes, share_pools, admission,
-            max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
-            (validated the same way).
+        forward: the eager encoder, ``forward(*inputs) -> Tensor``; capturable (no host syncs, no
+            data-dependent shapes) and free of Python side effects.
+        vllm_config: the engine's ``VllmConfig``; copied per capture, never mutated.
+        max_graphs, min_capture_calls, min_free_bytes, share_pools, admission, max_bytes,
+            log_interval_s: see :class:`EncoderCudaGraphOptions`.
         name: encoder name for logs (``"vision"``, ``"audio"``).
         static_args: whether inputs other than tensors and None are static
-            arguments (see above); False makes such calls ineligible.
-        captured_modules: dotted names, relative to the module that owns the
-            bound method ``forward``, of the modules ``forward`` calls (checked
-            for hooks). None checks the owner's whole module tree; a ``forward``
-            that is not a module's method has only the global hooks checked.
-        backend: the device seam; default :class:`CudaGraphBackend`. Kept as
-            the attribute ``backend``, which a caller (a test's CPU backend) may
-            replace on an adapter built by :func:`make_encoder_cuda_graph` before its first call.
+            arguments, keyed by value (the design overview); False makes such calls ineligible.
+        captured_modules: the modules ``forward`` calls, dotted names relative to the module owning
+            the bound method ``forward`` (checked for hooks); None: the owner's whole tree.
+        backend: the device seam, :class:`CudaGraphBackend` by default; the attribute ``backend``
+            may be replaced before the first call (a test's CPU backend).
 
     Raises:
         HfOverridesError: (a ``ValueError``) invalid option values.
@@ -236,7 +165,6 @@ class EncoderCudaGraph:
         self._log_interval = float(log_interval_s)
         self._next_log = time.monotonic() + self._log_interval
 
-    # -- public --------------------------------------------------------------------
     @property
     def capture_failed(self) -> bool:
         return self._failure is not None
@@ -285,14 +213,8 @@ class EncoderCudaGraph:
         """Counters since construction (never reset), per adapter.
 
         Returns:
-            dict with exactly :data:`STATS_KEYS`: ``graph_hits`` (calls served by
-            a replay, the capturing call included), ``graph_misses`` (all eager
-            calls: every miss kind of :data:`MISS_KINDS` plus any counted by
-            vLLM's managers), ``hit_rate`` (hits / (hits + misses), 0.0 before
-            any call), ``num_graphs``, ``ineligible_misses``,
-            ``capacity_misses``, ``warmup_misses``, ``memory_misses`` and
-            ``capture_failures`` (0 or 1). The other miss kinds are in
-            :meth:`get_detailed_stats`.
+            dict with exactly :data:`STATS_KEYS` (the design overview's Stats); ``graph_misses``
+            counts every miss kind of :data:`MISS_KINDS` plus any counted by vLLM's managers.
         """
         hits = sum(m.graph_hits for m in self.graphs.values())
         misses = self.admission.total_misses() + sum(m.graph_misses for m in self.graphs.values())
@@ -314,17 +236,9 @@ class EncoderCudaGraph:
         """What :meth:`get_cumulative_stats` leaves out, since construction.
 
         Returns:
-            dict with ``admission`` (``"cost"`` or ``"count"``),
-            ``declined_misses`` (eager calls of keys the cost rule declined),
-            ``held_calls`` (warmup calls the cost rule measured behind a hold),
-            ``budget_misses`` (captures deferred by ``max_bytes``),
-            ``profile_misses`` (calls during vLLM's start-up profiling),
-            ``graph_bytes`` (int, bytes held by all graphs), ``max_bytes`` (the
-            budget, 0 = none), and ``graphs``: one dict per graph in capture
-            order with ``inputs`` (``[(shape, dtype) | None, ...]``), ``hits``,
-            ``bytes`` (= ``pool_bytes`` + ``static_bytes``), ``pool_bytes``
-            (graph pool growth at its capture), ``static_bytes`` (input and
-            output buffers) and ``capture_ms`` (wall time of the capture).
+            dict with ``admission``, ``declined_misses``, ``held_calls``, ``budget_misses``,
+            ``profile_misses``, ``graph_bytes``, ``max_bytes`` and ``graphs``: per graph in capture
+            order its ``inputs``, ``hits``, ``bytes`` (``pool_bytes`` + ``static_bytes``) and ``capture_ms``.
         """
         m = self.admission.misses
         graphs = [
@@ -350,9 +264,7 @@ class EncoderCudaGraph:
             "graphs": graphs,
         }
 
-    # -- internals -------------------------------------------------------------------
     def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
         self._calls += 1
         key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
         try:
@@ -367,7 +279,6 @@ class EncoderCudaGraph:
         return self._miss(key, inputs, device)
 
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
@@ -405,7 +316,6 @@ class EncoderCudaGraph:
         return False
 
     def _sighting(self, key: GraphKey) -> _KeyRecord:
-        """Update (or start, when admission restarted the key's count) the key's record."""
         record = self._records.get(key)
         if record is None or self.admission.history.get(key) == 1:
             record = self._records[key] = _KeyRecord(first_call=self._calls)
@@ -436,7 +346,6 @@ class EncoderCudaGraph:
         return out
 
     def _deferral(self, key: GraphKey, record: _KeyRecord, device: torch.device) -> str | None:
-        """Why a key at its capture threshold is not captured on this call (a miss kind), or None."""
         if record.output is None:
             # no eager call of the key has returned (each one raised): its output's shape and dtype,
             # which the capture and the byte estimate need, are not known yet
@@ -478,15 +387,6 @@ class EncoderCudaGraph:
         )
 
     def _estimate_bytes(self, key: GraphKey, record: _KeyRecord) -> int:
-        """Bytes a capture of ``key`` would hold: eager peak (~ pool growth) + inputs + output buffer.
-
-        A capture allocates the forward's intermediates and output in the graph
-        pool, which therefore grows by about the eager call's peak allocation
-        delta, rounded up to the caching allocator's 2 MiB segment granularity
-        (less when a shared pool already holds reusable blocks), plus static
-        copies of the tensor inputs and one output buffer outside the pool.
-        Static arguments have no buffer.
-        """
         shape, dtype = record.output
         static = math.prod(shape) * dtype.itemsize
         static += sum(math.prod(s) * d.itemsize for s, d in _tensor_entries(key))
@@ -494,7 +394,6 @@ class EncoderCudaGraph:
         return -(-peak // _SEGMENT_BYTES) * _SEGMENT_BYTES + static
 
     def _over_budget(self, key: GraphKey, record: _KeyRecord) -> bool:
-        """True (and a rate-limited WARNING) when the capture would pass ``max_bytes``."""
         estimate, held = self._estimate_bytes(key, record), self.graph_bytes
         if held + estimate <= self.options.max_bytes:
             return False
@@ -512,7 +411,6 @@ class EncoderCudaGraph:
         return True
 
     def _below_memory_floor(self, device: torch.device) -> bool:
-        """True (and a rate-limited WARNING) when free memory is below the floor."""
         floor = self.options.min_free_bytes
         if not floor:
             return False
@@ -553,7 +451,6 @@ class EncoderCudaGraph:
             )
 
     def _log_progress(self) -> None:
-        """The periodic INFO line: hit rate, graphs, bytes and misses by kind (cumulative)."""
         self._next_log = time.monotonic() + self._log_interval
         stats = self.get_cumulative_stats()
         total = stats["graph_hits"] + stats["graph_misses"]
@@ -575,7 +472,6 @@ class EncoderCudaGraph:
 
     @staticmethod
     def _replay(manager: ReplayableGraph, inputs: Sequence[Any]) -> torch.Tensor:
-        """Replay; the graph copies ``inputs`` into its static buffers and returns a clone of its output."""
         return manager.execute(
             {_BUFFER_KEYS[i]: x for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
         )[0]
@@ -588,7 +484,6 @@ class EncoderCudaGraph:
         device: torch.device,
         log_level: int = logging.INFO,
     ) -> bool:
-        """Capture ``key`` and register it; False when hooks forbid it; raises on failure (fatal)."""
         if self._refuse_if_hooked("before"):
             return False
         start = time.perf_counter()
@@ -644,7 +539,6 @@ class EncoderCudaGraph:
         )
 
     def _refuse_if_hooked(self, when: str) -> bool:
-        """Turn eager for good (one WARNING) if hooks would be skipped by replays."""
         hooks = list(self._hooks_in_captured_region())
         if not hooks:
             return False
@@ -667,7 +561,6 @@ class EncoderCudaGraph:
         return True
 
     def _hooks_in_captured_region(self) -> Iterator[str]:
-        """Names of hooks that a replay of ``forward`` would skip."""
         from torch.nn.modules import module as torch_module
 
         for attr, register in _GLOBAL_HOOKS:

@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Admission policy: when an encoder call may capture a graph; pure Python, testable on CPU.
-
-:class:`CaptureAdmission` counts each key's recurrence, enforces the graph cap
-and accounts the misses (:data:`MISS_KINDS`, reported under :data:`STATS_KEYS`);
-:class:`CaptureCostModel` is the ``"cost"`` rule, arithmetic on measured eager
-calls (:class:`EagerCallSample`) that says whether a graph pays for its capture
-and its memory; :func:`in_memory_profiling` keeps vLLM's start-up profiling
-calls out of both.
-"""
+"""Admission policy, pure Python: recurrence, graph cap, misses and the ``"cost"`` rule."""
 
 from __future__ import annotations
 
@@ -48,9 +40,7 @@ STATS_KEYS = (
     "capture_failures",
 )
 
-#: Miss kinds counted by :class:`CaptureAdmission`; all are part of ``graph_misses``.
-#: The first four have their own key in :data:`STATS_KEYS`; the others are in
-#: :meth:`EncoderCudaGraph.get_detailed_stats`.
+#: Miss kinds counted by :class:`CaptureAdmission`, all part of ``graph_misses``.
 MISS_KINDS = ("ineligible", "capacity", "warmup", "memory", "declined", "budget", "profile")
 
 
@@ -65,21 +55,6 @@ class Admission(enum.Enum):
 
 class CaptureAdmission:
     """Admission, graph cap and miss accounting for one encoder.
-
-    Pure bookkeeping, no CUDA: the adapter asks :meth:`admit` per eligible call
-    and reports back what happened. Order per call:
-
-    1. a captured key replays;
-    2. with ``len(captured) >= max_graphs`` the call is a capacity miss (so with
-       ``max_graphs == 0`` nothing is ever recorded in the history);
-    3. a key's calls are counted in a history of at most ``4 * max_graphs``
-       keys, least recently seen first out: every sighting moves its key to the
-       back, so a shape that keeps recurring stays while one-off shapes age out;
-       a key pushed out starts again from one call;
-    4. below ``min_capture_calls`` calls the call is a warmup miss; at the
-       threshold the count saturates and the adapter captures, unless the
-       memory floor defers it (``record_miss("memory")``), in which case the
-       next call with that key tries again.
 
     Args:
         max_graphs: graph cap, int >= 0.
@@ -124,13 +99,6 @@ class CaptureAdmission:
     def record_miss(self, kind: str) -> None:
         """An eager call of kind ``kind`` (one of :data:`MISS_KINDS`) decided outside :meth:`admit`.
 
-        At the capture threshold a deferral leaves the key saturated, so its next
-        call is asked again: ``"warmup"`` (cost measurements not read back yet),
-        ``"declined"`` (the cost rule says the graph would not pay),
-        ``"budget"`` (``max_bytes`` would be passed), ``"memory"`` (free-memory
-        floor). ``"profile"`` counts vLLM's start-up profiling calls, which never
-        reach :meth:`admit`.
-
         Raises:
             ValueError: an unknown kind.
         """
@@ -157,20 +125,12 @@ _GIB = float(1 << 30)
 class EagerCallSample:
     """One measured eager call of a key: the input of :class:`CaptureCostModel` (all times in ms).
 
-    A backend measures a call either *unheld* (as it runs in service) or *held*: the call's
-    stream first runs a spin kernel for ``hold_ms``, so the host enqueues (part of) the call
-    before the GPU starts it, and the GPU time after the hold shows how busy the GPU is.
-
     Attributes:
         host_ms: host time the call took to enqueue its work (``perf_counter``).
-        gpu_ms: an unheld call's GPU span: between events recorded on its stream right before
-            and right after it. When the host is slower than the GPU this span follows the
-            host (the GPU idles between launches), otherwise the GPU's own work. None for a
+        gpu_ms: an unheld call's GPU span between events right before and after it; None for a
             held call.
-        busy_ms: the GPU's busy time for the call, or an upper bound of it; None when the
-            measurement does not show it (an unheld call on CUDA). For a held call, the GPU
-            time from the hold's end to the call's end: the busy time when the hold outlasted
-            the host's enqueueing, more (the GPU caught up and idled again) when it did not.
+        busy_ms: the GPU's busy time, or an upper bound of it (a held call: from the hold's end to
+            the call's end); None when not shown (an unheld call on CUDA).
         hold_ms: how long the GPU held the stream before the call (0: not held).
     """
 
@@ -220,41 +180,8 @@ class CostVerdict:
 class CaptureCostModel:
     """The ``"cost"`` admission rule: capture a key only when its graph is expected to pay.
 
-    Pure arithmetic on measurements, testable on CPU; the adapter feeds it the
-    key's measured eager calls (:class:`EagerCallSample`), its sightings and
-    the bytes the graph would hold. With ``h`` the median host time, ``g`` the
-    median GPU span of the unheld samples and ``b`` the median GPU busy time
-    (all ms)::
-
-        saving         S = max(0, g - b - REPLAY_HOST_MS)                per replay
-        replays        R = rate * max(MIN_HORIZON_CALLS, calls)
-        rate             = (sightings - 1) / (last_call - first_call)
-        capture        C = scale * (h + g + CAPTURE_FIXED_MS)
-        memory         M = MEMORY_MS_PER_GIB * bytes / 2**30
-        capture iff    R * S >= C + M
-
-    A replay's GPU time is about the eager call's busy time ``b`` (a graph
-    launch removes the idle gaps between kernels, not the kernels), so it saves
-    ``g - b``. A held sample shows at most its hold, so its ``g - b`` counts up
-    to ``hold_ms``. While ``b`` is unknown (no sample shows it), ``S`` lies
-    between ``MIN_SAVING_SHARE`` and all of ``min(h, g)`` (the GPU can only wait
-    for the host while the host enqueues, and every shape measured saved at
-    least that share): a key that pays at the low end is captured; one that
-    would not pay even at the high end, or only with more than
-    ``HOLD_MIN_SHARE`` of it, is declined; the others get a verdict with
-    ``hold_ms`` = ``HOLD_MARGIN`` times the saving they need (at most ``h``),
-    which the adapter applies to the key's current eager call. Since a hold
-    only delays the GPU into time it would otherwise spend waiting for the
-    host, it costs that call nothing when the key pays and at most the hold
-    when it does not.
-
-    The rate is the key's recurrence per encoder call since its first
-    sighting; the horizon assumes traffic lasts about as long again as it has
-    so far (``calls``: this encoder's eligible calls), but at least
-    ``MIN_HORIZON_CALLS``. ``scale`` calibrates the capture estimate with this
-    encoder's measured captures (:meth:`record_capture`). "Why these terms" in
-    ``docs/design/minicpmo_encoder_cuda_graph/cost_admission.md`` gives the
-    constants' sources.
+    Pure arithmetic on the key's measured eager calls; the formula and the constants' sources are in
+    ``docs/design/minicpmo_encoder_cuda_graph/cost_admission.md``.
     """
 
     #: host time of a replay before its graph reaches the GPU: input copy, launch, bookkeeping (ms)
@@ -268,9 +195,8 @@ class CaptureCostModel:
     MEMORY_MS_PER_GIB = 100.0
     #: captures kept for the calibration of the capture estimate
     CALIBRATION_WINDOW = 8
-    #: the least share of ``min(h, g)`` a replay saved on any shape measured (one H200, bf16, the
-    #: encoders at the checkpoint's dimensions, vllm-omni 0.30.0's layers; the least was a 30 s audio chunk:
-    #: 0.8 of 8 ms); a key that pays with it is captured without measuring its busy time
+    #: the least share of ``min(h, g)`` a replay saved on any shape measured (docs/results/); a key
+    #: that pays with it is captured without measuring its busy time
     MIN_SAVING_SHARE = 0.1
     #: a key is measured with a hold only if it would pay with this share of ``min(h, g)``
     HOLD_MIN_SHARE = 0.25
@@ -350,7 +276,6 @@ class CaptureCostModel:
 
 
 def _shown_saving(span_ms: float, sample: EagerCallSample) -> float:
-    """``g - b`` of a sample that shows the busy time; a held sample shows at most its hold."""
     saving = span_ms - sample.busy_ms
     return min(saving, sample.hold_ms) if sample.hold_ms > 0 else saving
 
@@ -384,16 +309,8 @@ class _KeyRecord:
 def in_memory_profiling(vllm_config: Any) -> bool:
     """True while vLLM's start-up memory profiling may be running: the KV cache is not sized yet.
 
-    vLLM's worker profiles memory in ``determine_available_memory``, whose
-    ``profile_run`` calls ``model.embed_multimodal`` on dummy inputs of the
-    largest size; only afterwards does ``Worker.initialize_from_config`` set
-    ``cache_config.num_gpu_blocks`` (None until then). vLLM 0.28.0
-    and 0.30.0 both do this, and vllm-omni's AR and generation workers inherit it
-    (``OmniWorkerMixin.initialize_from_config`` calls vLLM's). The model's
-    ``vllm_config`` shares ``cache_config`` with the worker's, also through
-    ``VllmConfig.with_hf_config``. A config without ``cache_config`` is never
-    profiling. Outside an engine, set ``cache_config.num_gpu_blocks`` (e.g. to
-    0), or every call counts as a profiling call and nothing is captured.
+    Reads ``cache_config.num_gpu_blocks`` (None until vLLM sizes the KV cache). Outside an engine, set
+    it (e.g. to 0), or every call counts as a profiling call and nothing is captured.
     """
     cache_config = getattr(vllm_config, "cache_config", None)
     return cache_config is not None and getattr(cache_config, "num_gpu_blocks", 0) is None

@@ -1,12 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The seam between policy and the device, and the CUDA backend behind it.
-
-:class:`EncoderGraphBackend` is everything the adapter needs from a device
-(eligible device, replay stream id, free bytes, eager-call measurement, capture
-with its bytes); :class:`CudaGraphBackend` implements it with vLLM's
-``EncoderCudaGraphManager``, graph pools and capture streams, CUDA events and
-the caching allocator's counters, and cleans up after a failed capture.
-"""
+"""The device seam :class:`EncoderGraphBackend` and its CUDA implementation :class:`CudaGraphBackend`."""
 
 from __future__ import annotations
 
@@ -40,21 +33,13 @@ __all__ = [
     "ReplayableGraph",
 ]
 
-#: cudaStreamCaptureMode of every capture. Captures happen while the worker serves, when other
-#: threads of the process may run CUDA work (e.g. vLLM's async output copy thread); "thread_local"
-#: checks only the capturing thread, so their calls neither fail nor invalidate the capture (see
-#: "Capture error mode and other threads" in docs/design/minicpmo_encoder_cuda_graph/live_worker.md).
-#: Needs vLLM's capture_error_mode (checked at construction).
+#: cudaStreamCaptureMode of every capture: other threads of the serving process may run CUDA work
+#: meanwhile, which "thread_local" neither fails nor lets invalidate the capture.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
 class ReplayableGraph(Protocol):
-    """What a backend's capture returns (vLLM's ``EncoderCudaGraphManager`` is one).
-
-    ``execute({"0": tensor, ...})`` copies the inputs into the graph's static
-    buffers, replays, and returns ``[fresh output tensor]``; ``graph_hits`` and
-    ``graph_misses`` are its own counters (summed into the adapter's stats).
-    """
+    """What a backend's capture returns (vLLM's ``EncoderCudaGraphManager`` is one)."""
 
     graph_hits: int
     graph_misses: int
@@ -63,12 +48,7 @@ class ReplayableGraph(Protocol):
 
 
 class EagerMeasurement(Protocol):
-    """One measured eager call, returned by :meth:`EncoderGraphBackend.measure_eager`.
-
-    ``host_ms`` and ``peak_bytes`` are known when the call returns; ``sample()``
-    is read back later without blocking (None until the device has finished the
-    call), and then stays the same.
-    """
+    """One measured eager call, returned by :meth:`EncoderGraphBackend.measure_eager`."""
 
     host_ms: float
     #: peak allocation during the call minus the allocation before it (bytes)
@@ -90,22 +70,10 @@ class CapturedGraph(NamedTuple):
 
 
 class EncoderGraphBackend(Protocol):
-    """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else.
-
-    :class:`CudaGraphBackend` is the real one. A backend without CUDA (the
-    tests' CPU one: CPU tensors eligible, a constant stream handle, a large
-    free-bytes reading, measurements with fixed times, a capture whose
-    ``execute`` runs ``encoder.encoder_eager_forward``) exercises the adapter's
-    real policy, keys, stats and logs.
-    """
+    """Everything :class:`EncoderCudaGraph` needs from a device, and nothing else."""
 
     def eligible_device(self, inputs: Sequence[Any]) -> torch.device | None:
-        """The single device of the tensors in ``inputs`` if this backend can graph the call, else None.
-
-        ``inputs`` are the call's positional inputs: tensors, None and static
-        arguments; only the tensors count (a call without any is not eligible).
-        Called only with autograd disabled (the adapter checks that first).
-        """
+        """The single device of the tensors in ``inputs`` if this backend can graph the call, else None."""
         ...
 
     def replay_stream(self, device: torch.device) -> Hashable:
@@ -121,16 +89,9 @@ class EncoderGraphBackend(Protocol):
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
 
-        ``call`` takes no arguments: it closes over the call's inputs, static
-        arguments included, so a backend measures a call with static arguments
-        like any other.
-
         Args:
-            hold_ms: 0 measures the call as it runs (its sample has ``gpu_ms``; a
-                backend that can also tell the GPU's busy time gives ``busy_ms``).
-                > 0: hold the call's stream about this long (GPU ms) before the
-                call, and report the GPU time after the hold as ``busy_ms`` and the
-                hold as ``hold_ms`` (``gpu_ms`` None); see :class:`EagerCallSample`.
+            hold_ms: 0 measures the call as it runs; > 0 holds the call's stream about this long
+                (GPU ms) before the call and reports the GPU time after the hold as ``busy_ms``.
 
         Returns:
             ``(output, measurement)``.
@@ -147,16 +108,13 @@ class EncoderGraphBackend(Protocol):
                 (the adapter passes it back to share it), or None for a new one.
 
         Raises:
-            whatever the capture raised; the adapter then applies its fatal contract. Before it
-            propagates, the backend cleans up what the failed capture left in the process
-            (:class:`CudaGraphBackend`: :func:`_release_failed_capture`), so that work outside
-            the adapter keeps running.
+            whatever the capture raised, after cleaning up what it left in the process
+            (:func:`_release_failed_capture`).
         """
         ...
 
 
 def _manager_config(vllm_config: Any, tokens: int) -> Any:
-    """A shallow copy of the engine config for a one-budget, batch-of-one manager."""
     config = copy.copy(vllm_config)
     compilation = copy.copy(config.compilation_config)
     compilation.encoder_cudagraph_token_budgets = [tokens]
@@ -170,11 +128,7 @@ def _manager_config(vllm_config: Any, tokens: int) -> Any:
 
 
 class _CudaEagerMeasurement:
-    """Events recorded around one eager call on its stream; read back with a non-blocking query.
-
-    ``held`` is the event recorded after the hold's spin kernel (None for an unheld call);
-    ``on_hold(ms)`` receives the hold's measured length once read back.
-    """
+    """Events recorded around one eager call on its stream; read back with a non-blocking query."""
 
     __slots__ = ("_end", "_held", "_on_hold", "_sample", "_start", "host_ms", "peak_bytes")
 
@@ -208,16 +162,6 @@ class _CudaEagerMeasurement:
 
 class _SpinClock:
     """How many cycles of ``torch.cuda._sleep`` make one GPU millisecond, per device index.
-
-    ``torch.cuda._sleep(cycles)`` runs a one-thread kernel that spins on the SM
-    clock (``clock64``). The first hold on a device assumes its SM clock rate
-    (``nominal(device)``: the device properties' ``clock_rate`` in kHz, which is
-    cycles per ms; :attr:`DEFAULT_CYCLES_PER_MS` where a torch build does not
-    report it); each held call's events then give the actual rate (cycles /
-    measured hold), and later holds use the mean of the last
-    :attr:`WINDOW`. A hold longer than asked costs that one call some latency;
-    a shorter one only makes the busy time look larger (a more conservative
-    verdict), so an uncalibrated clock is safe.
 
     Args:
         nominal: ``nominal(device) -> cycles per ms`` before any calibration.
@@ -254,7 +198,6 @@ def _spin_kernel(cycles: int) -> None:
 
 
 def _nominal_cycles_per_ms(device: torch.device) -> float:
-    """The device's SM clock in cycles per ms (``clock_rate``, kHz), or the default when not reported."""
     rate = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
     return float(rate) if rate and rate > 0 else _SpinClock.DEFAULT_CYCLES_PER_MS
 
@@ -269,11 +212,6 @@ class _CudaPool:
 
 
 def _pool_reserved_bytes(device: torch.device, handle: Any) -> int | None:
-    """Bytes reserved by the caching allocator's segments of graph pool ``handle`` (None: unknown).
-
-    ``torch.cuda.memory_snapshot`` walks the allocator's segments on the host
-    (no device sync); segments carry ``segment_pool_id``.
-    """
     try:
         segments = torch.cuda.memory_snapshot(mempool_id=handle, include_traces=False)
     except TypeError:  # a torch without per-pool snapshots
@@ -299,9 +237,7 @@ class _CaptureRuntime:
         """End the caching allocator's routing of a capture's allocations into graph pool ``handle``.
 
         Returns:
-            True when a capture was still routing into it (what ``capture_end`` would have
-            ended); False when none was (the capture ended it, or never began): the allocator
-            then raises "not currently recording to mempool_id", and nothing changed.
+            True when a capture was still routing into it; False when none was (nothing changed).
         """
         try:
             torch._C._cuda_endAllocateToPool(device.index, handle)
@@ -314,25 +250,11 @@ class _CaptureRuntime:
         torch._C._cuda_releasePool(device.index, handle)
 
     def synchronize(self, stream: Any) -> None:
-        """Wait for ``stream``.
-
-        cuBLAS's cached workspaces (one per handle and stream) are left as they are. Every graph
-        captured so far, this adapter's and vLLM's, recorded the address of the workspace of its
-        stream, which its replays keep writing to: dropping the cache would free those blocks to
-        the allocator while the graphs still use them. A workspace first allocated inside the
-        failed capture stays allocated too, holding its block of the released pool.
-        """
+        """Wait for ``stream``."""
         stream.synchronize()
 
     def close_generator_capture(self, device: torch.device, stream: Any) -> None:
-        """Capture (and discard) a one-element in-place add on ``stream``: a complete capture.
-
-        Its ``capture_begin`` registers the device's default CUDA generator and its
-        ``capture_end`` runs that generator's capture epilogue, the one call that clears the
-        generator's capture mark. The graph gets a private pool, released by ``reset``. It is
-        captured in ``"thread_local"`` mode whatever :data:`CAPTURE_ERROR_MODE` says: it must
-        succeed while other threads of the process run CUDA work.
-        """
+        """Capture (and discard) a one-element in-place add on ``stream``: a complete capture."""
         with torch.accelerator.device_index(device.index), torch.cuda.stream(stream):
             scratch = torch.zeros(1, device=device)
             graph = torch.cuda.CUDAGraph()
@@ -348,22 +270,7 @@ _CAPTURE_RUNTIME = _CaptureRuntime()
 
 
 class _AutomaticGcPause:
-    """Python's automatic garbage collection off while any capture of this process runs.
-
-    A collection that starts inside a capture runs on the capturing thread and may finalize
-    objects whose destructors make CUDA calls a capture does not permit: a ``torch.cuda.CUDAGraph``
-    left in a reference cycle (for instance by the traceback of an earlier failed capture) resets
-    (torch warns "operation not permitted when stream is capturing (function reset)"), and the
-    capture being made is invalidated: its next cuBLAS call fails with
-    ``CUBLAS_STATUS_INTERNAL_ERROR`` and ``capture_end`` raises. With automatic collection off
-    the garbage is collected later, outside the capture; an explicit ``gc.collect()`` still runs.
-
-    vLLM's ``freeze_gc_for_cudagraph_capture`` guards its start-up captures against the same
-    thing, but it also collects twice and ends with ``gc.unfreeze()``, which would undo the
-    engine's ``gc.freeze()`` of its start-up heap whenever a lazy capture runs while serving; this
-    only switches automatic collection. Captures on several threads at once share one pause:
-    collection comes back on, if it was on before the first began, when the last one ends.
-    """
+    """Python's automatic garbage collection off while any capture of this process runs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -393,47 +300,6 @@ def _release_failed_capture(
     device: torch.device, pool: _CudaPool, runtime: _CaptureRuntime | None = None
 ) -> list[str]:
     """Clean up what a capture that raised left in this process, so that the rest of it keeps working.
-
-    torch cannot abort a capture. ``torch.cuda.graph.__exit__`` calls
-    ``CUDAGraph.capture_end``, and when the capture was invalidated (a host sync
-    inside the captured forward, for instance) ``cudaStreamEndCapture`` fails and
-    ``capture_end`` raises before its own bookkeeping (torch 2.11 and 2.13,
-    ``aten/src/ATen/cuda/CUDAGraph.cpp``). What it skips, and what this does about
-    each, on ``device`` and the capture's ``pool`` (handle and capture stream):
-
-    1. Graph pool. The caching allocator still routes the capture's allocations
-       into the pool and, while it counts a capture as underway, never processes
-       the events of freed blocks that other streams used, so those blocks are
-       never reused. This ends the routing (``endAllocateToPool``, which ``capture_end``
-       calls) and, only when it was still active, drops the failed capture's
-       reference on the pool (``releasePool``, which ``CUDAGraph.reset`` skips for
-       a capture that never ended): the pool's memory goes back to the device once
-       nothing else holds it (a shared pool stays with the adapter's earlier graphs).
-    2. Capture stream. ``cudaStreamEndCapture`` ended its capture mode; the eager
-       warm-up work vLLM's manager queued on it before capturing may still run. It
-       is synchronized, which also surfaces a device error; then step 3 is skipped,
-       since a device in error cannot capture. cuBLAS's cached workspaces stay: the
-       live graphs of the process use them (:meth:`_CaptureRuntime.synchronize`).
-    3. CUDA RNG. ``capture_begin`` marked the device's default generator as
-       capturing (``CUDAGeneratorState::capture_prologue``) and only the epilogue
-       in ``capture_end`` clears the mark; until then ``torch.randn``, dropout and
-       ``torch.multinomial`` outside a capture, and every graph replay (its
-       prologue advances the generator), raise "Offset increment outside graph
-       capture encountered unexpectedly" (torch 2.11). Nothing else clears it, so
-       this runs one complete capture of a one-element add on the capture stream
-       and discards it (:meth:`_CaptureRuntime.close_generator_capture`). A torch
-       that keeps RNG capture state per capture (2.13) is not affected; there the
-       extra capture changes nothing.
-
-    Left as it is: torch's table of capturing graphs keeps the failed graph's entry,
-    keyed by a capture id CUDA never hands out again, so nothing finds it. A capture
-    stream still in capture mode (the capture never reached ``capture_end``) is left
-    alone and logged as an error: only the ``CUDAGraph`` that began it could end it.
-
-    Never raises: the capture's own exception is what the caller sees (the
-    adapter's fatal contract). Every step's outcome is logged, in one WARNING when
-    all went through, else in one ERROR naming what did not. Step 1 does not
-    depend on the others; step 3 runs only after step 2 succeeded.
 
     Returns:
         One phrase per step, in order (what the log line lists).
@@ -488,39 +354,10 @@ def _release_failed_capture(
 class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
-    - eligible: at least one tensor input, every tensor input on one CUDA
-      device (None and static arguments are skipped), CUDA autocast off, and
-      the current stream not being captured by someone else (both read through
-      torch's C functions directly);
-    - replay stream: the id of ``torch.cuda.current_stream(device)``, read
-      without building a ``Stream`` object (``torch.cuda.current_stream``'s own
-      building block), which saves about 3 us per call;
-    - free bytes: vllm-omni's ``current_omni_platform.get_free_memory(device)``
-      (``cudaMemGetInfo`` on CUDA);
-    - measure: CUDA timing events recorded on the call's stream right before
-      and after the eager call (read back later by ``cudaEventQuery``, never
-      synchronising), the host's ``perf_counter`` around it, and the caching
-      allocator's peak (``torch.accelerator.reset_peak_memory_stats`` before
-      the call, ``max_memory_allocated`` after it, both host-side counters;
-      this resets the device's peak statistics, as vLLM's own
-      ``get_current_memory_usage`` does). A held measurement also runs
-      ``torch.cuda._sleep`` on the call's stream between the first event and
-      a third one, sized by a per-device spin clock (:class:`_SpinClock`) that
-      each held call's events calibrate;
-    - capture: one manager per shape, built from a shallow copy of the engine
-      config (one token budget, one item, TP 1; the engine's config is never
-      mutated), captured with ``manager.capture(graph_pool=...)`` on a capture
-      stream that first waits for the replay stream (so a late capture into a
-      shared pool starts after earlier replays and their output clones) and
-      that the replay stream then waits for. A pool is a graph pool handle
-      (``torch.cuda.graph_pool_handle()``) with its capture stream. Bytes: the
-      pool's reserved segments after the capture minus before it (allocator
-      snapshot of that pool; ``memory_reserved`` growth if the snapshot does
-      not name pools), plus the static input and output buffers. Python's
-      automatic garbage collection is off during the capture
-      (:class:`_AutomaticGcPause`). A capture that raises is cleaned up by
-      :func:`_release_failed_capture` (graph pool routing, capture stream, the
-      CUDA generator's capture mark) before the exception propagates.
+    Eligible: tensor inputs on one CUDA device, CUDA autocast off, the current stream not capturing.
+    A capture waits for the replay stream (a late capture into a shared pool starts after earlier
+    replays and their clones), runs with Python's automatic GC paused, and a capture that raises is
+    cleaned up by :func:`_release_failed_capture`. Measuring resets the device's peak-memory statistics.
     """
 
     def __init__(self) -> None:
@@ -630,7 +467,6 @@ def manager_takes_capture_error_mode() -> bool:
 
 
 def _require_capture_error_mode() -> None:
-    """Raise unless vLLM's manager takes ``capture_error_mode``: never capture in global mode."""
     if not manager_takes_capture_error_mode():
         raise RuntimeError(
             f"{NO_CAPTURE_ERROR_MODE}: use a vLLM whose EncoderCudaGraphManager takes capture_error_mode, "

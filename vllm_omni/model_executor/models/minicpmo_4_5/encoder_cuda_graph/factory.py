@@ -21,14 +21,9 @@ __all__ = ["EncoderCudaGraphSetup", "lora_may_reach", "make_encoder_cuda_graph"]
 def lora_may_reach(vllm_config: Any, model: Any, module_prefixes: Sequence[str]) -> str | None:
     """Why vLLM's LoRA could put adapters on an encoder's modules, or None if it cannot.
 
-    A replay keeps whatever weights were live at capture, so an encoder that
-    LoRA can reach must stay eager. vLLM's LoRA manager (0.28 and 0.30) wraps a
-    multimodal model's layers as follows: with ``--enable-lora``
-    (``vllm_config.lora_config`` set) and a model without ``get_mm_mapping()``,
-    every LoRA-capable layer gets the language model's adapters, encoder layers
-    included; with ``get_mm_mapping()``, only modules under its language-model
-    prefix do, unless ``LoRAConfig.enable_tower_connector_lora`` also opens the
-    ``tower_model`` and ``connector`` prefixes.
+    A replay keeps the weights live at capture, so an encoder LoRA can reach stays eager: with
+    ``--enable-lora`` every layer of a model without ``get_mm_mapping()`` can be reached, else the
+    tower and connector only with ``enable_tower_connector_lora``.
 
     Args:
         vllm_config: the engine's config.
@@ -71,19 +66,8 @@ def make_encoder_cuda_graph(
 ) -> EncoderCudaGraphSetup:
     """Build the adapter for one encoder, or None when encoder graphs are off for it.
 
-    Off (no adapter) when ``options.enabled`` is False (``encoder_cuda_graph:
-    false``), under ``--enforce-eager`` (``model_config.enforce_eager``), when
-    ``lora_reason`` (from :func:`lora_may_reach`) says LoRA may reach the
-    encoder, or when vLLM's manager takes no ``capture_error_mode`` (a vLLM
-    without that change: the encoders run eagerly, with one WARNING naming it,
-    rather than the model failing to build; the adapter itself refuses to be
-    built there). With ``max_graphs == 0`` the adapter is built (it counts the
-    calls as capacity misses) but the state is off.
-
     Args:
-        forward, vllm_config, name, captured_modules: see
-            :class:`EncoderCudaGraph`.
-        static_args: see :class:`EncoderCudaGraph`.
+        forward, vllm_config, name, static_args, captured_modules: see :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 

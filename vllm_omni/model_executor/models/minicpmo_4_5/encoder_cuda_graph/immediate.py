@@ -1,11 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Immediate capture: :func:`capture_now` captures a call's graph at once, keyed as the call is.
-
-Shapes known to recur before any has been served (a duplex session's chunk forms, a camera frame)
-need no admission: :func:`capture_now` takes one adapter call's inputs and captures its key now,
-through the adapter's own capture path, so the graph is exactly the one a later call with those
-shapes, dtypes, static arguments and replay stream hits.
-"""
+"""Immediate capture (:func:`capture_now`) of a call whose shapes are known to recur, keyed as the call is."""
 
 from __future__ import annotations
 
@@ -26,19 +20,9 @@ __all__ = ["capture_now"]
 def capture_now(adapter: EncoderCudaGraph, *inputs: Any) -> tuple[torch.Tensor, str]:
     """Capture ``adapter``'s graph for a call with ``inputs`` now; return what the call returns.
 
-    Admission's sightings and the cost rule are skipped; the graph cap, the byte budget
-    (``max_bytes``), the module-hooks check and the fatal capture contract apply as to any
-    capture. The free-memory floor is the caller's to check (it decides what a start-up capture
-    may take). The output's shape comes from one eager run; after the capture the graph's first
-    replay serves the call (and leaves what the forward writes in place, as after a lazy capture).
-    Neither is counted in the adapter's stats: no call has been served. The capture is logged at
-    DEBUG.
-
     Returns:
-        ``(output, outcome)``: ``outcome`` is ``"captured"``, ``"present"`` (a graph already serves
-        the key), or why nothing was captured: ``"ineligible"`` (as a call would be),
-        ``"profile"`` (vLLM's memory profiling is running), ``"capacity"``, ``"budget"``,
-        ``"hooks"`` (hooks in the captured region: the adapter turned eager for good).
+        ``(output, outcome)``: ``"captured"``, ``"present"``, or why nothing was captured:
+        ``"ineligible"``, ``"profile"``, ``"capacity"``, ``"budget"`` or ``"hooks"``.
 
     Raises:
         EncoderCudaGraphCaptureFailedError: a capture of this adapter failed earlier.

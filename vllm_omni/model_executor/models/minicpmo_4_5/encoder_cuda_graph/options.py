@@ -1,15 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MiniCPM-o 4.5's encoder ``--hf-overrides`` keys and the adapter's options, validated.
-
-:data:`HF_OVERRIDE_KEYS` holds one :class:`HfOverrideKey` entry per key (kind,
-default, range, doc); :func:`read_hf_overrides` validates them all (and rejects
-unknown look-alikes) in one :class:`HfOverridesError`;
-:class:`EncoderCudaGraphOptions` is the adapter's view of them. The key
-``vision_attn_implementation`` belongs to SigLIP's attention: its definition
-(choices, default, doc) comes from ``siglip_attention.py`` beside the model
-file, which validates it on its own too; it is registered here so that one
-error reports it with the adapter's keys and its look-alikes are caught.
-"""
+"""MiniCPM-o 4.5's encoder ``--hf-overrides`` keys (:data:`HF_OVERRIDE_KEYS`), validated at once."""
 
 from __future__ import annotations
 
@@ -44,7 +34,6 @@ _JSON_TYPE_NAMES = {
 
 
 def _as_json(value: Any) -> str:
-    """``value`` as the user wrote it in the ``--hf-overrides`` JSON (repr when not JSON)."""
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
@@ -61,28 +50,11 @@ def _type_name(value: Any) -> str:
 
 @dataclass(frozen=True)
 class HfOverrideKey:
-    """One ``--hf-overrides`` key of the encoder options.
-
-    Attributes:
-        name: the JSON key, e.g. ``"encoder_cuda_graph_max_graphs"``.
-        kind: ``"bool"`` (a JSON boolean), ``"int"`` (an integer from ``minimum``
-            to ``maximum``; ``true``/``false`` and floats are rejected), ``"number"``
-            (a finite integer or float from ``minimum`` to ``maximum``) or
-            ``"choice"`` (one of ``choices``).
-        default: the value in force when the key is absent.
-        doc: one line for the option tables.
-        minimum: lower bound of ``"int"`` and ``"number"`` keys (inclusive).
-        maximum: upper bound of ``"int"`` and ``"number"`` keys (inclusive), required
-            for them: a value past any sensible setting (e.g. a capture threshold no
-            shape ever reaches) is a mistake to report, not a setting to honour.
-            It bounds what a user writes (:func:`read_hf_overrides`); code that derives
-            a value from the options may pass it (``check(value, bounded=False)``): the
-            streaming audio adapter's cap is ``max_graphs`` times its past lengths.
-        choices: allowed strings of a ``"choice"`` key.
+    """One ``--hf-overrides`` key: ``kind`` ``"bool"``, ``"int"`` (booleans and floats rejected),
+    ``"number"`` (finite) or ``"choice"`` (one of ``choices``); numeric keys need a ``maximum``.
 
     Raises:
-        ValueError: an ``"int"`` or ``"number"`` entry without a ``maximum`` (or with
-            ``maximum < minimum``), or a default the entry does not allow.
+        ValueError: a numeric entry without ``maximum >= minimum``, or a default it does not allow.
     """
 
     name: str
@@ -144,7 +116,6 @@ class HfOverrideKey:
 
 
 def _bound(value: float | None) -> str:
-    """A range bound as a user writes it, with its size for whole GiB or TiB (``1099511627776 (1 TiB)``)."""
     if isinstance(value, float):
         return f"{value:g}"
     text = str(value)
@@ -158,14 +129,8 @@ def _registry(*keys: HfOverrideKey) -> dict[str, HfOverrideKey]:
     return {key.name: key for key in keys}
 
 
-#: Every encoder ``--hf-overrides`` key the model reads, by name. Adding a key is one
-#: entry here (register only keys whose behaviour exists); its consumer reads the
-#: validated value from :func:`read_hf_overrides`. The maximum of each numeric key is
-#: where the setting stops making sense: 1024 graphs per encoder (never evicted, each
-#: holding pool segments and buffers), a capture threshold of 10000 calls (the cost rule
-#: is the way to be more selective), 1 TiB for byte amounts (more than any device holds)
-#: and one day between stats lines.
-#: The streaming audio adapter keeps up to 30 times ``max_graphs`` graphs.
+#: Every encoder ``--hf-overrides`` key the model reads. A numeric key's maximum is where the
+#: setting stops making sense (a larger value is a mistake to report).
 HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
     HfOverrideKey(
         name="encoder_cuda_graph",
@@ -290,7 +255,6 @@ class HfOverridesError(ValueError):
 
 
 def _closest_key(name: str) -> str | None:
-    """The registered key ``name`` looks like a misspelling or truncation of, if any."""
     name = name.lower()
     match = difflib.get_close_matches(name, list(HF_OVERRIDE_KEYS), n=1, cutoff=_NEAR_MISS_CUTOFF)
     if match:
@@ -303,7 +267,8 @@ def _closest_key(name: str) -> str | None:
 def _model_config_names(hf_config: Any) -> set[str]:
     """Names the model's configuration itself uses: the attributes of its sub-configurations
     (``audio_config.encoder_layers``, ...), so that the same name at the top level (a checkpoint's
-    config, another ``--hf-overrides`` key) is never taken for a misspelling of one of ours."""
+    config, another ``--hf-overrides`` key) is never taken for a misspelling of one of ours.
+    """
     names: set[str] = set()
     for value in getattr(hf_config, "__dict__", {}).values():
         if callable(getattr(value, "to_dict", None)):
@@ -338,9 +303,6 @@ def _unknown_key_problems(hf_config: Any) -> list[str]:
 def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
     """Validate the encoder ``--hf-overrides`` keys on a model's HF config.
 
-    ``--hf-overrides`` JSON keys land as attributes of
-    ``model_config.hf_config``; the checkpoint's own keys live there too.
-
     Args:
         hf_config: any object (a ``transformers.PretrainedConfig`` when served).
 
@@ -349,11 +311,8 @@ def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
         where ``hf_config`` lacks the key.
 
     Raises:
-        HfOverridesError: (a ``ValueError``) listing every problem at once: a
-            value of the wrong type or out of range (key, value as JSON, type
-            received, what is allowed), and every unknown key that starts with
-            ``encoder_cuda_graph`` or is a near-miss of a registered key, with
-            the closest valid key.
+        HfOverridesError: (a ``ValueError``) every bad value and every unknown key that starts
+            with ``encoder_cuda_graph`` or is a near-miss of a registered key, at once.
     """
     problems = []
     values = {}
@@ -370,60 +329,17 @@ def read_hf_overrides(hf_config: Any) -> dict[str, Any]:
 
 
 def _hf_field(key: str) -> Any:
-    """A dataclass field whose default, type rule and doc come from ``HF_OVERRIDE_KEYS[key]``."""
     return dataclasses.field(default=HF_OVERRIDE_KEYS[key].default, metadata={"hf_key": key})
 
 
 @dataclass(frozen=True)
 class EncoderCudaGraphOptions:
-    """The adapter's settings, read from ``--hf-overrides``.
-
-    One instance configures both encoders; each encoder gets its own adapter,
-    so caps and counters are per encoder. Each field names its key in
-    :data:`HF_OVERRIDE_KEYS`, which holds the default, the rule and the doc.
-    The fields that only the model wiring reads are documented where they
-    are defined.
-
-    Attributes:
-        enabled: ``encoder_cuda_graph`` (bool, default True). False builds no
-            adapters and every call runs eagerly.
-        max_graphs: ``encoder_cuda_graph_max_graphs`` (int 0 to 1024, default 4).
-            Graphs retained per encoder; 0 disables capture. Never evicted.
-        min_capture_calls: ``encoder_cuda_graph_min_capture_calls`` (int 2 to
-            10000, default 2). Calls with the same key, the capturing call included,
-            before a shape is captured.
-        min_free_bytes: ``encoder_cuda_graph_min_free_bytes`` (int 0 to 1 TiB,
-            bytes, default 1 GiB). A capture is deferred while the device's free
-            memory is below it; 0 disables the check.
-        share_pools: ``encoder_cuda_graph_share_pools`` (bool, default True).
-            One graph pool and capture stream per (encoder, device, replay
-            stream); False gives each graph its own (for A/B comparison).
-        admission: ``encoder_cuda_graph_admission`` (``"cost"`` or
-            ``"count"``, default ``"cost"``). ``"count"`` captures a shape at its
-            ``min_capture_calls``-th call; ``"cost"`` also requires the measured
-            saving to pay for the capture and the memory (:class:`CaptureCostModel`).
-            The model wiring applies it to the vision and stateless audio
-            adapters.
-            The streaming audio adapter always counts (see ``streaming_audio``).
-        max_bytes: ``encoder_cuda_graph_max_bytes`` (int 0 to 1 TiB, bytes, default 0).
-            Device memory the encoder's graphs may hold (pool growth + static
-            input and output buffers); a capture whose estimate would pass it is
-            deferred. 0 = no limit.
-        log_interval_s: ``encoder_cuda_graph_log_interval_s`` (number 0 to 86400,
-            seconds, default 60). Period of the INFO line with the hit rate,
-            graphs and bytes, logged from the call path; 0 = off.
+    """The adapter's settings: each field is the ``--hf-overrides`` key in its metadata, whose
+    default, range and doc are in :data:`HF_OVERRIDE_KEYS`. One instance configures both encoders.
 
     Raises:
-        HfOverridesError: (a ``ValueError``) every value of the wrong type or
-            out of range, each naming the ``--hf-overrides`` key, the value as
-            JSON, the type received and what is allowed. ``true`` is not
-            accepted as an int and the string ``"false"`` not as a bool. The
-            ranges above bound the ``--hf-overrides`` values
-            (:meth:`from_hf_config`).
-            Built directly (``EncoderCudaGraphOptions(...)``,
-            ``dataclasses.replace``, the adapter's constructor), a numeric field
-            is checked against its minimum only, so the wiring may derive larger
-            values (the streaming audio adapter's ``max_graphs``).
+        HfOverridesError: a value of the wrong type or below its minimum. Only :meth:`from_hf_config`
+            applies the maximum, so the wiring may derive larger values (the streaming audio cap).
     """
 
     enabled: bool = _hf_field("encoder_cuda_graph")
@@ -434,27 +350,8 @@ class EncoderCudaGraphOptions:
     admission: str = _hf_field("encoder_cuda_graph_admission")
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
-    #: ``encoder_cuda_graph_streaming_audio`` (bool, default True). Read by the model wiring, not by the
-    #: adapter: also route the stateful Whisper chunk calls of streaming (duplex) sessions,
-    #: ``get_audio_embedding_streaming``, through an adapter of their own; its replays are bitwise equal to
-    #: the eager path. Needs ``enabled``. That adapter captures by ``"count"`` whatever ``admission`` says:
-    #: its keys are a fixed schedule (one per KV past length) that every session walks once per cache cycle, a
-    #: recurrence the cost rule, which estimates it from calls seen so far, would see only after minutes; the
-    #: other options apply to it as to each encoder.
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
-    #: ``encoder_cuda_graph_startup_capture`` (bool, default True). Read by the model wiring: on a duplex
-    #: deployment, capture the graphs every duplex session needs (its first chunk and the steady chunk at each
-    #: KV past length of a cache cycle, and a camera frame's single slice) while the worker warms up, after
-    #: vLLM sized the KV cache; False leaves them to the lazy path.
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
-    #: ``encoder_cuda_graph_duplex_batch`` (bool, default False). Read by the model wiring: on a duplex
-    #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
-    #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
-    #: its own, bitwise equal to its eager encode. With the SDPA reference paged attention each batched row is
-    #: bitwise equal to its session's own encode too (not with vLLM's FlashAttention, another attention
-    #: kernel). Opt-in because a single session's chunk and the first session after start-up are
-    #: faster per session and the page pool takes memory at start-up; it pays off for deployments with many
-    #: concurrent duplex sessions.
     duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:

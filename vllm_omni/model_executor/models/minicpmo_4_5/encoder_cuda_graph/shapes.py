@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Graph keys and the one-shape model vLLM's encoder graph manager captures.
-
-A key holds the replay stream, the device and, per positional input, a tensor's
-``(shape, dtype)`` or None.
-A static argument's entry is ``(STATIC_ARG, value)``.
-:class:`ExactShapeEncoder` presents one key's call to vLLM's
-``EncoderCudaGraphManager`` as a ``SupportsEncoderCudaGraph`` model with a
-single item and a single token budget, so nothing is padded.
-"""
+"""Graph keys and :class:`ExactShapeEncoder`: one key's call as a ``SupportsEncoderCudaGraph`` model."""
 
 from __future__ import annotations
 
@@ -39,35 +31,21 @@ STATIC_ARG = "static"
 
 
 def _is_static(x: Any) -> bool:
-    """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
     return x is not None and not isinstance(x, torch.Tensor)
 
 
 def _key_entry(x: Any) -> Hashable:
-    """One input's entry in a graph key of an adapter with static arguments."""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.dtype)
     return None if x is None else (STATIC_ARG, x)
 
 
-#: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
-#: construction of the key). The unbound tensor method itself, so a replay runs no Python frame of
-#: ours per input.
+#: Replay padding logic ``padding_logic(dst, src)``: an in-place copy (the key makes shapes equal).
 _copy_exact = torch.Tensor.copy_
 
 
 class ExactShapeEncoder(SupportsEncoderCudaGraph):
     """One captured shape as a ``SupportsEncoderCudaGraph`` model.
-
-    A call's already-packed inputs are one indivisible manager item whose token
-    count is the product of the output's leading dims; the manager is built with
-    exactly that one token budget and a batch of one, so its packing always
-    picks the single captured graph and nothing is padded.
-
-    Buffer keys are ``"0"``, ``"1"``, ... for the positional tensor inputs; a
-    None input stays None in the forward call.
-    A static argument keeps its value in every forward call (warm-up, capture
-    and eager), so the captured graph bakes it in.
 
     Attributes:
         templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
@@ -103,10 +81,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
     @property
     def static_bytes(self) -> int:
-        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool).
-
-        Only tensor inputs have a buffer: None and static arguments hold no bytes of the graph's.
-        """
+        """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool)."""
         inputs = sum(math.prod(t[0]) * t[1].itemsize for t in self.templates if t is not None)
         return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
@@ -114,7 +89,6 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         statics = self.statics
         return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
 
-    # -- SupportsEncoderCudaGraph -------------------------------------------------
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
         return EncoderCudaGraphConfig(
             modalities=["image", "audio"],
@@ -136,11 +110,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         return self._item_specs
 
     def select_encoder_cudagraph_items(self, mm_kwargs: dict[str, Any], indices: list[int]) -> dict[str, Any]:
-        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call).
-
-        vLLM's manager pops its reserved capture-axis entry from the returned dict, which a call
-        of this adapter never has, so nothing of the caller's changes.
-        """
+        """The one item is the whole call: ``mm_kwargs`` itself (the adapter builds it per call)."""
         if indices != [0] and list(indices) != [0]:
             raise AssertionError(f"exact-shape encoder graphs hold one item, got indices {indices}")
         return mm_kwargs
@@ -155,14 +125,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         path: str = "default",
         axis_keys: tuple[Hashable, ...] | None = None,
     ) -> EncoderCudaGraphCaptureInputs:
-        """Static input buffers: zeros per template, allocated outside the graph.
-
-        They are normal tensors whatever autograd mode the capturing call runs
-        in (vLLM's manager calls this outside its ``inference_mode``): every
-        replay copies the live inputs into them in place, which PyTorch forbids
-        on inference tensors outside ``torch.inference_mode()``, so a graph
-        captured under ``inference_mode`` must still replay under ``no_grad``.
-        """
+        """Static input buffers: zeros per template, allocated outside the graph."""
         with torch.inference_mode(False):
             values = {
                 str(i): torch.zeros(shape, dtype=t_dtype, device=t_device)
@@ -194,15 +157,12 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         clone: bool = False,
         batch_mm_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        # The manager's output buffer is an inference tensor (allocated under its
-        # inference_mode); cloning it in the caller's mode returns an inference
-        # tensor exactly when the eager forward would.
+        # cloned in the caller's mode: an inference tensor exactly when the eager forward returns one
         out = outputs["default"]
         dest[indices[0]] = out.clone() if clone else out
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
     return [
         t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
         for t in key[2]
@@ -210,5 +170,4 @@ def _describe(key: GraphKey) -> list[Any]:
 
 
 def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
-    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None, not static arguments)."""
     return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)

@@ -1,26 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: N803
-"""Residual add fused with the LayerNorm that follows it: one pass over each row.
+"""Residual add fused with the LayerNorm that follows it, in one Triton kernel.
 
-A pre-norm transformer layer ends with ``residual = residual + out_proj(...)`` and the next
-operation is the LayerNorm of that sum (the next sub-layer's, the next layer's or the encoder's
-final one). Unfused that is a GEMM with a bias epilogue, an elementwise add and a LayerNorm: three
-kernels and five full reads or writes of the hidden states. :func:`add_layer_norm` does the bias,
-the add and the LayerNorm in one Triton kernel that reads the residual and the GEMM output once and
-writes the sum (the next residual) and the normalised rows.
-
-Numerics: ``residual + (update + update_bias)`` is summed in float32 and rounded once to the
-residual's dtype; the LayerNorm (biased variance, float32 statistics) normalises that rounded sum,
-as the unfused LayerNorm reads the stored sum, and the result is rounded once. Without
-``update_bias`` the sum is bitwise torch's ``residual + update`` (which adds the two in float32
-and rounds once too), so a caller that keeps the bias in its GEMM gets the unfused layers'
-residual stream; with it, the unfused bias add and residual add would each round to the model
-dtype where the kernel rounds once.
-
-Where Triton cannot run (not installed or no usable driver: ``vllm.triton_utils.HAS_TRITON`` is
-False; or the tensors are not on a CUDA device), :func:`add_layer_norm` runs
-:func:`add_layer_norm_reference`, the same math with torch ops, and logs the reason once per
-process at INFO through vLLM's logger.
+``residual + (update + update_bias)`` is summed in float32 and rounded once to the residual's dtype;
+the LayerNorm (float32 statistics) normalises that rounded sum. Without ``update_bias`` the sum is
+bitwise torch's ``residual + update``. Without Triton or off CUDA, :func:`add_layer_norm_reference`
+runs the same math with torch ops.
 """
 
 from __future__ import annotations
@@ -90,13 +75,6 @@ def _add_layer_norm_kernel(
 
 
 def _launch_config(cols: int) -> tuple[int, int]:
-    """``(rows per program, warps)`` for rows of ``cols`` columns.
-
-    Swept on an H200 over 1, 2, 4 and 8 rows per program and 2, 4 and 8 warps, bf16: one row per
-    program is best or within 0.1 us of it everywhere (Whisper's 1024 columns at 50 to 1500 rows:
-    4 warps, 2.5-3.9 us; SigLIP's 1152 columns at 1024 and 10240 rows: 2 warps, 4.2 and 27.3 us,
-    against 7.2 and 47.6 us for torch's add and LayerNorm).
-    """
     if cols <= 1024:
         return 1, 4
     return 1, 2
@@ -179,9 +157,8 @@ def add_layer_norm(
         store_sum: also return the sum; False skips its write (the encoder's last LayerNorm).
 
     Returns:
-        ``(normed, total)``: new ``(rows, cols)`` contiguous tensors in ``residual``'s dtype on its
-        device, ``total = residual + update + update_bias`` rounded once from float32, and
-        ``normed`` its LayerNorm; ``total`` is None when ``store_sum`` is False.
+        ``(normed, total)``, contiguous ``(rows, cols)`` in ``residual``'s dtype; ``total`` (the sum
+        rounded once from float32) is None when ``store_sum`` is False.
 
     Raises:
         ValueError: a shape other than the above.
@@ -217,7 +194,6 @@ def _launch(
     block_rows: int,
     num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the Triton kernel with ``block_rows`` rows per program and ``num_warps`` warps."""
     rows, cols = residual.shape
     normed = torch.empty((rows, cols), dtype=residual.dtype, device=residual.device)
     total = torch.empty_like(normed) if store_sum else None
