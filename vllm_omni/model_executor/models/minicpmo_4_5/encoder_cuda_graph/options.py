@@ -77,7 +77,7 @@ class HfOverrideKey:
             shape ever reaches) is a mistake to report, not a setting to honour.
             It bounds what a user writes (:func:`read_hf_overrides`); code that derives
             a value from the options may pass it (``check(value, bounded=False)``): the
-            streaming audio adapter's cap is ``max_graphs`` times its past lengths.
+            streaming audio adapter's cap is its number of batch buckets.
         choices: allowed strings of a ``"choice"`` key.
 
     Raises:
@@ -233,26 +233,16 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_streaming_audio",
         kind="bool",
         default=True,
-        doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
-        'cap max_graphs x 30 KV past lengths; admission "count"',
+        doc="also replay the streaming (duplex) audio forward from CUDA graphs, one per batch bucket "
+        '(1, 2, 4, ... up to duplex_max_sessions, at most 32), bitwise equal to its eager run; admission "count"',
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_startup_capture",
         kind="bool",
         default=True,
-        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
-        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
-        "before serving; false = capture them lazily, as sessions reach them",
-    ),
-    HfOverrideKey(
-        name="encoder_cuda_graph_duplex_batch",
-        kind="bool",
-        default=False,
-        doc="opt-in, for many concurrent duplex sessions: encode the audio chunks of every duplex session "
-        "scheduled in one engine step in one batched call (one graph replay per step; each row bitwise "
-        "equal to its session's own encode with the fused Whisper layers and the SDPA reference attention, "
-        "else within four bf16 steps; slower than the per-session graph for a single session); "
-        "false = each session's chunk on its own, bitwise equal to eager",
+        doc="duplex deployments: allocate the streaming audio K/V pages and capture the streaming audio graph "
+        "of every batch bucket and the camera frame's graph while the worker warms up, before the KV cache "
+        "is sized; false = capture them lazily, as sessions reach them",
     ),
     HfOverrideKey(
         name=siglip_attention.VISION_ATTN_KEY,
@@ -435,27 +425,16 @@ class EncoderCudaGraphOptions:
     max_bytes: int = _hf_field("encoder_cuda_graph_max_bytes")
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     #: ``encoder_cuda_graph_streaming_audio`` (bool, default True). Read by the model wiring, not by the
-    #: adapter: also route the stateful Whisper chunk calls of streaming (duplex) sessions,
-    #: ``get_audio_embedding_streaming``, through an adapter of their own; its replays are bitwise equal to
-    #: the eager path. Needs ``enabled``. That adapter captures by ``"count"`` whatever ``admission`` says:
-    #: its keys are a fixed schedule (one per KV past length) that every session walks once per cache cycle, a
-    #: recurrence the cost rule, which estimates it from calls seen so far, would see only after minutes; the
-    #: other options apply to it as to each encoder.
+    #: adapter: replay the streaming (duplex) audio forward (``streaming_audio.encode_rows``, every chunk of
+    #: every session) from one graph per batch bucket, bitwise equal to its eager run. Needs ``enabled``. That
+    #: adapter captures by ``"count"`` whatever ``admission`` says: its keys are the few buckets, each of which
+    #: every step of that many sessions meets; the other options apply to it as to each encoder.
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
     #: ``encoder_cuda_graph_startup_capture`` (bool, default True). Read by the model wiring: on a duplex
-    #: deployment, capture the graphs every duplex session needs (its first chunk and the steady chunk at each
-    #: KV past length of a cache cycle, and a camera frame's single slice) while the worker warms up, after
-    #: vLLM sized the KV cache; False leaves them to the lazy path.
+    #: deployment, allocate the streaming audio K/V pages and capture the graphs every duplex session needs
+    #: (every batch bucket of the streaming audio forward, a camera frame's single slice) while the worker
+    #: warms up, before vLLM sizes the KV cache; False leaves them to the lazy path.
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
-    #: ``encoder_cuda_graph_duplex_batch`` (bool, default False). Read by the model wiring: on a duplex
-    #: deployment of at least two sessions, encode the audio chunks of all duplex appends of one engine step
-    #: in one batched call (one graph replay per step); False (the default) encodes each session's chunk on
-    #: its own, bitwise equal to its eager encode. With the SDPA reference paged attention each batched row is
-    #: bitwise equal to its session's own encode too (not with vLLM's FlashAttention, another attention
-    #: kernel). Opt-in because a single session's chunk and the first session after start-up are
-    #: faster per session and the page pool takes memory at start-up; it pays off for deployments with many
-    #: concurrent duplex sessions.
-    duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:
         # the type and the minimum: values read from --hf-overrides were range-checked by
