@@ -70,7 +70,6 @@ __all__ = [
     "audio_graph",
     "build_thinker_encoders",
     "configure_fused_layers",
-    "duplex_batch_graph",
     "has_graph_wiring",
     "init_weights_",
     "model_module",
@@ -366,8 +365,6 @@ def wire_encoder_graphs(
         **options: other ``EncoderCudaGraphOptions`` fields, e.g. ``max_graphs=16`` sets
             ``encoder_cuda_graph_max_graphs``.
             ``streaming_audio=False`` sets ``encoder_cuda_graph_streaming_audio``.
-            ``duplex_batch=True`` turns on the opt-in batched duplex steps
-            (``encoder_cuda_graph_duplex_batch``, default false).
 
     Raises:
         EncoderWiringMissingError: the installed model file has no encoder CUDA graph wiring.
@@ -389,7 +386,6 @@ def wire_encoder_graphs(
         vision_graph(model),
         audio_graph(model),
         streaming_audio_graph(model),
-        duplex_batch_graph(model),
     )
     for adapter in adapters:
         if adapter is not None and backend is not None:
@@ -412,12 +408,7 @@ def audio_graph(model: Any) -> Any:
 
 
 def streaming_audio_graph(model: Any) -> Any:
-    """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
-    return getattr(model, "_streaming_audio_encoder_graph", None)
-
-
-def duplex_batch_graph(model: Any) -> Any:
-    """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
-    return getattr(getattr(model, "_duplex_batch", None), "graph", None)
+    """The streaming (duplex) audio forward's bucket graphs' adapter (``model._streaming_audio.graph``) or None."""
+    return getattr(getattr(model, "_streaming_audio", None), "graph", None)
 
 

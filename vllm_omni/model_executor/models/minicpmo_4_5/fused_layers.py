@@ -30,8 +30,7 @@ memory traffic stay. The functions here run the same layers, with the same param
   projection reads;
 - around SigLIP's layers, its **patch embedding as the GEMM it is** (:func:`siglip_patch_embeddings`)
   and the **resampler's attention through SDPA** (:func:`resampler_needs_weights`) on contiguous
-  keys and values (:func:`resampler_keys_values`); for Whisper's
-  streaming chunks, graphs that **leave out the all-zero mask** (:func:`whisper_streaming_drops_zero_mask`).
+  keys and values (:func:`resampler_keys_values`).
 
 Numerics: SigLIP's fused stack rounds where the unfused layers round wherever that costs little:
 each GEMM rounds ``acc + bias`` once as ``nn.Linear`` does, the fused add rounds the float32 sum
@@ -95,7 +94,6 @@ __all__ = [
     "whisper_encode_layers",
     "whisper_encoder_output",
     "whisper_fused_applies",
-    "whisper_streaming_drops_zero_mask",
 ]
 
 #: The ``--hf-overrides`` key choosing the encoders that run the fused layers.
@@ -137,12 +135,9 @@ WHISPER_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
-#: SDPA backends for Whisper's streaming chunks. The eager chunk carries an all-zero mask and its
-#: graph drops it (:func:`whisper_streaming_drops_zero_mask`), so the backend must be one that runs
-#: with and without a mask and gives the same bits either way: cuDNN (measured bitwise equal with
-#: a zero bias and without one at every past length 0, 50, ..., 1450 of a cache cycle on an H200,
-#: cuDNN 9.19), the memory-efficient kernel and the math path (which add 0.0 to each score). Flash
-#: attention, fastest without a mask, refuses one, so the eager call would run another kernel.
+#: SDPA backends for Whisper's streaming chunks (``streaming_audio.encode_rows``: each row's queries over
+#: its gathered pages, the positions past it masked): cuDNN, whose masked call gives a row the bits of
+#: its own call whatever the batch, then the memory-efficient kernel and the math path.
 WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -763,15 +758,3 @@ def whisper_encoder_output(
         attentions=None,
         past_key_values=past_key_values if use_cache else None,
     )
-
-
-def whisper_streaming_drops_zero_mask(apm: nn.Module) -> bool:
-    """Whether a streaming audio graph may leave out the all-zero mask of its chunk.
-
-    True when ``apm`` runs the fused layers (``apm._fused_layers``): their streaming attention
-    (:data:`WHISPER_STREAMING_SDPA_BACKENDS`) gives the same bits with the all-zero mask the eager
-    chunk passes and without it, so the graph skips building the mask and the kernel's bias reads
-    (on an H200 cuDNN attention takes 12.6 instead of 17.2 us per layer at a past of 700
-    positions). The other calls of the streaming path decide as before.
-    """
-    return bool(getattr(apm, "_fused_layers", False))

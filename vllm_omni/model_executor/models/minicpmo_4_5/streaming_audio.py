@@ -446,7 +446,7 @@ def _unfused_layers(apm: nn.Module, hidden: torch.Tensor, pool: KVPagePool, slot
     return apm.layer_norm(hidden)
 
 
-def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor, encoder: Any = None) -> torch.Tensor:
     """The captured region: Whisper over each row's chunk with its own pages, then projection and pooling.
 
     Args:
@@ -457,11 +457,12 @@ def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor) -> torc
             chunk's missing frames are zeros at the end; they leave its first ``chunk`` conv
             positions unchanged).
         meta: ``(RowLayout.size,)`` int32 per-row data of :class:`RowLayout`.
+        encoder: the :class:`StreamingAudioEncoder` (default ``model._streaming_audio``).
 
     Returns:
         ``(rows, chunk // audio_pool_step, embed_dim)``; the rows' new K/V are in their pages.
     """
-    encoder: StreamingAudioEncoder = model._streaming_audio
+    encoder = model._streaming_audio if encoder is None else encoder
     apm, pool, chunk = model.apm, encoder.pool, encoder.chunk
     rows = mel.shape[0]
     start, used, positions, table, codes = RowLayout(rows, chunk, pool.pages_per_session).split(meta)
@@ -673,7 +674,7 @@ class StreamingAudioEncoder:
         self.calls += 1
         if self.graph is not None:
             return self.graph(mel, meta)
-        return encode_rows(self.model, mel, meta)
+        return encode_rows(self.model, mel, meta, self)
 
     def _warn_full(self) -> None:
         if not self._warned_full:
@@ -769,6 +770,7 @@ def init_streaming_audio(model: nn.Module, vllm_config: Any, options: EncoderCud
     sessions = int(getattr(getattr(vllm_config, "model_config", None), "duplex_max_sessions", 1) or 1)
     chunk = max(1, round(50 * getattr(model.config, "audio_chunk_length", 1.0)))
     buckets = sum(1 for b in BUCKETS if b <= bucket_for(max(1, sessions), BUCKETS[-1]))
+    buckets = buckets if options.max_graphs else 0  # encoder_cuda_graph_max_graphs=0: no capture
     graph, state = None, "off (encoder_cuda_graph_streaming_audio=false)"
     if options.streaming_audio:
         graph, state = make_encoder_cuda_graph(
