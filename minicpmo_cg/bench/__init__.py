@@ -54,10 +54,13 @@ patched ``vllm_omni...minicpmo_4_5.encoder_cuda_graph.EncoderCudaGraph``. One mo
     29, 58, 87, 116), eager vs graphed in one run (cold session, warm session, two interleaved
     sessions of audio), every graphed chunk and frame bitwise against eager. Per-chunk and
     per-frame median and p90, session encoder time (frames + chunks), graph memory in total and per
-    session; on a GPU, where a graphed chunk's time goes (:mod:`.duplex_breakdown`: per-phase CUDA
-    events, the replay against the past length, attention alone), and graphed chunks with Whisper's
-    fused layers against chunks without them, with the fused chunk's kernels. ``--only duplex`` runs
-    it alone.
+    session; and graphed chunks with Whisper's fused layers against chunks without them, with the
+    fused chunk's kernels. ``--only duplex`` runs it alone.
+``duplex_concurrency`` (:mod:`.duplex_concurrency`)
+    N = 1 ... 32 duplex sessions sharing steps: the streaming audio forward's ms per step eager,
+    through the bucket graphs and as a plain CUDA graph of the same fused Whisper stack at batch N
+    (the floor), interleaved; host ms per step; start-up capture's seconds and bytes and the first
+    chunk of the first session after it.
 ``offline`` (:mod:`.offline`)
     Real photos (``skimage.data``) through MiniCPM-o's own slicer, random order with repeats.
 

@@ -3,8 +3,7 @@
 - :func:`fused_layers` switches the fused encoder layers (``--hf-overrides encoder_fused_layers``,
   ``fused_layers.py``) of a built model on or off for a block: the same weights (the packed q/k/v
   views serve both paths), so a row with the fused layers and one without compare the kernels
-  alone. The streaming graphs' zero-mask plans depend on the choice, so they are dropped on entry
-  and exit (the caller re-wires its adapters per setting).
+  alone (the caller re-wires its adapters per setting).
 - :func:`kernel_profile` runs a call under ``torch.profiler`` and returns its kernels by GPU time per
   call (on a CPU dry run, its operators by CPU time): the per-kernel profile of a graphed call, which
   replays the captured kernels and nothing else.
@@ -39,9 +38,6 @@ def fused_layers(model: Any, on: bool) -> Iterator[None]:
     ``on=False`` turns every encoder's fused layers off. The flags are restored on exit.
     """
     saved = {name: getattr(model, name)._fused_layers for name in FUSED_MODULES if _has_flag(model, name)}
-    plans = getattr(model, "_streaming_audio_mask_plans", None)
-    if plans is not None:
-        plans.clear()
     try:
         if not on:
             for name in saved:
@@ -50,8 +46,6 @@ def fused_layers(model: Any, on: bool) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             getattr(model, name)._fused_layers = value
-        if plans is not None:
-            plans.clear()
 
 
 def _has_flag(model: Any, name: str) -> bool:
