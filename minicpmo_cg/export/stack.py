@@ -54,7 +54,7 @@ STACK = (
         "streaming-audio",
         ("0006",),
         (M + "streaming_audio.py",),
-        (T + "test_encoder_cuda_graph_static_args.py", T + "test_audio_host_reads.py"),
+        (T + "test_audio_host_reads.py",),
     ),
     Pr("fused-layers", ("0007",), (), (T + "test_fused_layers.py", T + "test_fused_layers_cuda.py")),
     Pr("startup-capture", ("0008", "0009"), (M + "startup_capture.py",), (T + "test_startup_capture.py",)),

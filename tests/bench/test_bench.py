@@ -118,7 +118,7 @@ def test_cpu_backend_drives_the_unmodified_adapter_through_its_seam() -> None:
     backend = CpuGraphBackend()
     assert backend.eligible_device([torch.zeros(2), None]) == cpu
     assert backend.eligible_device([None]) is None
-    assert backend.eligible_device([torch.zeros(2), 3, object()]) == cpu  # static arguments do not count
+    assert backend.eligible_device([torch.zeros(2), 3, object()]) == cpu  # non-tensor inputs do not count
     assert backend.eligible_device([3]) is None
     assert backend.eligible_device([torch.zeros(2), torch.zeros(2, device="meta")]) is None
     config = standalone_vllm_config()

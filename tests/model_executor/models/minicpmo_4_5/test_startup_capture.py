@@ -241,19 +241,20 @@ def test_caps_and_budgets_still_bound_startup_capture(cpu_backend):
 
 @pytest.mark.cpu
 def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
-    adapter = ecg.EncoderCudaGraph(lambda x, n: x * n, vllm_config, static_args=True, backend=cpu_backend())
+    adapter = ecg.EncoderCudaGraph(lambda x, *rest: x * 3, vllm_config, backend=cpu_backend())
     x = torch.ones(2, 3)
     with torch.inference_mode():
-        out, outcome = ecg.capture_now(adapter, x, 3)
+        out, outcome = ecg.capture_now(adapter, x)
         assert outcome == "captured" and torch.equal(out, x * 3)
-        assert ecg.capture_now(adapter, x, 3)[1] == "present"
-        assert ecg.capture_now(adapter, x, 4)[1] == "captured"  # a static argument's value is part of the key
+        assert ecg.capture_now(adapter, x)[1] == "present"
+        assert ecg.capture_now(adapter, torch.ones(4, 3))[1] == "captured"  # a shape is part of the key
+        assert ecg.capture_now(adapter, x, 3)[1] == "ineligible"  # a non-tensor input, as a call
         assert adapter.get_cumulative_stats()["graph_hits"] == 0
-        assert torch.equal(adapter(x, 3), x * 3)  # the call hits the graph captured before
+        assert torch.equal(adapter(x), x * 3)  # the call hits the graph captured before
     stats = adapter.get_cumulative_stats()
     assert (stats["graph_hits"], stats["graph_misses"], stats["num_graphs"]) == (1, 0, 2)
     with torch.enable_grad():
-        assert ecg.capture_now(adapter, x, 5)[1] == "ineligible"
+        assert ecg.capture_now(adapter, x)[1] == "ineligible"
 
 
 @pytest.mark.cpu

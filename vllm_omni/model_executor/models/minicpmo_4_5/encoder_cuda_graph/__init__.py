@@ -9,9 +9,6 @@ slice, a 1 s audio chunk) the host, not the GPU, sets their latency. This
 package replays such calls from CUDA graphs keyed by the exact shapes of their
 inputs; nothing is padded or bucketed, so a replay computes exactly what the
 eager call computes.
-The same adapter, built with static arguments (non-tensor inputs keyed by
-value), replays the streaming Whisper chunks of full-duplex sessions at each
-KV past length.
 
 Capture and replay are vLLM's: every captured shape is one
 :class:`vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager` with a single
@@ -80,14 +77,12 @@ from .options import (
 from .shapes import ExactShapeEncoder, GraphKey
 
 # isort: split
-from .shapes import STATIC_ARG
 
 
 __all__ = [
     "CAPTURE_ERROR_MODE",
     "HF_OVERRIDE_KEYS",
     "MISS_KINDS",
-    "STATIC_ARG",
     "STATS_KEYS",
     "Admission",
     "CaptureAdmission",

@@ -34,9 +34,6 @@ from .backend import CudaGraphBackend, EncoderGraphBackend, ReplayableGraph, _re
 from .options import EncoderCudaGraphOptions
 from .shapes import ExactShapeEncoder, GraphKey, _describe, _is_static, _tensor_entries
 
-# isort: split
-from .shapes import _key_entry
-
 
 logger = init_logger(__name__)
 
@@ -90,21 +87,6 @@ class EncoderCudaGraph:
     Strides and tensor values are not part of the key; replays read the live
     input values.
 
-    *Static arguments* (``static_args=True``): any positional input that is
-    neither a tensor nor None (an int, a tuple, an object) is part of the key
-    by value, as ``(STATIC_ARG, value)`` (``==`` and ``hash``, so it must be
-    hashable; an object without ``__eq__`` counts by identity) and is passed
-    unchanged to every call of ``forward`` (warm-up, capture, eager); it never
-    becomes a static input buffer. A graph bakes in what ``forward`` did with
-    it at capture, so each value is its own graph. They carry what fixes the
-    forward's control flow or shapes without being a tensor shape (e.g. a
-    KV-cache length), or a persistent buffer the forward reads and writes in
-    place (e.g. a K/V arena) instead of a static copy. The choice is made once
-    per adapter, so an adapter whose inputs are all tensors keeps the
-    tensor-only key and replay path; there, a call with any other input is
-    ineligible (below), while with ``static_args`` such an input is a static
-    argument and no reason to run eagerly.
-
     A call runs ``forward`` eagerly, without touching any graph, when it is
     *ineligible*: autograd enabled, an input that is neither a tensor nor
     None, or the backend refuses the tensor inputs (for
@@ -157,8 +139,6 @@ class EncoderCudaGraph:
             max_bytes, log_interval_s: see :class:`EncoderCudaGraphOptions`
             (validated the same way).
         name: encoder name for logs (``"vision"``, ``"audio"``).
-        static_args: whether inputs other than tensors and None are static
-            arguments (see above); False makes such calls ineligible.
         captured_modules: dotted names, relative to the module that owns the
             bound method ``forward``, of the modules ``forward`` calls (checked
             for hooks). None checks the owner's whole module tree; a ``forward``
@@ -193,7 +173,6 @@ class EncoderCudaGraph:
         max_bytes: int = 0,
         log_interval_s: float = 60.0,
         name: str = "encoder",
-        static_args: bool = False,
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -210,7 +189,6 @@ class EncoderCudaGraph:
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
-        self.static_args = bool(static_args)
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
@@ -267,8 +245,6 @@ class EncoderCudaGraph:
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
-        if self.static_args:
-            return self._call_with_statics(inputs, device)
         try:
             entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
         except AttributeError:  # an input that is neither a tensor nor None
@@ -351,29 +327,14 @@ class EncoderCudaGraph:
         }
 
     # -- internals -------------------------------------------------------------------
-    def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        """The rest of an eligible call of an adapter with ``static_args``: key, hit or miss."""
-        self._calls += 1
-        key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
-        try:
-            manager = self.graphs.get(key)
-        except TypeError as exc:  # an unhashable static argument
-            raise TypeError(
-                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
-                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
-            ) from exc
-        if manager is not None:
-            return self._replay(manager, inputs)
-        return self._miss(key, inputs, device)
-
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         """An eligible call without a graph: profiling guard, admission, cost, budget, floor, capture."""
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
-        # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
-        # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
-        if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
+        # Never captured, so the hit path needs no check: more inputs than buffer keys, or an input
+        # that has a shape and a dtype but is no tensor (e.g. a NumPy array).
+        if len(inputs) > len(_BUFFER_KEYS) or any(map(_is_static, inputs)):
             self.admission.record_ineligible()
             return self.forward(*inputs)
         decision = self.admission.admit(key)

@@ -121,9 +121,7 @@ class EncoderGraphBackend(Protocol):
     ) -> tuple[torch.Tensor, EagerMeasurement]:
         """Run ``call()`` (an eager forward on ``device``) and measure it without host syncs.
 
-        ``call`` takes no arguments: it closes over the call's inputs, static
-        arguments included, so a backend measures a call with static arguments
-        like any other.
+        ``call`` takes no arguments: it closes over the call's inputs.
 
         Args:
             hold_ms: 0 measures the call as it runs (its sample has ``gpu_ms``; a
@@ -489,7 +487,7 @@ class CudaGraphBackend:
     """The CUDA backend: vLLM's ``EncoderCudaGraphManager`` on the current CUDA stream.
 
     - eligible: at least one tensor input, every tensor input on one CUDA
-      device (None and static arguments are skipped), CUDA autocast off, and
+      device (None inputs are skipped), CUDA autocast off, and
       the current stream not being captured by someone else (both read through
       torch's C functions directly);
     - replay stream: the id of ``torch.cuda.current_stream(device)``, read
@@ -530,7 +528,7 @@ class CudaGraphBackend:
         device = None
         for x in inputs:
             if not isinstance(x, torch.Tensor):
-                continue  # None or a static argument
+                continue  # None (a non-tensor input never gets here: ineligible)
             if not x.is_cuda:
                 return None
             if device is None:

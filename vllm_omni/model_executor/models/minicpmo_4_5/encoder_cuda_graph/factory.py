@@ -65,7 +65,6 @@ def make_encoder_cuda_graph(
     options: EncoderCudaGraphOptions,
     *,
     name: str,
-    static_args: bool = False,
     captured_modules: Sequence[str] | None = None,
     lora_reason: str | None = None,
 ) -> EncoderCudaGraphSetup:
@@ -83,7 +82,6 @@ def make_encoder_cuda_graph(
     Args:
         forward, vllm_config, name, captured_modules: see
             :class:`EncoderCudaGraph`.
-        static_args: see :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 
@@ -116,7 +114,6 @@ def make_encoder_cuda_graph(
         max_bytes=options.max_bytes,
         log_interval_s=options.log_interval_s,
         name=name,
-        static_args=static_args,
         captured_modules=captured_modules,
     )
     state = "off (encoder_cuda_graph_max_graphs=0)" if options.max_graphs == 0 else "on"

@@ -3,7 +3,6 @@
 
 A key holds the replay stream, the device and, per positional input, a tensor's
 ``(shape, dtype)`` or None.
-A static argument's entry is ``(STATIC_ARG, value)``.
 :class:`ExactShapeEncoder` presents one key's call to vLLM's
 ``EncoderCudaGraphManager`` as a ``SupportsEncoderCudaGraph`` model with a
 single item and a single token budget, so nothing is padded.
@@ -24,30 +23,15 @@ from vllm.v1.worker.encoder_cudagraph_defs import (
     EncoderItemSpec,
 )
 
-__all__ = [
-    "STATIC_ARG",
-    "ExactShapeEncoder",
-    "GraphKey",
-]
+__all__ = ["ExactShapeEncoder", "GraphKey"]
 
 GraphKey = tuple[Hashable, ...]
-"""``(replay stream id, device, per input: (shape, dtype), None, or (STATIC_ARG, value))``."""
-
-#: Tags a static argument's entry in a graph key: ``(STATIC_ARG, value)`` never equals a tensor's
-#: ``(shape, dtype)`` entry, whose first item is a ``torch.Size``.
-STATIC_ARG = "static"
+"""``(replay stream id, device, per input: (shape, dtype) or None)``."""
 
 
 def _is_static(x: Any) -> bool:
-    """A positional input that is neither a tensor nor None (see :class:`EncoderCudaGraph`)."""
+    """A positional input that is neither a tensor nor None: a call with one is ineligible."""
     return x is not None and not isinstance(x, torch.Tensor)
-
-
-def _key_entry(x: Any) -> Hashable:
-    """One input's entry in a graph key of an adapter with static arguments."""
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype)
-    return None if x is None else (STATIC_ARG, x)
 
 
 #: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
@@ -66,12 +50,9 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
     Buffer keys are ``"0"``, ``"1"``, ... for the positional tensor inputs; a
     None input stays None in the forward call.
-    A static argument keeps its value in every forward call (warm-up, capture
-    and eager), so the captured graph bakes it in.
 
     Attributes:
         templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
-        statics: position -> value of each static argument.
         keys: buffer keys of the tensor inputs.
         output_shape: the eager output's shape, recorded at the key's first sighting.
         output_dtype: the eager output's dtype (default: ``dtype``).
@@ -92,7 +73,6 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         self.arity = len(inputs)
         tensors = [isinstance(x, torch.Tensor) for x in inputs]
         self.templates = [(x.shape, x.dtype, x.device) if t else None for x, t in zip(inputs, tensors)]
-        self.statics = {i: x for i, x in enumerate(inputs) if _is_static(x)}
         self.keys = [str(i) for i, t in enumerate(tensors) if t]
         self.output_shape = torch.Size(output_shape)
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
@@ -105,14 +85,13 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
     def static_bytes(self) -> int:
         """Bytes of the graph's static input buffers plus its output buffer (allocated outside the pool).
 
-        Only tensor inputs have a buffer: None and static arguments hold no bytes of the graph's.
+        Only tensor inputs have a buffer: None holds no bytes of the graph's.
         """
         inputs = sum(math.prod(t[0]) * t[1].itemsize for t in self.templates if t is not None)
         return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
     def _call(self, values: dict[str, Any]) -> torch.Tensor:
-        statics = self.statics
-        return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
+        return self._forward(*(values.get(str(i)) for i in range(self.arity)))
 
     # -- SupportsEncoderCudaGraph -------------------------------------------------
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
@@ -202,13 +181,10 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    """Readable inputs of a key for logs: ``[(shape, dtype) | None | static value, ...]``."""
-    return [
-        t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
-        for t in key[2]
-    ]
+    """Readable inputs of a key for logs: ``[(shape, dtype) | None, ...]``."""
+    return [t if t is None else (tuple(t[0]), str(t[1]).replace("torch.", "")) for t in key[2]]
 
 
 def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
-    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None, not static arguments)."""
-    return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)
+    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None)."""
+    return (t for t in key[2] if t is not None)
