@@ -83,7 +83,9 @@ def _floor(ctx: Ctx, rows: int) -> Any:
     model, fused = ctx.model, _module("fused_layers")
     apm = model.apm
     chunk = duplex.CHUNK_POSITIONS
-    hidden = torch.randn((rows, chunk, apm.config.d_model), generator=ctx.rng).to(ctx.device, apm.conv1.weight.dtype)
+    hidden = torch.randn((rows, chunk, apm.config.d_model), generator=ctx.rng).to(
+        ctx.device, apm.conv1.weight.dtype
+    )
 
     def forward() -> torch.Tensor:
         with torch.inference_mode():
@@ -118,8 +120,10 @@ def _sessions_row(ctx: Ctx, n: int, paged: Any) -> dict[str, Any]:
     for t in range(steps + warmup):
         outs = {}
         for way, encoder in (("eager", eager), ("paged", paged)):
-            chunks = [sa.StreamingAudioChunk(s[t].features, s[t].prefix_extra_frames, c)
-                      for s, c in zip(streams, caches[way], strict=True)]
+            chunks = [
+                sa.StreamingAudioChunk(s[t].features, s[t].prefix_extra_frames, c)
+                for s, c in zip(streams, caches[way], strict=True)
+            ]
             with torch.inference_mode():
                 ms, host_ms, out = _timed(ctx, lambda e=encoder, c=chunks: e.encode(c))
             caches[way] = [cache for _, cache in out]
@@ -136,7 +140,9 @@ def _sessions_row(ctx: Ctx, n: int, paged: Any) -> dict[str, Any]:
         for cache in caches[way]:
             sa.release_cache(cache)
     if not bitwise:
-        ctx.problems.append(f"duplex_concurrency: {n} sessions, the graphed steps differ from the eager forward")
+        ctx.problems.append(
+            f"duplex_concurrency: {n} sessions, the graphed steps differ from the eager forward"
+        )
     return {
         "step_ms": {way: summary(times[way])["median"] for way in WAYS},
         "step_ms_summary": {way: summary(times[way]) for way in WAYS},
@@ -151,15 +157,22 @@ def _first_session(ctx: Ctx) -> dict[str, Any]:
     release_memory()
     standalone.wire_encoder_graphs(ctx.model, config, enabled=True, backend=ctx.backend, startup_capture=True)
     report = _module("startup_capture").capture_at_startup(ctx.model, config)
-    chunks = duplex.frame_chunks(duplex.speech_mel(FIRST_CHUNKS[ctx.mode]), FIRST_CHUNKS[ctx.mode], device=ctx.device)
+    chunks = duplex.frame_chunks(
+        duplex.speech_mel(FIRST_CHUNKS[ctx.mode]), FIRST_CHUNKS[ctx.mode], device=ctx.device
+    )
     session = duplex.DuplexSession()
     with torch.inference_mode():
         times = [ctx.timer.timed(lambda c=c: session.encode(ctx.model, c))[0] for c in chunks]
     session.close()
     return {
         "chunk_ms": times,
-        "startup": {"s": report.seconds, "bytes": report.total_bytes, "graphs": report.graphs,
-                    "pool_bytes": report.pool_bytes, "stopped": report.stopped},
+        "startup": {
+            "s": report.seconds,
+            "bytes": report.total_bytes,
+            "graphs": report.graphs,
+            "pool_bytes": report.pool_bytes,
+            "stopped": report.stopped,
+        },
     }
 
 
@@ -202,9 +215,13 @@ def missed_targets(s: dict[str, Any]) -> list[str]:
         if step["paged"] > ratio * step["floor"]:
             missed.append(f"{n} sessions {step['paged']:.2f} ms > {ratio:g} x floor {step['floor']:.2f} ms")
         if row["host_ms"] > TARGETS["duplex_step_host_ms"]:
-            missed.append(f"{n} sessions host {row['host_ms']:.3f} ms per step > {TARGETS['duplex_step_host_ms']:g} ms")
+            missed.append(
+                f"{n} sessions host {row['host_ms']:.3f} ms per step > {TARGETS['duplex_step_host_ms']:g} ms"
+            )
     if s["first_chunk_ms"] > TARGETS["duplex_first_chunk_ms"]:
-        missed.append(f"first chunk after start-up {s['first_chunk_ms']:.2f} ms > {TARGETS['duplex_first_chunk_ms']:g} ms")
+        missed.append(
+            f"first chunk after start-up {s['first_chunk_ms']:.2f} ms > {TARGETS['duplex_first_chunk_ms']:g} ms"
+        )
     return missed
 
 
@@ -226,7 +243,8 @@ def format_section(s: dict[str, Any]) -> list[str]:
     lines.append(
         f"start-up capture: {start['graphs']} in {start['s']:.2f} s, {mib(start['bytes'])} MiB ({start['bytes']} bytes, "
         f"pages {mib(start['pool_bytes'])} MiB); first session's chunks after it: "
-        + ", ".join(f"{ms:.2f}" for ms in detail["first_chunks_ms"]) + " ms"
+        + ", ".join(f"{ms:.2f}" for ms in detail["first_chunks_ms"])
+        + " ms"
     )
     missed = missed_targets(s)
     lines.append("targets: " + ("all MET" if not missed else "MISSED: " + "; ".join(missed)))

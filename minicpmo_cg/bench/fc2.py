@@ -53,7 +53,9 @@ def _ms(fn: Any, repeats: int) -> float:
 
 def _invariant(gemm: Any, x: torch.Tensor, w: torch.Tensor) -> bool:
     out = gemm(x, w)
-    return all(torch.equal(out[r : r + CHUNK], gemm(x[r : r + CHUNK], w)) for r in range(0, x.shape[0], CHUNK))
+    return all(
+        torch.equal(out[r : r + CHUNK], gemm(x[r : r + CHUNK], w)) for r in range(0, x.shape[0], CHUNK)
+    )
 
 
 def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,9 @@ def _triton_gemm() -> Any:
         return None
 
     @triton.jit
-    def kernel(x, w, out, m, n, k, sxm, sxk, swn, swk, som, son, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def kernel(
+        x, w, out, m, n, k, sxm, sxk, swn, swk, som, son, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+    ):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm, rn, rk = pm * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN), tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -81,13 +85,19 @@ def _triton_gemm() -> Any:
             a = tl.load(x + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk, mask=rm[:, None] < m, other=0.0)
             b = tl.load(w + rn[None, :] * swn + (k0 + rk)[:, None] * swk, mask=rn[None, :] < n, other=0.0)
             acc += tl.dot(a, b)
-        tl.store(out + rm[:, None] * som + rn[None, :] * son, acc.to(tl.bfloat16), mask=(rm[:, None] < m) & (rn[None, :] < n))
+        tl.store(
+            out + rm[:, None] * som + rn[None, :] * son,
+            acc.to(tl.bfloat16),
+            mask=(rm[:, None] < m) & (rn[None, :] < n),
+        )
 
     def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         out = x.new_empty((m, w.shape[0]))
         grid = (triton.cdiv(m, 64), triton.cdiv(w.shape[0], 64))
-        kernel[grid](x, w, out, m, w.shape[0], x.shape[1], *x.stride(), *w.stride(), *out.stride(), BM=64, BN=64, BK=64)
+        kernel[grid](
+            x, w, out, m, w.shape[0], x.shape[1], *x.stride(), *w.stride(), *out.stride(), BM=64, BN=64, BK=64
+        )
         return out
 
     return gemm
@@ -129,15 +139,22 @@ def main(argv: list[str] | None = None) -> int:
         ways["triton"] = triton_gemm
     rows = measure(ways, args.repeats)
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}
-    child = subprocess.run([sys.executable, "-m", "minicpmo_cg.bench.fc2", "--child", "--repeats", str(args.repeats)],
-                           env=env, capture_output=True, text=True, check=False)
+    child = subprocess.run(
+        [sys.executable, "-m", "minicpmo_cg.bench.fc2", "--child", "--repeats", str(args.repeats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if child.returncode == 0:
         for n, row in json.loads(child.stdout.strip().splitlines()[-1]).items():
             rows[n].update(row)
     else:
         print(f"workspace way failed: {child.stderr[-1000:]}", file=sys.stderr)
     names = list(next(iter(rows.values())))
-    print(f"fc2 GEMM (K={K}, N={N}, bf16) on {torch.cuda.get_device_name()}: ms per GEMM (median), * = batch-invariant")
+    print(
+        f"fc2 GEMM (K={K}, N={N}, bf16) on {torch.cuda.get_device_name()}: ms per GEMM (median), * = batch-invariant"
+    )
     print(f"{'sessions':>8s}{'M':>6s}" + "".join(f"{n:>14s}" for n in names))
     for n, row in rows.items():
         cells = "".join(f"{row[w]['ms']:13.4f}{'*' if row[w]['invariant'] else ' '}" for w in names)

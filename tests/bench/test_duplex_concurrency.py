@@ -72,7 +72,10 @@ def test_cpu_dry_run_writes_the_schema(tmp_path: Path) -> None:
         assert all(isinstance(v, float) and v > 0 for v in row["step_ms"].values()) and row["host_ms"] > 0
     assert all(row["bitwise"] for row in s["detail"]["rows"].values())
     startup = s["startup"]  # one graph per bucket of a 32-session deployment, and the camera frame's
-    assert startup["graphs"] == {"streaming audio": 6, "vision": 1} and startup["bytes"] > startup["pool_bytes"] > 0
+    assert (
+        startup["graphs"] == {"streaming audio": 6, "vision": 1}
+        and startup["bytes"] > startup["pool_bytes"] > 0
+    )
     assert s["first_chunk_ms"] > 0 and s["detail"]["graph_stats"]["graph_misses"] == 0
     section = r.stdout.split("-- duplex concurrency")[1]
     assert "start-up capture:" in section and "targets: " in section

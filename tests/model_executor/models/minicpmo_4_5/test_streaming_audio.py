@@ -45,7 +45,11 @@ def duplex_config(sessions=8):
 
 
 def tiny(**config):
-    return tiny_audio_model(positions=POSITIONS, chunk_seconds=N / 50, pool=POOL, **config).eval().requires_grad_(False)
+    return (
+        tiny_audio_model(positions=POSITIONS, chunk_seconds=N / 50, pool=POOL, **config)
+        .eval()
+        .requires_grad_(False)
+    )
 
 
 def wired(backend_cls=None, sessions=8, **options):
@@ -135,11 +139,21 @@ def test_the_row_layout_puts_every_row_in_its_own_pages_and_padding_in_scratch()
 
 @pytest.mark.cpu
 def test_the_pool_gives_zeroed_pages_lowest_first_and_takes_them_back_explicitly():
-    pool = sa.KVPagePool(layers=2, heads=2, head_dim=4, max_positions=40, sessions=3, rows=2, chunk=10,
-                         dtype=torch.float32, device="cpu")
+    pool = sa.KVPagePool(
+        layers=2,
+        heads=2,
+        head_dim=4,
+        max_positions=40,
+        sessions=3,
+        rows=2,
+        chunk=10,
+        dtype=torch.float32,
+        device="cpu",
+    )
     assert pool.pages_per_session == 3 and pool.scratch_start == 9 and pool.kv.shape[2] == 9 + 2
-    assert pool.nbytes == sa.KVPagePool.nbytes_for(layers=2, d_model=8, itemsize=4, max_positions=40, sessions=3,
-                                                   rows=2, chunk=10)
+    assert pool.nbytes == sa.KVPagePool.nbytes_for(
+        layers=2, d_model=8, itemsize=4, max_positions=40, sessions=3, rows=2, chunk=10
+    )
     pool.kv.fill_(float("nan"))
     a, b = pool.acquire(), pool.acquire()
     assert (a.first_page, b.first_page) == (0, 3) and pool.free_sessions == 1
@@ -152,8 +166,17 @@ def test_the_pool_gives_zeroed_pages_lowest_first_and_takes_them_back_explicitly
     assert pool.free_sessions == 2
     assert pool.acquire().first_page == 0 and pool.acquire().first_page == 6 and pool.acquire() is None
     with pytest.raises(ValueError, match="sessions >= 1"):
-        sa.KVPagePool(layers=1, heads=1, head_dim=1, max_positions=1, sessions=0, rows=1, chunk=1,
-                      dtype=torch.float32, device="cpu")
+        sa.KVPagePool(
+            layers=1,
+            heads=1,
+            head_dim=1,
+            max_positions=1,
+            sessions=0,
+            rows=1,
+            chunk=1,
+            dtype=torch.float32,
+            device="cpu",
+        )
 
 
 @pytest.mark.cpu
@@ -269,9 +292,15 @@ def test_startup_capture_captures_every_bucket_in_one_loop_and_counts_the_pool(c
     records = log_records(startup.logger)
     report = startup.capture_at_startup(model, duplex_config(8))
     assert report.graphs == {"streaming audio": 4} and report.stopped is None  # buckets 1, 2, 4, 8
-    assert report.pool_bytes == encoder.pool_bytes() == encoder.pool.nbytes and report.total_bytes >= report.pool_bytes
+    assert (
+        report.pool_bytes == encoder.pool_bytes() == encoder.pool.nbytes
+        and report.total_bytes >= report.pool_bytes
+    )
     assert encoder.pool.free_sessions == 8 and not encoder.pool.kv[:, :, : encoder.pool.scratch_start].any()
-    assert "streaming audio 4" in records.messages()[-1] and f"{report.total_bytes} bytes" in records.messages()[-1]
+    assert (
+        "streaming audio 4" in records.messages()[-1]
+        and f"{report.total_bytes} bytes" in records.messages()[-1]
+    )
     assert startup.capture_at_startup(model, duplex_config(8)).num_graphs == 0  # once per set of adapters
     sessions, names = Sessions(model, wired(cpu_backend), TOL), "abcdefgh"
     streams = {n: stream(6, seed) for seed, n in enumerate(names)}
@@ -323,7 +352,9 @@ def test_the_streaming_modules_start_no_thread_and_import_no_cycle():
         assert not found & {"threading", "queue", "concurrent"}, name
         imports[name] = {m.lstrip(".") for m in found} & modules
     assert imports["streaming_audio"] == set()  # the leaf the others import
-    assert not (imports["duplex_step"] & {"startup_capture"}) and not (imports["startup_capture"] & {"duplex_step"})
+    assert not (imports["duplex_step"] & {"startup_capture"}) and not (
+        imports["startup_capture"] & {"duplex_step"}
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -340,7 +371,10 @@ class Processor:
     def process(self, audio):
         chunk = self.chunks[self.calls]
         self.calls += 1
-        return {"audio_features": chunk.features, "audio_feature_lens": [torch.tensor([chunk.features.shape[-1]])]}
+        return {
+            "audio_features": chunk.features,
+            "audio_feature_lens": [torch.tensor([chunk.features.shape[-1]])],
+        }
 
 
 class Helper:
@@ -371,25 +405,46 @@ class Helper:
 
 def session_state(name, chunks, buffered=0):
     return SimpleNamespace(
-        session_id=name, streaming_processor=Processor(chunks), audio_buffer=np.zeros(buffered, np.float32),
-        audio_chunk_idx=1, prepared_append_identity=None, audio_past_key_values=None, planned_audio_chunks=[],
+        session_id=name,
+        streaming_processor=Processor(chunks),
+        audio_buffer=np.zeros(buffered, np.float32),
+        audio_chunk_idx=1,
+        prepared_append_identity=None,
+        audio_past_key_values=None,
+        planned_audio_chunks=[],
     )
 
 
 def append(name, seq, samples):
-    return {"duplex": {"data_plane": True, "session_id": name, "seq": seq, "epoch": 0,
-                       "payload": {"samples": samples}}}
+    return {
+        "duplex": {
+            "data_plane": True,
+            "session_id": name,
+            "seq": seq,
+            "epoch": 0,
+            "payload": {"samples": samples},
+        }
+    }
 
 
 @pytest.mark.cpu
 def test_the_pre_pass_collects_only_new_appends_of_known_sessions_past_their_first_chunk():
     helper = Helper()
-    helper.sessions = {"a": session_state("a", []), ("b", 2): session_state("b", []), "c": session_state("c", [])}
+    helper.sessions = {
+        "a": session_state("a", []),
+        ("b", 2): session_state("b", []),
+        "c": session_state("c", []),
+    }
     helper.sessions["c"].audio_chunk_idx = 0  # its first append: the stage pads it, the stage encodes it
     helper.sessions["a"].prepared_append_identity = (0, 7)
     buffer = {
-        "r1": append("a", 8, 100), "r2": append("a", 7, 100), "r3": {**append("b", 1, 100)},
-        "r4": append("c", 1, 100), "r5": append("x", 1, 100), "r6": {"duplex": {"data_plane": False}}, "r7": {},
+        "r1": append("a", 8, 100),
+        "r2": append("a", 7, 100),
+        "r3": {**append("b", 1, 100)},
+        "r4": append("c", 1, 100),
+        "r5": append("x", 1, 100),
+        "r6": {"duplex": {"data_plane": False}},
+        "r7": {},
     }
     buffer["r3"]["duplex"]["incarnation"] = 2  # vllm-omni 0.28 keys its sessions by id and incarnation
     got = ds.collect_appends(helper, ["r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"], buffer)
@@ -423,12 +478,16 @@ def test_the_pre_pass_encodes_a_steps_appends_together_and_hands_each_session_it
             for feature, embeds in state.planned_audio_chunks:
                 chunk = DuplexChunk(feature["audio_features"], 2)
                 with torch.inference_mode():
-                    ((want, solo_caches[n]),) = solo._streaming_audio.encode([as_chunk(chunk, solo_caches[n])])
+                    ((want, solo_caches[n]),) = solo._streaming_audio.encode(
+                        [as_chunk(chunk, solo_caches[n])]
+                    )
                 assert embeds.shape == want[0].shape and rel_diff(want[0], embeds) <= TOL
             state.planned_audio_chunks.clear()  # the stage's loop takes them
             state.audio_chunk_idx += samples // 100
     assert encoder.calls == 4 and encoder.rows == 12  # one call per wave of chunks
-    assert {n: s.audio_past_key_values.length for n, s in helper.sessions.items()} == dict.fromkeys("abc", 4 * N)
+    assert {n: s.audio_past_key_values.length for n, s in helper.sessions.items()} == dict.fromkeys(
+        "abc", 4 * N
+    )
     ds.release_session(helper.sessions["a"])
     assert helper.sessions["a"].audio_past_key_values is None and encoder.pool.free_sessions == 8 - 2
 
@@ -440,14 +499,22 @@ def test_the_pre_pass_encodes_a_steps_appends_together_and_hands_each_session_it
 
 def medium_model(sessions, *, graphs=True, layers=4):
     """Whisper-medium's widths (d_model 1024, 16 heads, fc1/fc2 4096) and position table, bf16, 1 s chunks."""
-    model = tiny_audio_model(positions=1500, chunk_seconds=1.0, pool=5, layers=layers, d_model=1024, heads=16,
-                             embed=3584).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    model = (
+        tiny_audio_model(
+            positions=1500, chunk_seconds=1.0, pool=5, layers=layers, d_model=1024, heads=16, embed=3584
+        )
+        .eval()
+        .requires_grad_(False)
+        .to("cuda", torch.bfloat16)
+    )
     model.config.encoder_cuda_graph = graphs
     model._init_encoder_cuda_graphs(duplex_config(sessions))
     return model
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the streaming audio forward's bits need CUDA")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the streaming audio forward's bits need CUDA"
+)
 
 
 @pytest.mark.cuda
@@ -468,7 +535,9 @@ def test_cuda_rows_are_bitwise_their_session_alone_over_joins_leaves_first_chunk
         sessions.step({n: streams[n][t - started[n]] for n in sessions.caches})
     stats = model._streaming_audio.graph.get_cumulative_stats()
     assert stats["capture_failures"] == 0 and stats["graph_misses"] == 0 and stats["graph_hits"] == 36
-    print(f"row plan: {model._streaming_audio.pool.row_plan.describe()}; attention {model._streaming_audio.attention}")
+    print(
+        f"row plan: {model._streaming_audio.pool.row_plan.describe()}; attention {model._streaming_audio.attention}"
+    )
 
 
 @pytest.mark.cuda
@@ -511,4 +580,8 @@ def test_cuda_a_full_pool_and_nan_filled_free_pages():
         assert all(bool(torch.isfinite(o).all()) for o in out.values())
     with torch.inference_mode():  # a third session: no pages left, the original eager code
         ((out, cache),) = encoder.encode([as_chunk(streams["c"][0], None)])
-    assert isinstance(cache, sa.EncoderDecoderCache) and bool(torch.isfinite(out).all()) and pool.free_sessions == 0
+    assert (
+        isinstance(cache, sa.EncoderDecoderCache)
+        and bool(torch.isfinite(out).all())
+        and pool.free_sessions == 0
+    )

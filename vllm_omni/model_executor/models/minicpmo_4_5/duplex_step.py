@@ -72,7 +72,9 @@ def _session(sessions: dict[Any, Any], duplex: dict[str, Any]) -> Any:
     return state
 
 
-def collect_appends(helper: Any, req_ids: Sequence[str], buffer: dict[str, dict[str, Any]]) -> list[tuple[Any, Any]]:
+def collect_appends(
+    helper: Any, req_ids: Sequence[str], buffer: dict[str, dict[str, Any]]
+) -> list[tuple[Any, Any]]:
     """``(state, audio waveform)`` of each scheduled request whose append the pre-pass encodes.
 
     Args:
@@ -112,14 +114,18 @@ def plan_chunks(helper: Any, state: Any, waveform: np.ndarray) -> PlannedAppend:
         mel = feature["audio_features"]
         mel = mel[0] if isinstance(mel, list) else mel
         planned.features.append(feature)
-        planned.chunks.append(StreamingAudioChunk(torch.as_tensor(mel).reshape(1, *mel.shape[-2:]), CONTEXT_FRAMES))
+        planned.chunks.append(
+            StreamingAudioChunk(torch.as_tensor(mel).reshape(1, *mel.shape[-2:]), CONTEXT_FRAMES)
+        )
         start += helper._consumed_audio_samples(index, size, processor=processor)
         index += 1
         size = helper._streaming_chunk_size(processor)
     return planned
 
 
-def preprocess_batch(stage: Any, req_ids: Sequence[str], buffer: dict[str, dict[str, Any]], device: Any) -> None:
+def preprocess_batch(
+    stage: Any, req_ids: Sequence[str], buffer: dict[str, dict[str, Any]], device: Any
+) -> None:
     """The stage model's ``preprocess_batch``: encode the step's duplex appends together (module docstring).
 
     Raises:
@@ -137,7 +143,9 @@ def preprocess_batch(stage: Any, req_ids: Sequence[str], buffer: dict[str, dict[
     planned: list[PlannedAppend] = []
     for state, waveform in appends:
         if getattr(state, "planned_audio_chunks", None):
-            logger.warning("MiniCPM-o 4.5 duplex session %s: dropping chunks a stage call left unused", state.session_id)
+            logger.warning(
+                "MiniCPM-o 4.5 duplex session %s: dropping chunks a stage call left unused", state.session_id
+            )
             state.planned_audio_chunks.clear()
         planned.append(plan_chunks(helper, state, waveform))
     embeds: list[list[torch.Tensor]] = [[] for _ in planned]
@@ -147,7 +155,9 @@ def preprocess_batch(stage: Any, req_ids: Sequence[str], buffer: dict[str, dict[
         while todo := [i for i, p in enumerate(planned) if len(p.chunks) > wave]:
             for i in todo:
                 planned[i].chunks[wave].cache = caches[i]
-            for i, (out, cache) in zip(todo, encoder.encode([planned[i].chunks[wave] for i in todo]), strict=True):
+            for i, (out, cache) in zip(
+                todo, encoder.encode([planned[i].chunks[wave] for i in todo]), strict=True
+            ):
                 embeds[i].append(out[0])
                 caches[i] = cache
             wave += 1

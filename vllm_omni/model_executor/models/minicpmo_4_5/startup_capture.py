@@ -191,6 +191,8 @@ def capture_at_startup(
     report.graph_bytes = sum(p.new_bytes() for p in proxies)
     _log(report)
     return report
+
+
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB"
 

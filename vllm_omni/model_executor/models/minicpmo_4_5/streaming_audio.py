@@ -161,8 +161,9 @@ class KVPagePool:
         self.row_plan: RowPlan | None = None
 
     @staticmethod
-    def nbytes_for(*, layers: int, d_model: int, itemsize: int, max_positions: int, sessions: int,
-                   rows: int, chunk: int) -> int:
+    def nbytes_for(
+        *, layers: int, d_model: int, itemsize: int, max_positions: int, sessions: int, rows: int, chunk: int
+    ) -> int:
         """Bytes of a pool of these dimensions (what its constructor allocates)."""
         pages = sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE)
         return layers * 2 * pages * PAGE_SIZE * d_model * itemsize
@@ -250,8 +251,9 @@ class RowLayout:
         start, used, positions, table, slots = meta.split((r, r, r * n, r * p, r * n))
         return start, used, positions.view(r, n), table.view(r, p), slots
 
-    def build(self, first_pages: np.ndarray, past: np.ndarray, first_chunk: np.ndarray,
-              scratch_start: int) -> np.ndarray:
+    def build(
+        self, first_pages: np.ndarray, past: np.ndarray, first_chunk: np.ndarray, scratch_start: int
+    ) -> np.ndarray:
         """``meta`` for real rows (the leading ``len(past)``) and padding rows, with array operations.
 
         Args:
@@ -292,8 +294,16 @@ class RowPlan:
 
     def describe(self) -> str:
         gemms = sorted({(k, n) for k, n, _, _ in self.gemms})
-        parts = ["GEMMs " + ", ".join(f"{k}x{n}" for k, n in gemms) + " row by row" if gemms else "every GEMM batched"]
-        parts.append(f"convolutions row by row at buckets {sorted(self.convs)}" if self.convs else "convolutions batched")
+        parts = [
+            "GEMMs " + ", ".join(f"{k}x{n}" for k, n in gemms) + " row by row"
+            if gemms
+            else "every GEMM batched"
+        ]
+        parts.append(
+            f"convolutions row by row at buckets {sorted(self.convs)}"
+            if self.convs
+            else "convolutions batched"
+        )
         return "; ".join(parts)
 
 
@@ -309,7 +319,9 @@ class RowLinear:
         key = (weight.shape[1], weight.shape[0], bias is not None, self.rows)
         return self.plan is not None and self.rows > 1 and key in self.plan.gemms
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if not self.per_row(weight, bias):
             return nn.functional.linear(x, weight, bias)
         out = x.new_empty((x.shape[0], weight.shape[0]))
@@ -339,7 +351,9 @@ def _gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
             qkv = fused_layers.pack_qkv(attn)
             found += [(qkv.weight, qkv.bias), (attn.out_proj.weight, None), (layer.fc2.weight, None)]
         else:
-            found += [(m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, layer.fc2)]
+            found += [
+                (m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, layer.fc2)
+            ]
         found.append((layer.fc1.weight, layer.fc1.bias))
     for name in ("linear1", "linear2"):
         linear = getattr(model.audio_projection_layer, name, None)
@@ -349,7 +363,9 @@ def _gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 
 @torch.inference_mode()
-def probe_row_plan(model: nn.Module, buckets: Sequence[int], chunk: int, frames: int, device: torch.device) -> RowPlan:
+def probe_row_plan(
+    model: nn.Module, buckets: Sequence[int], chunk: int, frames: int, device: torch.device
+) -> RowPlan:
     """Find, on ``device``, the ops :func:`encode_rows` must run row by row (:class:`RowPlan`).
 
     Each GEMM shape of the forward and the convolutions of ``frames`` mel frames run once on random
@@ -372,13 +388,21 @@ def probe_row_plan(model: nn.Module, buckets: Sequence[int], chunk: int, frames:
                 gemms.add((*key, rows))
     for rows in (b for b in buckets if b > 1):
         mel = torch.randn((rows, apm.config.num_mel_bins, frames), generator=gen, device=device)
-        if not torch.equal(_convolve(apm, mel), torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])):
+        if not torch.equal(
+            _convolve(apm, mel), torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])
+        ):
             convs.add(rows)
     return RowPlan(frozenset(gemms), frozenset(convs))
 
 
-def paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-                    used: torch.Tensor, flash: bool) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    used: torch.Tensor,
+    flash: bool,
+) -> torch.Tensor:
     """Attention of each row's queries ``(rows, n, heads, head_dim)`` (already scaled) over its pages.
 
     ``keys``/``values``: a layer's pages ``(pages, PAGE_SIZE, heads, head_dim)``; ``table``:
@@ -392,10 +416,17 @@ def paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(
-            q=query.reshape(rows * n, heads, head_dim), k=keys, v=values, max_seqlen_q=n,
+            q=query.reshape(rows * n, heads, head_dim),
+            k=keys,
+            v=values,
+            max_seqlen_q=n,
             cu_seqlens_q=torch.arange(0, (rows + 1) * n, n, dtype=torch.int32, device=query.device),
-            max_seqlen_k=table.shape[1] * PAGE_SIZE, seqused_k=used, softmax_scale=1.0, causal=False,
-            block_table=table, num_splits=1,
+            max_seqlen_k=table.shape[1] * PAGE_SIZE,
+            seqused_k=used,
+            softmax_scale=1.0,
+            causal=False,
+            block_table=table,
+            num_splits=1,
         )
         return out.view(rows, n, heads, head_dim)
     k = keys[table.long()].flatten(1, 2).transpose(1, 2)
@@ -420,16 +451,30 @@ class _PagedRows:
     def __init__(self, pool: KVPagePool, slots: torch.Tensor, table: torch.Tensor) -> None:
         self.pool, self.slots, self.table = pool, slots, table.long()
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pages = self.pool.kv[layer_idx]
         heads, head_dim = self.pool.heads, self.pool.head_dim
         for side, new in enumerate((key, value)):
-            pages[side].view(-1, heads, head_dim).index_copy_(0, self.slots, new.transpose(1, 2).reshape(-1, heads, head_dim))
+            pages[side].view(-1, heads, head_dim).index_copy_(
+                0, self.slots, new.transpose(1, 2).reshape(-1, heads, head_dim)
+            )
         return tuple(pages[side][self.table].flatten(1, 2).transpose(1, 2) for side in (0, 1))
 
 
-def _unfused_layers(apm: nn.Module, hidden: torch.Tensor, pool: KVPagePool, slots: torch.Tensor, table: torch.Tensor,
-                    used: torch.Tensor, rows: int, chunk: int, linear: RowLinear, flash: bool) -> torch.Tensor:
+def _unfused_layers(
+    apm: nn.Module,
+    hidden: torch.Tensor,
+    pool: KVPagePool,
+    slots: torch.Tensor,
+    table: torch.Tensor,
+    used: torch.Tensor,
+    rows: int,
+    chunk: int,
+    linear: RowLinear,
+    flash: bool,
+) -> torch.Tensor:
     """Whisper's layers module by module over ``(rows * chunk, d_model)``, every GEMM through ``linear``."""
     heads, head_dim, d_model = pool.heads, pool.head_dim, hidden.shape[-1]
     for index, layer in enumerate(apm.layers):
@@ -439,10 +484,16 @@ def _unfused_layers(apm: nn.Module, hidden: torch.Tensor, pool: KVPagePool, slot
         for side, proj in enumerate((attn.k_proj, attn.v_proj)):
             new = linear(normed, proj.weight, proj.bias).view(-1, heads, head_dim)
             pool.kv[index, side].view(-1, heads, head_dim).index_copy_(0, slots, new)
-        out = paged_attention(query.view(rows, chunk, heads, head_dim), pool.kv[index, 0], pool.kv[index, 1], table, used, flash)
+        out = paged_attention(
+            query.view(rows, chunk, heads, head_dim), pool.kv[index, 0], pool.kv[index, 1], table, used, flash
+        )
         hidden = hidden + linear(out.reshape(rows * chunk, d_model), attn.out_proj.weight, attn.out_proj.bias)
         normed = layer.final_layer_norm(hidden)
-        hidden = hidden + linear(layer.activation_fn(linear(normed, layer.fc1.weight, layer.fc1.bias)), layer.fc2.weight, layer.fc2.bias)
+        hidden = hidden + linear(
+            layer.activation_fn(linear(normed, layer.fc1.weight, layer.fc1.bias)),
+            layer.fc2.weight,
+            layer.fc2.bias,
+        )
     return apm.layer_norm(hidden)
 
 
@@ -484,16 +535,22 @@ def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor, encoder
     if encoder.fused:
         pages = _PagedRows(pool, slots, table)
         mask = _mask(used, table.shape[1], chunk, hidden.dtype)
-        hidden, _ = fused_layers.whisper_encode_layers(apm, hidden.view(rows, chunk, d_model), mask, pages, linear=linear)
+        hidden, _ = fused_layers.whisper_encode_layers(
+            apm, hidden.view(rows, chunk, d_model), mask, pages, linear=linear
+        )
         hidden = hidden.reshape(rows * chunk, d_model)
     else:
-        hidden = _unfused_layers(apm, hidden, pool, slots, table, used, rows, chunk, linear, encoder.attention == "flash")
+        hidden = _unfused_layers(
+            apm, hidden, pool, slots, table, used, rows, chunk, linear, encoder.attention == "flash"
+        )
     projector = model.audio_projection_layer
     parts = [getattr(projector, name, None) for name in ("linear1", "relu", "linear2")]
     if any(p is None for p in parts):
         hidden = projector(hidden)
     else:
-        hidden = linear(parts[1](linear(hidden, parts[0].weight, parts[0].bias)), parts[2].weight, parts[2].bias)
+        hidden = linear(
+            parts[1](linear(hidden, parts[0].weight, parts[0].bias)), parts[2].weight, parts[2].bias
+        )
     return model.audio_avg_pooler(hidden.view(rows, chunk, -1).transpose(1, 2)).transpose(1, 2)
 
 
@@ -502,7 +559,9 @@ def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor, encoder
 # ---------------------------------------------------------------------------
 
 
-def encode_eager(model: nn.Module, wavforms: torch.Tensor, cache: Any, positions: int, context: tuple) -> tuple[torch.Tensor, Any]:
+def encode_eager(
+    model: nn.Module, wavforms: torch.Tensor, cache: Any, positions: int, context: tuple
+) -> tuple[torch.Tensor, Any]:
     """vllm-omni's streaming chunk: Whisper with an ``EncoderDecoderCache``, projection, pooling.
 
     Args:
@@ -522,11 +581,21 @@ def encode_eager(model: nn.Module, wavforms: torch.Tensor, cache: Any, positions
         release_cache(cache)
         cache = EncoderDecoderCache(self_attention, DynamicCache())
     past = 0 if cache is None else cache.get_seq_length()
-    mask = torch.zeros((wavforms.shape[0], 1, positions, past + positions), dtype=model.apm.conv1.weight.dtype, device=wavforms.device)
+    mask = torch.zeros(
+        (wavforms.shape[0], 1, positions, past + positions),
+        dtype=model.apm.conv1.weight.dtype,
+        device=wavforms.device,
+    )
     use_extra_context, prefix, suffix, cnn_min_length = context
     out = model.apm(
-        wavforms, past_key_values=cache, use_cache=True, output_hidden_states=True, attention_mask=mask,
-        use_extra_context=use_extra_context, prefix_extra_frames=prefix, suffix_extra_frames=suffix,
+        wavforms,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        attention_mask=mask,
+        use_extra_context=use_extra_context,
+        prefix_extra_frames=prefix,
+        suffix_extra_frames=suffix,
         cnn_min_length=cnn_min_length,
     )
     embeds = model.audio_projection_layer(out.hidden_states[model.audio_encoder_layer])
@@ -574,19 +643,35 @@ class StreamingAudioEncoder:
             device, dtype = apm.conv1.weight.device, apm.conv1.weight.dtype
             heads = apm.config.encoder_attention_heads
             self._pool = KVPagePool(
-                layers=len(apm.layers), heads=heads, head_dim=apm.config.d_model // heads,
-                max_positions=apm.embed_positions.weight.shape[0], sessions=self.sessions,
-                rows=self.largest, chunk=self.chunk, dtype=dtype, device=device,
+                layers=len(apm.layers),
+                heads=heads,
+                head_dim=apm.config.d_model // heads,
+                max_positions=apm.embed_positions.weight.shape[0],
+                sessions=self.sessions,
+                rows=self.largest,
+                chunk=self.chunk,
+                dtype=dtype,
+                device=device,
             )
             self.attention, self.attention_reason = paged_attention_choice(device, dtype)
             if self.fused:
-                self.attention, self.attention_reason = "reference", "the fused layers attend with SDPA over the gathered pages"
+                self.attention, self.attention_reason = (
+                    "reference",
+                    "the fused layers attend with SDPA over the gathered pages",
+                )
             if device.type == "cuda":
-                self._pool.row_plan = probe_row_plan(self.model, self.buckets, self.chunk, self.frames, device)
+                self._pool.row_plan = probe_row_plan(
+                    self.model, self.buckets, self.chunk, self.frames, device
+                )
             plan = self._pool.row_plan.describe() if self._pool.row_plan else "no probe off CUDA"
             logger.info(
                 "MiniCPM-o 4.5 streaming audio K/V pages: %d sessions, %.1f MiB on %s; attention %s (%s); exact rows: %s",
-                self.sessions, self._pool.nbytes / (1 << 20), device, self.attention, self.attention_reason, plan,
+                self.sessions,
+                self._pool.nbytes / (1 << 20),
+                device,
+                self.attention,
+                self.attention_reason,
+                plan,
             )
         return self._pool
 
@@ -594,8 +679,13 @@ class StreamingAudioEncoder:
         """Bytes :attr:`pool` allocates (whether or not it exists yet)."""
         apm = self.model.apm
         return KVPagePool.nbytes_for(
-            layers=len(apm.layers), d_model=apm.config.d_model, itemsize=apm.conv1.weight.element_size(),
-            max_positions=apm.embed_positions.weight.shape[0], sessions=self.sessions, rows=self.largest, chunk=self.chunk,
+            layers=len(apm.layers),
+            d_model=apm.config.d_model,
+            itemsize=apm.conv1.weight.element_size(),
+            max_positions=apm.embed_positions.weight.shape[0],
+            sessions=self.sessions,
+            rows=self.largest,
+            chunk=self.chunk,
         )
 
     def covers(self, chunk: StreamingAudioChunk) -> bool:
@@ -607,7 +697,8 @@ class StreamingAudioEncoder:
             and not torch.is_autocast_enabled(model.apm.conv1.weight.device.type)
             and model.apm.conv1.weight.dtype != torch.float16
             and chunk.prefix_frames in (0, CONTEXT_FRAMES)
-            and tuple(mel.shape) == (1, model.apm.config.num_mel_bins, self.frames - CONTEXT_FRAMES + chunk.prefix_frames)
+            and tuple(mel.shape)
+            == (1, model.apm.config.num_mel_bins, self.frames - CONTEXT_FRAMES + chunk.prefix_frames)
             and (chunk.cache is None or isinstance(chunk.cache, SessionAudioCache))
         )
 
@@ -642,7 +733,9 @@ class StreamingAudioEncoder:
                 results[index] = (out[r : r + 1], cache)
         return results
 
-    def inputs(self, mels: Sequence[torch.Tensor], caches: Sequence[SessionAudioCache], bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(
+        self, mels: Sequence[torch.Tensor], caches: Sequence[SessionAudioCache], bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mel, meta)`` of a call of ``bucket`` rows, the real rows first. Host mels travel with
         ``meta`` in one host-to-device copy."""
         pool, device = self.pool, self.model.apm.conv1.weight.device
@@ -655,7 +748,9 @@ class StreamingAudioEncoder:
         )
         n_mels = self.model.apm.config.num_mel_bins
         on_host = all(m.device.type == "cpu" for m in mels)
-        host_mel = torch.zeros((bucket, n_mels, self.frames), dtype=torch.float32, device="cpu" if on_host else device)
+        host_mel = torch.zeros(
+            (bucket, n_mels, self.frames), dtype=torch.float32, device="cpu" if on_host else device
+        )
         for r, m in enumerate(mels):
             host_mel[r, :, : m.shape[-1]] = m[0]
         if not on_host:
@@ -668,7 +763,9 @@ class StreamingAudioEncoder:
         """``(mel, meta)`` of a call of ``bucket`` padding rows (scratch pages only): start-up capture's inputs."""
         return self.inputs([], [], bucket)
 
-    def _call(self, chunks: Sequence[StreamingAudioChunk], caches: Sequence[SessionAudioCache]) -> torch.Tensor:
+    def _call(
+        self, chunks: Sequence[StreamingAudioChunk], caches: Sequence[SessionAudioCache]
+    ) -> torch.Tensor:
         mel, meta = self.inputs([c.mel for c in chunks], caches, bucket_for(len(chunks), self.largest))
         self.rows += len(chunks)
         self.calls += 1
@@ -681,13 +778,16 @@ class StreamingAudioEncoder:
             self._warned_full = True
             logger.warning(
                 "MiniCPM-o 4.5 streaming audio: more live duplex sessions than duplex_max_sessions=%d; a session "
-                "without pages runs the eager streaming encoder. Raise duplex_max_sessions.", self.sessions,
+                "without pages runs the eager streaming encoder. Raise duplex_max_sessions.",
+                self.sessions,
             )
 
     def stats(self) -> dict[str, Any]:
         pool = self._pool
         return {
-            "rows": self.rows, "calls": self.calls, "eager_chunks": self.eager_chunks,
+            "rows": self.rows,
+            "calls": self.calls,
+            "eager_chunks": self.eager_chunks,
             "pool_bytes": 0 if pool is None else pool.nbytes,
             "free_sessions": self.sessions if pool is None else pool.free_sessions,
             "attention": self.attention,
@@ -728,7 +828,9 @@ def paged_attention_choice(device: torch.device, dtype: torch.dtype) -> tuple[st
 # ---------------------------------------------------------------------------
 
 
-def encode_streaming_chunk(model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_len: int, context: tuple) -> torch.Tensor:
+def encode_streaming_chunk(
+    model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_len: int, context: tuple
+) -> torch.Tensor:
     """``get_audio_embedding_streaming``'s encoder call for one chunk of the session whose cache is
     ``model.audio_past_key_values`` (which it updates, as the eager code did).
 
@@ -744,11 +846,17 @@ def encode_streaming_chunk(model: nn.Module, wavforms: torch.Tensor, positions: 
     cache = model.audio_past_key_values
     use_extra_context, prefix, suffix, cnn_min_length = context
     framed = (
-        encoder is not None and use_extra_context is True and suffix == CONTEXT_FRAMES and cnn_min_length is None
-        and positions == encoder.chunk and total_seq_len <= model.apm.embed_positions.weight.shape[0]
+        encoder is not None
+        and use_extra_context is True
+        and suffix == CONTEXT_FRAMES
+        and cnn_min_length is None
+        and positions == encoder.chunk
+        and total_seq_len <= model.apm.embed_positions.weight.shape[0]
     )
     if framed:
-        ((embeds, model.audio_past_key_values),) = encoder.encode([StreamingAudioChunk(wavforms, prefix, cache)])
+        ((embeds, model.audio_past_key_values),) = encoder.encode(
+            [StreamingAudioChunk(wavforms, prefix, cache)]
+        )
     else:
         embeds, model.audio_past_key_values = encode_eager(model, wavforms, cache, positions, context)
     return embeds
@@ -774,13 +882,19 @@ def init_streaming_audio(model: nn.Module, vllm_config: Any, options: EncoderCud
     graph, state = None, "off (encoder_cuda_graph_streaming_audio=false)"
     if options.streaming_audio:
         graph, state = make_encoder_cuda_graph(
-            types.MethodType(encode_rows, model), vllm_config, replace(options, max_graphs=buckets, admission="count"),
-            name="streaming audio", captured_modules=AUDIO_CAPTURED_MODULES,
+            types.MethodType(encode_rows, model),
+            vllm_config,
+            replace(options, max_graphs=buckets, admission="count"),
+            name="streaming audio",
+            captured_modules=AUDIO_CAPTURED_MODULES,
             lora_reason=lora_may_reach(vllm_config, model, AUDIO_CAPTURED_MODULES),
         )
     encoder = model._streaming_audio = StreamingAudioEncoder(model, graph, sessions, chunk)
     logger.info(
         "MiniCPM-o 4.5 streaming audio: paged batched forward, up to %d rows per call (buckets %s), K/V pages for "
-        "%d sessions; CUDA graphs %s", encoder.largest, ", ".join(map(str, encoder.buckets)), encoder.sessions,
+        "%d sessions; CUDA graphs %s",
+        encoder.largest,
+        ", ".join(map(str, encoder.buckets)),
+        encoder.sessions,
         state if graph is None or state != "on" else f"on, one per bucket ({buckets})",
     )
