@@ -492,6 +492,36 @@ def test_the_pre_pass_encodes_a_steps_appends_together_and_hands_each_session_it
     assert helper.sessions["a"].audio_past_key_values is None and encoder.pool.free_sessions == 8 - 2
 
 
+@pytest.mark.cpu
+def test_the_stage_model_answers_the_runners_pre_pass_and_releases_a_finished_session(monkeypatch):
+    """vllm-omni patch 0010: the stage model's ``preprocess_batch`` (what the runner's
+    ``_maybe_run_batch_preprocess`` calls) is the pre-pass; a finished request's session gives its
+    pages back. Patch 0011/0012: the stage's session state carries the planned chunks."""
+    from torch import nn
+
+    from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni as omni
+
+    try:
+        from vllm_omni.model_executor.models.minicpmo_4_5.duplex import stage0
+    except ImportError:  # vllm-omni 0.28
+        from vllm_omni.experimental.fullduplex.minicpmo45 import stage0
+    assert stage0._MiniCPMO45Stage0SessionState(session_id="a").planned_audio_chunks == []
+    seen = []
+    monkeypatch.setattr(ds, "preprocess_batch", lambda *args: seen.append(args))
+    stage = object.__new__(omni.MiniCPMO45OmniForConditionalGeneration)
+    nn.Module.__init__(stage)
+    stage.preprocess_batch(req_ids=["r1"], model_intermediate_buffer={"r1": {}}, device="cpu")
+    assert seen == [(stage, ["r1"], {"r1": {}}, "cpu")]
+    encoder = wired(sessions=2)._streaming_audio
+    state = session_state("a", [])
+    state.audio_past_key_values = encoder.pool.acquire()
+    stage._minicpmo45_duplex_request_sessions = {"r1": "a"}
+    stage._minicpmo45_duplex_data_plane_helper = SimpleNamespace(sessions={"a": state})
+    stage.model = SimpleNamespace()
+    stage.on_requests_finished({"r1"})
+    assert state.audio_past_key_values is None and encoder.pool.free_sessions == 2
+
+
 # ---------------------------------------------------------------------------
 # CUDA: Whisper-medium's widths (a few layers), bf16
 # ---------------------------------------------------------------------------

@@ -130,9 +130,9 @@ def capture_at_startup(
     """Capture the graphs a duplex session needs, before serving; one INFO line (or WARNING).
 
     Runs only on a duplex deployment (:func:`is_duplex_deployment`) with
-    ``encoder_cuda_graph_startup_capture`` on: the streaming audio forward's graph of every batch
-    bucket (after allocating its page pool), where its adapter exists, and the vision adapter's
-    graph of one camera frame. Graph caps, the byte budget and module hooks apply as to any
+    ``encoder_cuda_graph_startup_capture`` on: the streaming audio forward's page pool (also
+    without graphs), its graph of every batch bucket where its adapter exists, and the vision
+    adapter's graph of one camera frame. Graph caps, the byte budget and module hooks apply as to any
     capture; the free-memory floor is checked before the pool and before each capture.
 
     Args:
@@ -161,19 +161,20 @@ def capture_at_startup(
     streaming = getattr(encoder, "graph", None)
     vpm = getattr(thinker, "vpm", None)
     vision = getattr(vpm, "_encoder_graph", None) if vpm is not None else None
-    if streaming is None and vision is None:
+    if encoder is None and vision is None:
         return report
     # the runner asks during memory profiling and again at capture_model: once per set of adapters
-    adapter_ids = (id(streaming), id(vision))
+    adapter_ids = (id(encoder), id(streaming), id(vision))
     if getattr(thinker, "_startup_captured_for", None) == adapter_ids:
         return report
     thinker._startup_captured_for = adapter_ids
     start = clock()
     proxies = []
-    if streaming is not None and encoder._pool is None:
+    if encoder is not None and encoder._pool is None:  # the K/V pages, with or without graphs
         needed, device = encoder.pool_bytes(), thinker.apm.conv1.weight.device
-        free = streaming.backend.free_bytes(device) if options.min_free_bytes else 0
-        if options.min_free_bytes and free - needed < options.min_free_bytes:
+        backend = streaming.backend if streaming is not None else getattr(vision, "backend", None)
+        free = backend.free_bytes(device) if options.min_free_bytes and backend is not None else 0
+        if options.min_free_bytes and backend is not None and free - needed < options.min_free_bytes:
             report.stopped = (
                 f"the streaming audio K/V pages take {needed} bytes and {free} are free on {device}, which would "
                 f"leave less than encoder_cuda_graph_min_free_bytes={options.min_free_bytes}"

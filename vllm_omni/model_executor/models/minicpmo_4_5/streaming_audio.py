@@ -110,9 +110,6 @@ class SessionAudioCache:
     def released(self) -> bool:
         return self.first_page < 0
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(pages from {self.first_page}, {self.length} positions)"
-
 
 class KVPagePool:
     """Whisper K/V pages for ``sessions`` duplex sessions and the padding rows of a batched call.
@@ -712,10 +709,13 @@ class StreamingAudioEncoder:
         rows: list[tuple[int, StreamingAudioChunk, SessionAudioCache]] = []
         limit = self.model.apm.embed_positions.weight.shape[0]
         for index, chunk in enumerate(chunks):
+            if chunk.cache is not None and chunk.cache.get_seq_length() + self.chunk >= limit:
+                if isinstance(chunk.cache, SessionAudioCache):
+                    chunk.cache.length = 0  # its pages, from position 0
+                else:
+                    chunk.cache = None
             cache = chunk.cache
             if self.covers(chunk):
-                if cache is not None and cache.length + self.chunk >= limit:
-                    cache.length = 0
                 cache = self.pool.acquire() if cache is None else cache
                 if cache is not None:
                     rows.append((index, chunk, cache))
