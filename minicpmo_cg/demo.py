@@ -441,6 +441,7 @@ def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
         ms, out = demo.timer.timed(lambda chunk=chunk: session.encode(demo.model, chunk))
         times.append(ms)
         outs.append(out)
+    session.close()
     return times, outs
 
 

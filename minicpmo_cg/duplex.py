@@ -153,14 +153,14 @@ def past_lengths(count: int, positions: int = 1500, chunk: int = CHUNK_POSITIONS
 def cache_bytes(cache: Any) -> int:
     """Bytes of the K/V tensors a session cache holds (0 for None).
 
-    Reads the graphed path's ``streaming_audio.StreamingAudioKVCache`` (``blocks``) and the eager
-    path's ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
+    Reads the paged path's ``streaming_audio.SessionAudioCache`` (its positions in its pool) and the
+    eager path's ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
     """
     if cache is None:
         return 0
-    blocks = getattr(cache, "blocks", None)
-    if blocks is not None:
-        return sum(b.numel() * b.element_size() for b in blocks)
+    pool = getattr(cache, "pool", None)
+    if pool is not None:
+        return pool.positions(cache).numel() * pool.kv.element_size()
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", [])
     return sum(
         t.numel() * t.element_size()

@@ -6,7 +6,7 @@ vllm-omni 0.30.0) encodes a live session's audio one chunk at a time through the
 suffix_extra_frames=2)``. Before each call it puts the session's Whisper KV cache into
 ``thinker.audio_past_key_values`` and afterwards takes the updated one back, so sessions interleave
 on one model. :class:`DuplexChunk` is one such call, :class:`DuplexSession` one session's cache
-swapped in and out around it. Neither reads audio files: the caller gives the log-mel frames.
+swapped in and out around it, released by :meth:`DuplexSession.close`. Neither reads audio files: the caller gives the log-mel frames.
 """
 
 from __future__ import annotations
@@ -73,3 +73,11 @@ class DuplexSession:
             model.audio_past_key_values = previous
         ((embeds,),) = out
         return embeds
+
+    def close(self) -> None:
+        """End the session: its cache's K/V pages go back to their pool (the paged path's cache;
+        the duplex stage does the same when a session's request finishes)."""
+        pool = getattr(self.cache, "pool", None)
+        if pool is not None:
+            pool.release(self.cache)
+        self.cache = None

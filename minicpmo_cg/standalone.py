@@ -42,7 +42,6 @@ __all__ = [
     "audio_graph",
     "build_thinker_encoders",
     "configure_fused_layers",
-    "duplex_batch_graph",
     "has_graph_wiring",
     "init_weights_",
     "model_module",
@@ -282,7 +281,6 @@ def wire_encoder_graphs(
         vision_graph(model),
         audio_graph(model),
         streaming_audio_graph(model),
-        duplex_batch_graph(model),
     )
     for adapter in adapters:
         if adapter is not None and backend is not None:
@@ -305,12 +303,7 @@ def audio_graph(model: Any) -> Any:
 
 
 def streaming_audio_graph(model: Any) -> Any:
-    """The streaming (duplex) audio adapter (``model._streaming_audio_encoder_graph``) or None."""
-    return getattr(model, "_streaming_audio_encoder_graph", None)
-
-
-def duplex_batch_graph(model: Any) -> Any:
-    """The batched duplex steps' adapter (``model._duplex_batch.graph``) or None."""
-    return getattr(getattr(model, "_duplex_batch", None), "graph", None)
+    """The streaming (duplex) audio forward's bucket graphs' adapter (``model._streaming_audio.graph``) or None."""
+    return getattr(getattr(model, "_streaming_audio", None), "graph", None)
 
 

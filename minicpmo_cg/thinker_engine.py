@@ -103,6 +103,7 @@ def _model_stats(worker: Any) -> dict[str, Any]:
     adapters = {
         "vision": getattr(vpm, "_encoder_graph", None),
         "audio": getattr(thinker, "_audio_encoder_graph", None),
+        "streaming audio": getattr(getattr(thinker, "_streaming_audio", None), "graph", None),
     }
     return {name: a.get_cumulative_stats() for name, a in adapters.items() if a is not None}
 

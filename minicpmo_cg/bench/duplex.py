@@ -12,16 +12,13 @@ call timed at its call site (:class:`minicpmo_cg.measure.Timer`):
 - graphed, default options: the *cold* session of a fresh adapter (warmup misses and captures
   included, what a new worker's first session pays), then the next session's first chunk (it
   captures the first-chunk form), then a *warm* session on the same audio (replays);
-- two sessions interleaved chunk by chunk (each swaps its cache into the shared arena; audio only).
+- two sessions interleaved chunk by chunk (each with its own K/V pages; audio only).
 
 Every graphed chunk and frame must equal the eager one of the same session bitwise (the claim the
 options' defaults rest on); a difference is a problem (exit status 1). Reported: per-chunk and
 per-frame median, p90 and max, session encoder time (frames + chunks, and chunks alone), both
-adapters' stats, graph memory in total (K/V arena + static buffers + graph pool, and the frame's
-vision graph) and per session (the session's own cache, on either path), what the design with
-per-graph cache copies would hold, and on a GPU where a graphed chunk's time goes
-(:mod:`minicpmo_cg.bench.duplex_breakdown`: per-phase CUDA events of one more warm session, the
-replay against the past length, attention alone). Then the first :data:`LAYERS_CHUNKS` chunks once
+adapters' stats, graph memory in total (K/V pages + static buffers + graph pool, and the frame's
+vision graph) and per session (the session's own cache, on either path). Then the first :data:`LAYERS_CHUNKS` chunks once
 more with Whisper's fused layers (``--hf-overrides encoder_fused_layers``, the default) and once
 without them (the same weights, :func:`minicpmo_cg.bench.kernels.fused_layers`), each with fresh
 graphs: the warm graphed chunk times side by side, each bitwise against its own eager session, and the
@@ -37,7 +34,6 @@ import torch
 
 from minicpmo_cg import duplex, standalone
 from minicpmo_cg import inputs as mi
-from minicpmo_cg.bench import duplex_breakdown
 from minicpmo_cg.bench.context import TARGETS, Ctx, log
 from minicpmo_cg.bench.kernels import format_kernels, fused_layers, kernel_profile, layers_label
 from minicpmo_cg.bench.memory import graph_memory, mem_state, mib, release_memory
@@ -82,6 +78,7 @@ def _session(ctx: Ctx, chunks: list[duplex.DuplexChunk], frames: list[dict] | No
         times.append(ms)
         outs.append(out)
         peak = max(peak, duplex.cache_bytes(session.cache))
+    session.close()
     return {
         "ms": times,
         "outs": outs,
@@ -102,6 +99,8 @@ def _interleaved(ctx: Ctx, runs: list[list[duplex.DuplexChunk]]) -> dict:
                 ms, out = ctx.timer.timed(lambda k=k, c=chunks[i]: sessions[k].encode(ctx.model, c))
                 times.append(ms)
                 outs[k].append(out)
+    for session in sessions:
+        session.close()
     return {"ms": times, "outs": outs}
 
 
@@ -125,24 +124,26 @@ def _session_ms(run: dict) -> float:
 
 
 def _memory(ctx: Ctx, adapter: Any, seconds: int, reserved_delta: int) -> dict[str, Any]:
-    """Graph memory in total, and the per-graph-cache-copy design's bytes for the same graphs."""
+    """Graph memory in total: the K/V pages, the graphs' static buffers and pool."""
     mem = graph_memory([adapter])
-    arenas = getattr(ctx.model, "_streaming_audio_arenas", {})
-    arena = sum(a.kv.numel() * a.kv.element_size() for a in arenas.values())
+    pool = ctx.model._streaming_audio._pool
+    pages = 0 if pool is None else pool.nbytes
     apm = ctx.model.apm
     per_position = len(apm.layers) * 2 * apm.config.d_model * apm.conv1.weight.element_size()
-    n = duplex.CHUNK_POSITIONS
-    forms = {(i == 0, past) for i, past in enumerate(duplex.past_lengths(seconds))}
-    # a static past input of L positions and a full-cache output of L + n per graph
-    copies = sum((2 * past + n) * per_position for _, past in forms)
     return {
         **mem,
-        "arena_bytes": arena,
-        "total_bytes": arena + mem["static_bytes"] + (mem["pool_bytes"] or 0),
+        "pages_bytes": pages,
+        "total_bytes": pages + mem["static_bytes"] + (mem["pool_bytes"] or 0),
         "reserved_delta_bytes": reserved_delta,
         "kv_bytes_per_position": per_position,
-        "per_graph_cache_copies_bytes": copies,
     }
+
+
+def _two_sessions(ctx: Ctx) -> Any:
+    """The run's config as a duplex deployment of two sessions (the interleaved run's K/V pages)."""
+    from minicpmo_cg.vllm_config import duplex_vllm_config
+
+    return duplex_vllm_config(ctx.vllm_config, 2)
 
 
 def _graphed(
@@ -152,7 +153,7 @@ def _graphed(
     model = ctx.model
     release_memory()
     before = mem_state()
-    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=True, backend=ctx.backend)
+    standalone.wire_encoder_graphs(model, _two_sessions(ctx), enabled=True, backend=ctx.backend)
     adapter = standalone.streaming_audio_graph(model)
     vision = standalone.vision_graph(model)
     if adapter is None or vision is None:
@@ -174,13 +175,8 @@ def _graphed(
         memory = _memory(ctx, adapter, len(main), after["reserved"] - before["reserved"])
         cap, admission = adapter.options.max_graphs, adapter.get_detailed_stats()["admission"]
         vision_stats = {**vision.get_cumulative_stats(), **vision.get_detailed_stats()}
-        log("duplex: breakdown (one more warm session, CUDA events; attention alone) ...")
-        breakdown = {
-            "phases": duplex_breakdown.phases(ctx, model, adapter, main),
-            "attention": duplex_breakdown.attention(ctx, model),
-        }
     finally:
-        standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)  # drop the graphs
+        standalone.wire_encoder_graphs(model, _two_sessions(ctx), enabled=False)  # drop the graphs
         release_memory()
     return {
         "cold": cold,
@@ -191,14 +187,13 @@ def _graphed(
         "cap": cap,
         "admission": admission,
         "vision": vision_stats,
-        "breakdown": breakdown,
     }
 
 
 def _eager(
     ctx: Ctx, main: list[duplex.DuplexChunk], other: list[duplex.DuplexChunk], frames: list[dict]
 ) -> dict:
-    standalone.wire_encoder_graphs(ctx.model, ctx.vllm_config, enabled=False)
+    standalone.wire_encoder_graphs(ctx.model, _two_sessions(ctx), enabled=False)
     _session(ctx, main[:WARMUP_CHUNKS], frames)  # lazy setup out of the timed session
     log("duplex: eager session ...")
     eager = _session(ctx, main, frames)
@@ -229,10 +224,10 @@ def _layers_run(ctx: Ctx, chunks: list[duplex.DuplexChunk], profile: bool) -> di
     """``chunks`` eagerly, then graphed with fresh adapters (a session to see each past length, one to
     capture it, a warm one to time): warm times, bitwise check, optionally the warm session's kernels."""
     model = ctx.model
-    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)
+    standalone.wire_encoder_graphs(model, _two_sessions(ctx), enabled=False)
     eager = _session(ctx, chunks)
     release_memory()
-    standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=True, backend=ctx.backend)
+    standalone.wire_encoder_graphs(model, _two_sessions(ctx), enabled=True, backend=ctx.backend)
     try:
         for _ in range(2):
             _session(ctx, chunks)
@@ -251,7 +246,7 @@ def _layers_run(ctx: Ctx, chunks: list[duplex.DuplexChunk], profile: bool) -> di
             kernels["per"] = f"chunk (mean of a warm session of {len(chunks)})"
             result["kernels"] = kernels
     finally:
-        standalone.wire_encoder_graphs(model, ctx.vllm_config, enabled=False)
+        standalone.wire_encoder_graphs(model, _two_sessions(ctx), enabled=False)
         release_memory()
     return result
 
@@ -321,7 +316,6 @@ def run(ctx: Ctx) -> dict[str, Any]:
             "graphed": graphed["warm"]["cache_peak_bytes"],
         },
         "bitwise": bitwise,
-        "breakdown": graphed["breakdown"],
         "layers": layers,
     }
 
@@ -375,10 +369,9 @@ def format_section(s: dict[str, Any]) -> list[str]:
             f"(x{s['cold_session_speedup']:.2f})"
         ),
         (
-            f"audio graph memory in total {mib(mem['total_bytes'])} MiB: K/V arena {mib(mem['arena_bytes'])} "
+            f"audio graph memory in total {mib(mem['total_bytes'])} MiB: K/V pages {mib(mem['pages_bytes'])} "
             f"+ static buffers {mib(mem['static_bytes'])} + pool {mib(mem['pool_bytes'])} (reserved +"
-            f"{mib(mem['reserved_delta_bytes'])} over the cold session, frames' graph included); per-graph "
-            f"cache copies would hold {mib(mem['per_graph_cache_copies_bytes'])} MiB"
+            f"{mib(mem['reserved_delta_bytes'])} over the cold session, frames' graph included)"
         ),
         (
             f"per session: own KV cache peak {mib(peak['graphed'])} MiB graphed vs {mib(peak['eager'])} MiB "
@@ -386,8 +379,6 @@ def format_section(s: dict[str, Any]) -> list[str]:
         ),
         "bitwise vs eager: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in s["bitwise"].items()),
     ]
-    breakdown = s.get("breakdown") or {}
-    lines += duplex_breakdown.format_lines(breakdown.get("phases"), breakdown.get("attention"))
     layers = s.get("layers") or {}
     for label in ("fused", "unfused"):
         if label in layers:

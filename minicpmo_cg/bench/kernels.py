@@ -26,9 +26,6 @@ def layers_label(model: Any, module: str) -> str:
 def fused_layers(model: Any, on: bool) -> Iterator[None]:
     """The fused layers of every encoder of ``model`` on (as configured) or off for the block."""
     saved = {name: getattr(model, name)._fused_layers for name in FUSED_MODULES if _has_flag(model, name)}
-    plans = getattr(model, "_streaming_audio_mask_plans", None)
-    if plans is not None:
-        plans.clear()
     try:
         if not on:
             for name in saved:
@@ -37,8 +34,6 @@ def fused_layers(model: Any, on: bool) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             getattr(model, name)._fused_layers = value
-        if plans is not None:
-            plans.clear()
 
 
 def _has_flag(model: Any, name: str) -> bool:

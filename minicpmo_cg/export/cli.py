@@ -100,6 +100,15 @@ def base_repo(work: Path, files: dict[str, bytes | None], copy_from: Path | None
     return work
 
 
+def upstream_patches(pr: Pr) -> list[Patch]:
+    """The PR's vllm-omni patches that target the current lane's release (the one the PR is written
+    on); a patch for an older lane only (a split patch's other half) stays out of the upstream PR."""
+    from minicpmo_cg.lanes import get_lane
+
+    version = get_lane("current").vllm_omni
+    return [p for p in patches_of(pr, "vllm-omni") if p.targets_version(version)]
+
+
 def commit_pr(repo: Path, patches: list[Patch], added: dict[str, str]) -> None:
     """One commit per patch; the first also adds ``added`` (repository path -> destination)."""
     for i, patch in enumerate(patches):
@@ -126,7 +135,7 @@ def export(out: Path, site: Path | None, work: Path) -> list[tuple[str, str, str
     built = []
     for i, pr in enumerate(STACK, 1):
         start = git(repo, "rev-parse", "HEAD")
-        commit_pr(repo, patches_of(pr, "vllm-omni"), {rel: rel for rel in pr.owned})
+        commit_pr(repo, upstream_patches(pr), {rel: rel for rel in pr.owned})
         write_series(repo, start, out / folder(i, pr), pr_text(folder(i, pr)))
         built.append((folder(i, pr), start, git(repo, "rev-parse", "HEAD")))
     vllm_patches = patches_of(VLLM, "vllm")

@@ -48,16 +48,12 @@ STACK = (
     Pr(
         "streaming-audio",
         ("0006",),
-        (M + "streaming_audio.py", M + "duplex_batch.py", M + "duplex_rows.py"),
-        (
-            T + "test_encoder_cuda_graph_static_args.py",
-            T + "test_encoder_cuda_graph_streaming_audio.py",
-            T + "test_audio_host_reads.py",
-        ),
+        (M + "streaming_audio.py",),
+        (T + "test_audio_host_reads.py",),
     ),
     Pr("fused-layers", ("0007",), (), (T + "test_fused_layers.py", T + "test_fused_layers_cuda.py")),
     Pr("startup-capture", ("0008", "0009"), (M + "startup_capture.py",), (T + "test_startup_capture.py",)),
-    Pr("duplex-batch", ("0010", "0011"), (), (T + "test_duplex_batch.py",)),
+    Pr("duplex-batch", ("0010", "0011", "0012"), (M + "duplex_step.py",), (T + "test_streaming_audio.py",)),
 )
 
 #: The vLLM PR the graph PRs need: patches of ``patches/vllm/`` and its test, at vLLM's path below

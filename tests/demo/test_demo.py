@@ -223,14 +223,14 @@ def test_graphed_pass_captures_every_input_by_the_count_rule():
     def install_adapters(vllm_config):
         model.vpm = SimpleNamespace(_encoder_graph=object())
         model._audio_encoder_graph = object()
-        model._streaming_audio_encoder_graph = object()
+        model._streaming_audio = SimpleNamespace(graph=object())
 
     model._init_encoder_cuda_graphs = install_adapters
     graphs = demo.wire_graphs(SimpleNamespace(model=model, vllm_config=None))
     assert graphs == {
         "vision": model.vpm._encoder_graph,
         "audio": model._audio_encoder_graph,
-        "streaming audio": model._streaming_audio_encoder_graph,
+        "streaming audio": model._streaming_audio.graph,
     }
     assert model.config.encoder_cuda_graph_admission == "count"
     assert model.config.encoder_cuda_graph_min_capture_calls == demo.MIN_CAPTURE_CALLS

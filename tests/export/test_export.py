@@ -90,7 +90,7 @@ def test_export_writes_each_pr_as_a_series_that_applies_on_the_one_before(tmp_pa
     assert code == 0, printed.err
     for i, pr in enumerate(STACK, 1):
         folder = out / cli.folder(i, pr)
-        assert len(list(folder.glob("*.patch"))) == len(pr.patches), folder
+        assert len(list(folder.glob("*.patch"))) == len(cli.upstream_patches(pr)), folder
         assert (folder / "PR.md").read_text() == cli.pr_text(folder.name).read_text()
         assert f"{folder.name}: checked" in printed.out
     vllm = out / f"vllm-{VLLM.key}"

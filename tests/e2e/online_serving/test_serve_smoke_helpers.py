@@ -310,9 +310,8 @@ def _model_wiring() -> str:
 def test_expected_encoder_names_are_the_ones_the_model_wiring_uses() -> None:
     wiring = _model_wiring()
     names = set(re.findall(r'make_encoder_cuda_graph\((?:.|\n)*?name="([^"]+)"', wiring))
-    # the smoke's chat prompts reach the stateless encoders; "streaming audio" and "duplex audio batch"
-    # serve duplex sessions only
-    assert names == set(smoke.CAPTURED_ENCODERS) | {"streaming audio", "duplex audio batch"}, names
+    # the smoke's chat prompts reach the stateless encoders; "streaming audio" serves duplex sessions only
+    assert names == set(smoke.CAPTURED_ENCODERS) | {"streaming audio"}, names
 
 
 @pytest.mark.cpu

@@ -130,7 +130,7 @@ class CpuGraphBackend:
     (and the captured ``ExactShapeEncoder`` in ``encoders``), every device asked for free
     memory in ``devices_asked``, the output shape of every measured eager call in
     ``measured`` and the hold of every held one in ``holds``. Only tensor inputs count for
-    eligibility (None and static arguments do not).
+    eligibility (None and other inputs do not).
 
     Args:
         free: free bytes reported, or a callable returning them (default: plenty).
@@ -175,7 +175,7 @@ class CpuGraphBackend:
         self.pools = []
 
     def eligible_device(self, inputs):
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]  # not None, not static arguments
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]  # not None, no other input
         if not tensors:
             return None
         devices = {x.device for x in tensors}

@@ -43,13 +43,13 @@ def audio_model(attn="sdpa", module=None, **config):
 
 def wired(model, backend_cls, **options):
     """The model's adapters, each on its own CPU backend (captures run the region eagerly)."""
-    from minicpmo_cg.vllm_config import standalone_vllm_config
+    from minicpmo_cg.vllm_config import duplex_vllm_config, standalone_vllm_config
 
     for key, value in options.items():
         setattr(model.config, f"encoder_cuda_graph_{key}", value)
-    model._init_encoder_cuda_graphs(standalone_vllm_config())
+    model._init_encoder_cuda_graphs(duplex_vllm_config(standalone_vllm_config(), 2))  # a test's two sessions
     model._audio_encoder_graph.backend = backend_cls()
-    model._streaming_audio_encoder_graph.backend = backend_cls()
+    model._streaming_audio.graph.backend = backend_cls()
     return model
 
 
@@ -200,7 +200,7 @@ def test_streaming_chunks_read_nothing_with_lengths_on_the_device(attn, graphed,
             want = encode_streaming(model, reference, chunk.data, chunk.prefix_extra_frames)
             assert got.shape == (N // POOL, 32) and torch.equal(got, want), i
     if graphed:
-        stats = model._streaming_audio_encoder_graph.get_cumulative_stats()
+        stats = model._streaming_audio.graph.get_cumulative_stats()
         assert stats["graph_hits"] > 0 and stats["ineligible_misses"] == 0
 
 
@@ -300,7 +300,7 @@ def test_graphed_duplex_chunk_makes_the_host_wait_for_nothing(medium):
 
     mel = duplex.speech_mel(62)
     session = DuplexSession()
-    graph = medium._streaming_audio_encoder_graph
+    graph = medium._streaming_audio.graph
     for i, chunk in enumerate(duplex.frame_chunks(mel, 62, device="cuda")):
         data = chunk.data
         if i < 59:

@@ -49,7 +49,7 @@ def tiny_model(attn: str) -> nn.Module:
         pool=POOL,
     )
     model._audio_encoder_graph = None
-    model._streaming_audio_encoder_graph = None
+    model._streaming_audio = None
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 

@@ -172,11 +172,6 @@ def test_options_defaults_and_overrides(ecg):
     assert defaults == ecg.EncoderCudaGraphOptions(True, 4, 2, 1 << 30, True, "cost", 0, 60.0)
     assert defaults.streaming_audio is True
     assert defaults.startup_capture is True
-    # batched duplex steps opt-in (the exact per-session path by default)
-    assert defaults.duplex_batch is False
-    assert ecg.HF_OVERRIDE_KEYS["encoder_cuda_graph_duplex_batch"].default is False
-    opted_in = types.SimpleNamespace(encoder_cuda_graph_duplex_batch=True)
-    assert ecg.EncoderCudaGraphOptions.from_hf_config(opted_in).duplex_batch is True
     hf_config = types.SimpleNamespace(
         encoder_cuda_graph=False,
         encoder_cuda_graph_max_graphs=0,
@@ -221,7 +216,6 @@ def test_describe_writes_the_options_as_json(ecg):
     )
     expected += " encoder_cuda_graph_streaming_audio=true"
     expected += " encoder_cuda_graph_startup_capture=true"
-    expected += " encoder_cuda_graph_duplex_batch=false"
     assert text == expected
 
 

@@ -312,7 +312,7 @@ def test_eligibility_rules(ecg):
     with torch.inference_mode():
         assert eligible([torch.ones(1)]) is None  # CPU tensor
         assert eligible([None, None]) is None  # no tensor at all
-        assert eligible([3]) is None  # a static argument alone: no tensor
+        assert eligible([3]) is None  # a non-tensor input alone: no tensor
         meta = torch.empty(1, device="meta")
         assert eligible([meta]) is None  # not CUDA
 
@@ -323,7 +323,6 @@ def test_a_non_tensor_input_is_ineligible(ecg, vllm_config, cpu_backend):
     ineligible miss, whether it lacks a shape (an int) or only looks like a tensor (a NumPy array)."""
     np = pytest.importorskip("numpy")
     graph = ecg.EncoderCudaGraph(lambda x, y: x + 1, vllm_config, admission="count", backend=cpu_backend())
-    assert graph.static_args is False
     x = torch.ones(2)
     for other in (3, np.ones(2, dtype=np.float32)):
         for _ in range(3):

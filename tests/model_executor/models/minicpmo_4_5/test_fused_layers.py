@@ -34,7 +34,7 @@ from helpers.tiny_encoders import tiny_audio_model, tiny_siglip_config
 
 from vllm_omni.model_executor.models.minicpmo_4_5 import fused_layers as fused
 from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
-from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention, streaming_audio, vision_path
+from vllm_omni.model_executor.models.minicpmo_4_5 import siglip_attention, vision_path
 from vllm_omni.model_executor.models.minicpmo_4_5.ops import fused_add_layer_norm as aln
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
@@ -389,21 +389,6 @@ def test_whisper_fused_layers_stay_off_where_they_do_not_apply(kernel_calls):
         assert not fused.whisper_fused_applies(apm, hidden.half(), None, False)  # FP16's clamp
         apm.train()
         assert not fused.whisper_fused_applies(apm, hidden, None, False)
-    assert fused.whisper_streaming_drops_zero_mask(apm) is True
-    apm._fused_layers = False
-    assert fused.whisper_streaming_drops_zero_mask(apm) is False
-
-
-@pytest.mark.parametrize("fused_on", [True, False])
-def test_streaming_graphs_drop_the_zero_mask_with_the_fused_layers(fused_on):
-    model = whisper()
-    model._streaming_audio_mask_plans = {}
-    model.apm._fused_layers = fused_on
-    plan = streaming_audio.streaming_audio_mask_plan(model, torch.device("cpu"), 50, 150)
-    want = streaming_audio.zero_mask_plan(
-        "sdpa", lambda: streaming_audio.eager_sdpa_choice(model.apm, torch.device("cpu"), 50, 150)
-    )
-    assert plan == (streaming_audio.ZeroMaskPlan(drop_mask=True) if fused_on else want)
 
 
 # ---------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 
 CPU tests run a tiny thinker (Whisper: 2 layers, 128 positions, 0.2 s chunks, so a cache cycle is
 12 chunks; SigLIP: 2 layers, a camera frame of 4x4 patches) with the adapters' CPU backend, a stand-in
-for capture that keeps the keys, counters and byte accounts: the synthetic session captures every key
-a real duplex session's calls then hit (first session: no warmup miss, every chunk and frame a
-replay), the option turns it off, the memory floor stops it with one WARNING and the lazy path takes
-over, the INFO line reports graphs, bytes and seconds, and the runner's ``capture_model`` and the
-stage model's hook add the bytes. A CUDA test does the same at Whisper-medium's widths with real
-graphs and checks the first session bitwise against eager.
+for capture that keeps the keys, counters and byte accounts: start-up capture takes every key a real
+duplex session's calls then hit (the streaming audio bucket of a one-session deployment, the camera
+frame; first session: no warmup miss, every chunk and frame a replay), the option turns it off, the
+memory floor stops it with one WARNING and the lazy path takes over, the INFO line reports graphs,
+bytes and seconds, and the runner's ``capture_model`` and the stage model's hook add the bytes. A
+CUDA test does the same at Whisper-medium's widths with real graphs and checks the first session
+bitwise against the eager forward. The buckets of larger deployments: ``test_streaming_audio.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from helpers.tiny_encoders import tiny_audio_model, tiny_siglip_config
 from torch import nn
 
-from minicpmo_cg.duplex import DuplexChunk, DuplexSession, past_lengths, stage_frame_data
+from minicpmo_cg.duplex import DuplexChunk, DuplexSession, stage_frame_data
 from vllm_omni.model_executor.models.minicpmo_4_5 import minicpmo_4_5_omni_llm as llm
 from vllm_omni.model_executor.models.minicpmo_4_5 import startup_capture as startup
 
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.core_model]
 
 N, POSITIONS = 10, 128
 CYCLE = math.ceil((POSITIONS - N) / N)  # 12 chunks per cache cycle
-KEYS = 1 + CYCLE  # the first chunk's form + the steady chunk at each past length
+KEYS = 1  # the streaming audio forward's one bucket of a one-session deployment
 FRAME = (4, 4)  # camera frame patches: image_size 56 / patch 14
 
 
@@ -63,7 +64,7 @@ def thinker(backend_cls, vision=True, **options):
 
 
 def adapters(model):
-    found = {"streaming audio": model._streaming_audio_encoder_graph}
+    found = {"streaming audio": model._streaming_audio.graph}
     if model.vpm is not None:
         found["vision"] = model.vpm._encoder_graph
     return found
@@ -93,18 +94,6 @@ class Clock:
 
 
 @pytest.mark.cpu
-def test_the_synthetic_session_walks_every_past_length_of_a_cycle():
-    forms = startup.duplex_chunk_forms(50, 1500)
-    assert len(forms) == 30
-    assert [f.past_length for f in forms] == past_lengths(30)  # the model's reset rule
-    assert [(f.prefix_extra_frames, f.mel_frames) for f in forms] == [(0, 102)] + [(2, 104)] * 29
-    tiny = startup.duplex_chunk_forms(N, POSITIONS)
-    assert len(tiny) == KEYS and [f.past_length for f in tiny] == past_lengths(KEYS, POSITIONS, N)
-    with pytest.raises(ValueError, match="chunk positions"):
-        startup.duplex_chunk_forms(1500, 1500)
-
-
-@pytest.mark.cpu
 def test_startup_graphs_are_exactly_what_a_real_session_hits(cpu_backend, log_records):
     records = log_records(startup.logger)
     model = thinker(cpu_backend)
@@ -128,11 +117,10 @@ def test_startup_graphs_are_exactly_what_a_real_session_hits(cpu_backend, log_re
     audio, vision = (found[k].get_cumulative_stats() for k in ("streaming audio", "vision"))
     assert (audio["num_graphs"], audio["graph_hits"], audio["graph_misses"]) == (KEYS, 2 * CYCLE + 5, 0)
     assert (vision["num_graphs"], vision["graph_hits"], vision["graph_misses"]) == (1, frames, 0)
-    # the INFO line: graphs, bytes (graphs + the K/V arena it allocated), seconds
-    (arena,) = model._streaming_audio_arenas.values()
-    arena_bytes = arena.kv.numel() * arena.kv.element_size()
+    # the INFO line: graphs, bytes (graphs + the K/V pages it allocated), seconds
     graph_bytes = sum(a.graph_bytes for a in found.values())
-    assert (report.arena_bytes, report.graph_bytes) == (arena_bytes, graph_bytes) and graph_bytes > 0
+    pool_bytes = model._streaming_audio.pool.nbytes
+    assert (report.pool_bytes, report.graph_bytes) == (pool_bytes, graph_bytes) and graph_bytes > 0
     (line,) = [m for m in records.messages(logging.INFO) if "captured at start-up" in m]
     assert line.startswith(f"MiniCPM-o 4.5 encoder CUDA graphs captured at start-up: {KEYS + 1} graphs")
     assert "in 2.50 s" in line and f"({report.total_bytes} bytes:" in line
@@ -142,7 +130,7 @@ def test_startup_graphs_are_exactly_what_a_real_session_hits(cpu_backend, log_re
 @pytest.mark.cpu
 def test_the_session_cache_and_outputs_are_those_of_a_session_without_startup_capture(cpu_backend):
     lazy, eager_model = thinker(cpu_backend, vision=False), thinker(cpu_backend, vision=False)
-    eager_model._streaming_audio_encoder_graph = None
+    eager_model._streaming_audio.graph = None  # the same forward, eagerly
     model = thinker(cpu_backend, vision=False)
     startup.capture_at_startup(model, duplex_config())
     assert model.audio_past_key_values is None  # the synthetic session's cache is not left behind
@@ -170,7 +158,7 @@ def test_off_switch_leaves_the_lazy_path(cpu_backend, log_records):
     with torch.inference_mode():
         for chunk in stage_chunks(CYCLE + 2, seed=3):
             session.encode(model, chunk)
-    stats = model._streaming_audio_encoder_graph.get_cumulative_stats()
+    stats = model._streaming_audio.graph.get_cumulative_stats()
     assert stats["warmup_misses"] == KEYS and stats["num_graphs"] == 1  # lazily, as before
 
 
@@ -188,32 +176,32 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
 ):
     records = log_records(startup.logger)
     floor = 1 << 30
-    free = {"bytes": floor + (1 << 20)}  # room for the K/V arena (256 KiB here)
+    free = {"bytes": floor + (1 << 20)}  # room for the K/V pages (under 1 MiB here)
 
     class Backend(cpu_backend):
         def free_bytes(self, device):
             return free["bytes"]
 
     model = thinker(Backend, vision=True, min_free_bytes=floor)
-    graph = model._streaming_audio_encoder_graph
+    graph = model._streaming_audio.graph
     calls = {"n": 0}
     capture = startup.capture_now
 
-    def counting(adapter, *inputs):  # free memory falls below the floor after 5 captures
+    def counting(adapter, *inputs):  # free memory falls below the floor after the audio bucket
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == 1:
             free["bytes"] = floor - 1
         return capture(adapter, *inputs)
 
     monkeypatch.setattr(startup, "capture_now", counting)
     report = startup.capture_at_startup(model, duplex_config())
     assert (
-        report.graphs == {"streaming audio": 5}
+        report.graphs == {"streaming audio": 1}
         and "below encoder_cuda_graph_min_free_bytes" in report.stopped
     )
     assert model.vpm._encoder_graph.get_cumulative_stats()["num_graphs"] == 0  # stopped before the frame
     (warning,) = records.messages(logging.WARNING)
-    assert "captured at start-up: 5 graphs" in warning and "captured lazily" in warning
+    assert "captured at start-up: 1 graphs" in warning and "captured lazily" in warning
     assert [m for m in records.messages() if m != warning] == []  # one line in all
     free["bytes"] = floor + (1 << 20)
     session = DuplexSession()
@@ -221,24 +209,27 @@ def test_below_the_memory_floor_it_stops_with_one_warning_and_lazy_capture_follo
         for chunk in stage_chunks(2 * CYCLE + 1, seed=4):
             session.encode(model, chunk)
     stats = graph.get_cumulative_stats()
-    assert stats["num_graphs"] == KEYS and stats["warmup_misses"] == KEYS - 5  # the rest lazily
+    assert stats["num_graphs"] == KEYS and stats["warmup_misses"] == 0
+    assert model.vpm._encoder_graph.get_cumulative_stats()["num_graphs"] == 0  # the frame's graph: lazily
 
 
 @pytest.mark.cpu
 def test_kv_buffers_that_would_pass_the_floor_stop_it_before_anything_is_allocated(cpu_backend, log_records):
     records = log_records(startup.logger)
     floor = 1 << 30
-    arena = 2 * POSITIONS * 2 * 2 * 64 * 4  # two sides x positions x layers x K/V x d_model x float32
+    # one session's pages (the position table, 8 pages of 16) and one padding row's scratch (1 page)
+    pool = (8 + 1) * 16 * 2 * 2 * 64 * 4  # positions x layers x K/V x d_model x float32
 
     class Backend(cpu_backend):
         def free_bytes(self, device):
-            return floor + arena - 1  # the arena would leave one byte less than the floor
+            return floor + pool - 1  # the pages would leave one byte less than the floor
 
     model = thinker(Backend, vision=False, min_free_bytes=floor)
+    assert model._streaming_audio.pool_bytes() == pool
     report = startup.capture_at_startup(model, duplex_config())
-    assert report.num_graphs == 0 and model._streaming_audio_arenas == {} and report.total_bytes == 0
+    assert report.num_graphs == 0 and model._streaming_audio._pool is None and report.total_bytes == 0
     (warning,) = records.messages(logging.WARNING)
-    assert f"K/V buffers take {arena} bytes" in warning and "captured lazily" in warning
+    assert f"K/V pages take {pool} bytes" in warning and "captured lazily" in warning
 
 
 @pytest.mark.cpu
@@ -250,19 +241,20 @@ def test_caps_and_budgets_still_bound_startup_capture(cpu_backend):
 
 @pytest.mark.cpu
 def test_capture_now_keys_as_a_call_keys(cpu_backend, ecg, vllm_config):
-    adapter = ecg.EncoderCudaGraph(lambda x, n: x * n, vllm_config, static_args=True, backend=cpu_backend())
+    adapter = ecg.EncoderCudaGraph(lambda x, *rest: x * 3, vllm_config, backend=cpu_backend())
     x = torch.ones(2, 3)
     with torch.inference_mode():
-        out, outcome = ecg.capture_now(adapter, x, 3)
+        out, outcome = ecg.capture_now(adapter, x)
         assert outcome == "captured" and torch.equal(out, x * 3)
-        assert ecg.capture_now(adapter, x, 3)[1] == "present"
-        assert ecg.capture_now(adapter, x, 4)[1] == "captured"  # a static argument's value is part of the key
+        assert ecg.capture_now(adapter, x)[1] == "present"
+        assert ecg.capture_now(adapter, torch.ones(4, 3))[1] == "captured"  # a shape is part of the key
+        assert ecg.capture_now(adapter, x, 3)[1] == "ineligible"  # a non-tensor input, as a call
         assert adapter.get_cumulative_stats()["graph_hits"] == 0
-        assert torch.equal(adapter(x, 3), x * 3)  # the call hits the graph captured before
+        assert torch.equal(adapter(x), x * 3)  # the call hits the graph captured before
     stats = adapter.get_cumulative_stats()
     assert (stats["graph_hits"], stats["graph_misses"], stats["num_graphs"]) == (1, 0, 2)
     with torch.enable_grad():
-        assert ecg.capture_now(adapter, x, 5)[1] == "ineligible"
+        assert ecg.capture_now(adapter, x)[1] == "ineligible"
 
 
 @pytest.mark.cpu
@@ -337,8 +329,8 @@ def test_the_stage_model_captures_for_the_thinker_stage_only(cpu_backend):
     stage.model_stage, stage.vllm_config = "llm", duplex_config()
     stage.thinker = thinker(cpu_backend, vision=False)
     total = stage.capture_graphs_at_startup()
-    (arena,) = stage.thinker._streaming_audio_arenas.values()
-    assert total == stage.thinker._streaming_audio_encoder_graph.graph_bytes + arena.kv.numel() * 4
+    encoder = stage.thinker._streaming_audio
+    assert total == encoder.graph.graph_bytes + encoder.pool.nbytes
     stage.model_stage, stage.thinker = "tts", None
     assert stage.capture_graphs_at_startup() == 0
 
@@ -358,21 +350,19 @@ def test_first_session_after_startup_capture_replays_every_chunk_bitwise():
     model = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
     standalone.wire_encoder_graphs(model, config, enabled=True)
     report = startup.capture_at_startup(model, config)
-    assert report.graphs.get("streaming audio") == 30 and report.stopped is None, report
-    assert report.total_bytes > 0 and report.arena_bytes > 0
+    assert report.graphs.get("streaming audio") == 1 and report.stopped is None, report
+    assert report.total_bytes > 0 and report.pool_bytes > 0
     graph = standalone.streaming_audio_graph(model)
+    eager = standalone.build_thinker_encoders(device="cuda", dtype=torch.bfloat16, reduced=True)
+    eager.load_state_dict(model.state_dict())
+    standalone.wire_encoder_graphs(eager, config, enabled=False)  # the same forward, eagerly
     chunks = duplex.frame_chunks(duplex.speech_mel(32), 32, device="cuda")  # float32 mel, as the stage
     session, reference = DuplexSession(), DuplexSession()
-    saved = model._streaming_audio_encoder_graph
     with torch.inference_mode():
         got = [session.encode(model, c) for c in chunks]
-        model._streaming_audio_encoder_graph = None
-        try:
-            want = [reference.encode(model, c) for c in chunks]
-        finally:
-            model._streaming_audio_encoder_graph = saved
+        want = [reference.encode(eager, c) for c in chunks]
     stats = graph.get_cumulative_stats()
-    assert (stats["graph_hits"], stats["graph_misses"], stats["num_graphs"]) == (32, 0, 30)
+    assert (stats["graph_hits"], stats["graph_misses"], stats["num_graphs"]) == (32, 0, 1)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), i
     print("start-up capture:", report)

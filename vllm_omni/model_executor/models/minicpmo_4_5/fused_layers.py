@@ -54,7 +54,6 @@ __all__ = [
     "whisper_encode_layers",
     "whisper_encoder_output",
     "whisper_fused_applies",
-    "whisper_streaming_drops_zero_mask",
 ]
 
 #: The ``--hf-overrides`` key choosing the encoders that run the fused layers.
@@ -89,8 +88,8 @@ WHISPER_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
-#: SDPA backends for Whisper's streaming chunks: the graph drops the eager call's all-zero mask, so
-#: only backends that give the same bits with and without it (flash attention refuses a mask).
+#: SDPA backends for Whisper's streaming rows (queries over gathered pages, later positions masked):
+#: cuDNN first, whose masked call gives a row its own bits whatever the batch.
 WHISPER_STREAMING_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -600,8 +599,3 @@ def whisper_encoder_output(
         attentions=None,
         past_key_values=past_key_values if use_cache else None,
     )
-
-
-def whisper_streaming_drops_zero_mask(apm: nn.Module) -> bool:
-    """Whether a streaming audio graph may leave out the all-zero mask of its chunk."""
-    return bool(getattr(apm, "_fused_layers", False))

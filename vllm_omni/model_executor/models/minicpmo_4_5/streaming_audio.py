@@ -1,47 +1,50 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MiniCPM-o 4.5's streaming (duplex) Whisper chunks, replayed from exact-shape CUDA graphs.
+"""MiniCPM-o 4.5's streaming (duplex) Whisper chunks: one paged, batched forward, one graph per bucket.
 
-Full-duplex sessions encode every 1 s audio chunk through ``get_audio_embedding_streaming``, which
-runs the Whisper encoder with a per-session KV cache (``audio_past_key_values``, reset at the rows of
-the position table, prefix/suffix context frames). With ``encoder_cuda_graph_streaming_audio``
-(default on) the chunk's encoder call goes through a third adapter,
-``model._streaming_audio_encoder_graph``, whose forward (:func:`encode_audio_streaming_graphed`) is
-the eager chunk's code (:func:`encode_audio_streaming`) with a cache view
-(:class:`StreamingAudioKVArenaPast`) over one shared two-sided K/V buffer per device and stream
-(:class:`StreamingAudioKVArena`):
+A full-duplex session encodes its audio as 1 s chunks, each attending to the session's earlier
+chunks through Whisper's self-attention cache. Every chunk, a session alone included (a batch of
+one), runs through one forward, :func:`encode_rows`:
 
-- graphs are keyed by the exact input shapes plus the past length, the side holding the past, the
-  context frames and the arena (static arguments of the adapter);
-- each layer reads the past from one side in the eager cache's layout and ``torch.cat`` writes past
-  + new K/V into the other side, so nothing is padded, attention sees the tensors eager's
-  ``DynamicCache`` makes (same values, same layout), a forward never writes what it reads (the
-  manager's warm-up and the capturing replay agree), and no graph holds a copy of the cache;
-- a session's cache (:class:`StreamingAudioKVCache`, its chunks' K/V blocks) is copied into the
-  arena only when the arena holds another session's, and each chunk's new K/V are copied out after
-  the call, so sessions never read each other's K/V;
-- the chunk's all-zero attention mask is left out of the graph where the eager call's kernel can be
-  pinned (:class:`ZeroMaskPlan`).
+- **Explicit data.** A :class:`StreamingAudioChunk` (log-mel frames, framing, the session's
+  :class:`SessionAudioCache`) goes in; ``(embeddings, cache)`` comes out
+  (:meth:`StreamingAudioEncoder.encode`). A session's cache is a range of pages of one
+  :class:`KVPagePool` and a length; the duplex stage's session state holds it, and it goes back to
+  the pool explicitly (:func:`release_cache`) when the cache resets and when the session closes.
+- **Paged K/V.** ``encode_rows`` writes each row's new keys and values into its own pages and
+  attends over its own pages only (rows never see each other), so every past length of the
+  1500-position cache cycle, a first chunk and a reset session share one graph per batch bucket
+  (:data:`BUCKETS`). Every per-row number (position-table rows, page table, lengths, slots) is
+  data in one int32 tensor (:class:`RowLayout`), built on the host with array operations and
+  copied to the device once per call, together with the log-mel frames when they are on the host.
+- **Batch invariance.** Each row is bitwise equal to its session encoded alone, whatever shares the
+  step, and the graphed call bitwise equal to the eager forward: attention per row (masked SDPA over
+  the row's gathered pages, or vLLM's FlashAttention with a block table and one split), and the
+  GEMMs and convolutions whose kernel choice depends on the row count on this device (found once by
+  :func:`probe_row_plan`, e.g. Whisper's ``fc2``) run row by row (:class:`RowLinear`).
+- **What it does not cover** (training, autograd, autocast, FP16 Whisper, other framings, chunks
+  past the position table, a cache the eager path made, a full pool) runs the original eager code
+  (:func:`encode_eager`), as vllm-omni's ``get_audio_embedding_streaming`` did.
 
-Training, autograd, autocast, FP16 Whisper, chunks past the position table and sessions whose cache
-the eager path made keep the eager path (:func:`streaming_audio_graph_applies`).
+The stage's pre-pass (``duplex_step.py``) hands a step's chunks of every session to
+:meth:`StreamingAudioEncoder.encode` at once; ``get_audio_embedding_streaming`` hands one chunk
+(:func:`encode_streaming_chunk`).
 
-The model-file hooks: ``get_audio_embedding_streaming`` calls :func:`encode_streaming_chunk`;
-``_init_encoder_cuda_graphs`` calls :func:`init_streaming_audio_graph`; the thinker's
-``_encode_audio_streaming_graphed`` (the adapter's bound forward) calls
-:func:`encode_audio_streaming_graphed`. Every Whisper call of a chunk, eager or graphed, runs
-through :func:`encode_audio_streaming`.
+What a real row reads: its own positions, and zeros (a session's pages are zeroed when it takes
+them). Padding rows write and read scratch pages only. A NaN in scratch or in a free page never
+reaches a real row.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import types
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from vllm.logger import init_logger
 
@@ -49,469 +52,849 @@ from . import fused_layers
 from .encoder_cuda_graph import EncoderCudaGraphOptions, lora_may_reach, make_encoder_cuda_graph
 from .encoder_graphs import AUDIO_CAPTURED_MODULES
 
-# isort: split
-from . import duplex_batch  # the batched duplex steps; it imports this module back
-
-
 logger = init_logger(__name__)
 
+__all__ = [
+    "BUCKETS",
+    "CONTEXT_FRAMES",
+    "PAGE_SIZE",
+    "KVPagePool",
+    "RowLayout",
+    "RowLinear",
+    "RowPlan",
+    "SessionAudioCache",
+    "StreamingAudioChunk",
+    "StreamingAudioEncoder",
+    "encode_eager",
+    "encode_rows",
+    "encode_streaming_chunk",
+    "init_streaming_audio",
+    "probe_row_plan",
+    "release_cache",
+]
 
-class StreamingAudioKVCache:
-    """Whisper self-attention cache of one streaming audio session on the graphed path.
+#: Positions per K/V page (a multiple of 16, as vLLM's FlashAttention wants for paged K/V).
+PAGE_SIZE = 16
+#: Rows per batched call: a step's chunks are padded up to the next bucket (larger steps split).
+BUCKETS = (1, 2, 4, 8, 16, 32)
+#: Mel frames of context the duplex stage frames a chunk with (prefix after the first chunk, suffix).
+CONTEXT_FRAMES = 2
 
-    With ``encoder_cuda_graph_streaming_audio`` on, ``get_audio_embedding_streaming`` keeps this
-    object in ``audio_past_key_values`` instead of an ``EncoderDecoderCache``; like that one it
-    belongs to the session (the duplex stage swaps it in and out per session), and the model
-    file's ``_get_audio_cache_length`` reads its length.
+
+def bucket_for(rows: int, largest: int) -> int:
+    """The smallest bucket that holds ``rows`` rows, at most ``largest``."""
+    return next(b for b in BUCKETS if b >= min(rows, largest))
+
+
+# ---------------------------------------------------------------------------
+# Sessions' caches: pages of one pool
+# ---------------------------------------------------------------------------
+
+
+class SessionAudioCache:
+    """A duplex session's Whisper self-attention cache: its page range of a :class:`KVPagePool`.
 
     Attributes:
-        blocks: the K/V of each encoded chunk in order, ``(layers, 2, 1, heads, n_i,
-            head_dim)`` in the encoder's dtype (index 0 of dim 1: keys, 1: values).
-        length: cached positions, ``sum(n_i)``.
-        token: identity of this cache's contents for :class:`StreamingAudioKVArena`.
+        pool: the pool holding the pages.
+        first_page: the first of the session's ``pool.pages_per_session`` consecutive pages.
+        length: cached positions (``get_seq_length``, as vllm-omni's model file reads it).
     """
 
-    def __init__(self) -> None:
-        self.blocks: list[torch.Tensor] = []
-        self.length = 0
-        self.token = object()
+    def __init__(self, pool: KVPagePool, first_page: int) -> None:
+        self.pool, self.first_page, self.length = pool, first_page, 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    def to_eager(self) -> EncoderDecoderCache:
-        """The same positions as the ``EncoderDecoderCache`` the eager path keeps (a copy)."""
-        self_attention = DynamicCache()
-        if self.blocks:
-            kv = torch.cat(self.blocks, dim=4)
-            for layer in range(kv.shape[0]):
-                self_attention.update(kv[layer, 0], kv[layer, 1], layer)
-        return EncoderDecoderCache(self_attention, DynamicCache())
+    @property
+    def released(self) -> bool:
+        return self.first_page < 0
 
 
-class StreamingAudioKVArena:
-    """The K/V buffers that the streaming audio graphs of one (device, stream) read and write.
+class KVPagePool:
+    """Whisper K/V pages for ``sessions`` duplex sessions and the padding rows of a batched call.
 
-    ``kv`` is ``(2, layers, 2, heads * max_positions * head_dim)``: two sides, each with every
-    layer's keys (index 0 of dim 2) and values (1). A cache of ``L`` positions sits on one side
-    in the layout of the eager path's ``DynamicCache``: each layer's keys and values are
-    contiguous ``(1, heads, L, head_dim)`` tensors at the start of their rows (``layer``). A
-    session's cache of ``b`` blocks sits on side ``b % 2`` (``side``); the forward of its next
-    chunk reads the past there and writes ``torch.cat([past, new])`` (the tensors
-    ``DynamicCache.update`` makes) to the other side, where attention reads them and the chunk
-    after finds its past. The addresses are fixed per past length and side, so every graph
-    reads the past from here instead of from a static copy of the cache, and the past reaches
-    attention through one contiguous concatenation per tensor, as on the eager path. A forward
-    never writes what it reads, so running it twice (the graph manager's warm-up, then the
-    capturing replay) leaves the same result.
+    ``kv`` is ``(layers, 2, pages, PAGE_SIZE, heads, head_dim)`` (index 0 of dim 1: keys, 1:
+    values), each layer's keys and values in the paged layout of vLLM's FlashAttention. Session
+    ``i`` owns pages ``[i * pages_per_session, (i + 1) * pages_per_session)``, enough for the whole
+    position table; after them come ``scratch_pages`` for padding rows. A normal tensor even under
+    inference mode (calls under ``no_grad`` write it in place).
 
-    Sessions share the arena and never see each other's K/V: ``load`` copies a session's cache
-    in unless the arena holds exactly it already (the same session continuing), and ``save``
-    copies the chunk's new positions out into the session's cache.
+    Args:
+        sessions: sessions the pool holds at once (``duplex_max_sessions``), at least 1.
+        rows: the largest bucket (scratch for that many padding rows of ``chunk`` positions).
+        layers, heads, head_dim, max_positions, chunk: Whisper's dimensions and positions per chunk.
+        dtype, device: of ``kv``.
+
+    Raises:
+        ValueError: ``sessions`` or ``rows`` below 1.
     """
 
     def __init__(
-        self, *, layers: int, heads: int, head_dim: int, max_positions: int, dtype: torch.dtype, device: Any
+        self,
+        *,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        max_positions: int,
+        sessions: int,
+        rows: int,
+        chunk: int,
+        dtype: torch.dtype,
+        device: Any,
     ) -> None:
-        self.heads, self.head_dim = heads, head_dim
-        # A normal tensor even under inference mode: calls under no_grad write it in place too.
+        if sessions < 1 or rows < 1:
+            raise ValueError(f"a K/V page pool needs sessions >= 1 and rows >= 1, got {sessions} and {rows}")
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.sessions, self.max_positions = sessions, max_positions
+        self.pages_per_session = math.ceil(max_positions / PAGE_SIZE)
+        self.scratch_start = sessions * self.pages_per_session
+        self.scratch_pages = math.ceil(rows * chunk / PAGE_SIZE)
+        shape = (layers, 2, self.scratch_start + self.scratch_pages, PAGE_SIZE, heads, head_dim)
         with torch.inference_mode(False):
-            self.kv = torch.zeros(
-                (2, layers, 2, heads * max_positions * head_dim), dtype=dtype, device=device
-            )
-        # (token, length) of the session cache whose positions [0, length) the arena holds
-        self.holds: tuple[object, int] | None = None
-
-    def __repr__(self) -> str:
-        positions = self.kv.shape[3] // (self.heads * self.head_dim)
-        return f"{type(self).__name__}({self.kv.device}, 2 x {positions} positions)"
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(sessions - 1, -1, -1))  # popped from the end: lowest first
+        #: the ops batched calls run row by row (:func:`probe_row_plan`; None: every op batched)
+        self.row_plan: RowPlan | None = None
 
     @staticmethod
-    def side(cache: StreamingAudioKVCache) -> int:
-        """The side holding ``cache``'s past once loaded: its block count modulo 2."""
-        return len(cache.blocks) % 2
+    def nbytes_for(
+        *, layers: int, d_model: int, itemsize: int, max_positions: int, sessions: int, rows: int, chunk: int
+    ) -> int:
+        """Bytes of a pool of these dimensions (what its constructor allocates)."""
+        pages = sessions * math.ceil(max_positions / PAGE_SIZE) + math.ceil(rows * chunk / PAGE_SIZE)
+        return layers * 2 * pages * PAGE_SIZE * d_model * itemsize
 
-    def positions(self, side: int, length: int) -> torch.Tensor:
-        """``(layers, 2, heads, length, head_dim)``: side ``side`` holding a cache of ``length``."""
-        return self.kv[side, :, :, : self.heads * length * self.head_dim].unflatten(
-            -1, (self.heads, length, self.head_dim)
-        )
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
 
-    def layer(self, side: int, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``layer`` on side ``side`` for ``length`` positions, each a
-        contiguous ``(1, heads, length, head_dim)`` view."""
-        rows = self.kv[side, layer, :, : self.heads * length * self.head_dim]
-        shape = (1, self.heads, length, self.head_dim)
-        return rows[0].view(shape), rows[1].view(shape)
+    @property
+    def free_sessions(self) -> int:
+        return len(self._free)
 
-    def load(self, cache: StreamingAudioKVCache) -> None:
-        """Make side ``side(cache)`` hold ``cache``'s ``cache.length`` positions (one copy per block)."""
-        if self.holds == (cache.token, cache.length):
+    def acquire(self) -> SessionAudioCache | None:
+        """A new, empty session cache with zeroed pages, or None when every session's pages are taken."""
+        if not self._free:
+            return None
+        first = self._free.pop() * self.pages_per_session
+        self.kv[:, :, first : first + self.pages_per_session].zero_()
+        return SessionAudioCache(self, first)
+
+    def release(self, cache: SessionAudioCache) -> None:
+        """Give ``cache``'s pages back (idempotent)."""
+        if cache.released:
             return
-        past = self.positions(self.side(cache), cache.length)
-        start = 0
-        for block in cache.blocks:
-            end = start + block.shape[4]
-            past[:, :, :, start:end].copy_(block[:, :, 0])
-            start = end
-        self.holds = (cache.token, cache.length)
+        self._free.append(cache.first_page // self.pages_per_session)
+        cache.first_page, cache.length = -1, 0
 
-    def save(self, cache: StreamingAudioKVCache, positions: int) -> None:
-        """Append the ``positions`` the chunk wrote after ``cache.length`` to ``cache`` as its next
-        block (one strided copy); the cache's side flips with its block count."""
-        start, end = cache.length, cache.length + positions
-        written = self.positions(1 - self.side(cache), end)[:, :, :, start:end]
-        cache.blocks.append(written.unsqueeze(2).clone(memory_format=torch.contiguous_format))
-        cache.length = end
-        self.holds = (cache.token, end)
+    def positions(self, cache: SessionAudioCache) -> torch.Tensor:
+        """``(layers, 2, heads, length, head_dim)``: ``cache``'s positions (a view)."""
+        pages = self.kv[:, :, cache.first_page : cache.first_page + self.pages_per_session]
+        return pages.flatten(2, 3)[:, :, : cache.length].permute(0, 1, 3, 2, 4)
 
 
-class StreamingAudioKVArenaPast(DynamicCache):
-    """``past_key_values`` of ``MiniCPMWhisperEncoder`` inside a streaming audio graph.
+def release_cache(cache: Any) -> None:
+    """Return a session's pages to their pool: on a cache reset and when the session closes.
 
-    ``length`` past positions live on side ``side`` of ``arena`` (a :class:`StreamingAudioKVArena`).
-    Of the cache interface the encoder uses, ``get_seq_length`` returns ``length``, and
-    ``update`` returns what ``DynamicCache.update`` returns, past and new states concatenated
-    along positions into contiguous ``(1, heads, length + n, head_dim)`` tensors (the same
-    values in the same layout as eager), written by ``torch.cat`` straight into the other side.
+    Anything else (None, the eager path's ``EncoderDecoderCache``) has nothing to return."""
+    if isinstance(cache, SessionAudioCache):
+        cache.pool.release(cache)
+
+
+@dataclass
+class StreamingAudioChunk:
+    """One duplex chunk to encode.
+
+    Attributes:
+        mel: ``(1, n_mels, frames)`` log-mel frames with their context frames (any float dtype;
+            on the host or the model's device).
+        prefix_frames: 0 for a session's first chunk, else :data:`CONTEXT_FRAMES`.
+        cache: the session's cache before the chunk (None before its first chunk), or the eager
+            path's ``EncoderDecoderCache``.
     """
 
-    def __init__(self, arena: StreamingAudioKVArena, side: int, length: int) -> None:
-        super().__init__()
-        self.arena, self.side, self.length = arena, side, length
+    mel: torch.Tensor
+    prefix_frames: int
+    cache: Any = None
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        past_keys, past_values = self.arena.layer(self.side, layer_idx, self.length)
-        end = self.length + key_states.shape[-2]
-        keys, values = self.arena.layer(1 - self.side, layer_idx, end)
-        torch.cat([past_keys, key_states], dim=-2, out=keys)
-        torch.cat([past_values, value_states], dim=-2, out=values)
-        return keys, values
+# ---------------------------------------------------------------------------
+# The batched forward (the captured region)
+# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class ZeroMaskPlan:
-    """How a streaming audio graph treats the all-zero attention mask of its chunk.
+class RowLayout:
+    """Where a call's per-row data sit in its int32 ``meta`` tensor.
 
-    ``get_audio_embedding_streaming`` always passes ``torch.zeros`` as Whisper's additive mask:
-    adding 0.0 changes no attention score, so a kernel computes the same output with or without
-    it. Without the mask, though, SDPA would pick its kernel afresh (flash attention, which
-    refuses masks, comes first), so a graph drops the mask only where it can run the kernel the
-    eager call runs: the ``"eager"`` attention implementation (a plain matmul + add + softmax),
-    or ``"sdpa"`` with ``sdpa_backend`` pinned to SDPA's choice for the eager call's inputs.
-    Dropped, it saves building and copying the mask, SDPA's per-layer padding of it (the
-    memory-efficient kernel wants 8-aligned rows), and the kernel's load of a mask tile per key
-    block.
+    ``meta`` is ``[start (rows), used (rows), positions (rows x n), table (rows x pages), slots
+    (rows x n)]``: the conv output position each row's chunk starts at, its valid K/V positions
+    after the call, its position-table rows, its page table and the flat slots its new K/V go
+    to, each stored as slot + 1. A slot of 0 is the position's own scratch slot (padding rows),
+    so all-zero inputs write only scratch, never a session's pages.
+    """
+
+    rows: int
+    chunk: int
+    pages: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * (2 + 2 * self.chunk + self.pages)
+
+    def split(self, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        r, n, p = self.rows, self.chunk, self.pages
+        start, used, positions, table, slots = meta.split((r, r, r * n, r * p, r * n))
+        return start, used, positions.view(r, n), table.view(r, p), slots
+
+    def build(
+        self, first_pages: np.ndarray, past: np.ndarray, first_chunk: np.ndarray, scratch_start: int
+    ) -> np.ndarray:
+        """``meta`` for real rows (the leading ``len(past)``) and padding rows, with array operations.
+
+        Args:
+            first_pages, past, first_chunk: per real row, the session's first page, its cached
+                positions before the chunk and whether the chunk is its first (no prefix frames).
+            scratch_start: the pool's first scratch page.
+        """
+        r, n, p, real = self.rows, self.chunk, self.pages, len(past)
+        span = np.arange(n, dtype=np.int64)
+        start = np.ones(r, dtype=np.int64)
+        start[:real] = np.where(first_chunk, 0, 1)
+        start[real:] = 0
+        used = np.full(r, n, dtype=np.int64)
+        used[:real] = past + n
+        positions = np.broadcast_to(span, (r, n)).copy()
+        positions[:real] += past[:, None]
+        table = np.empty((r, p), dtype=np.int64)
+        table[:real] = first_pages[:, None] + np.arange(p)
+        pad_rows = np.arange(real, r)
+        table[real:] = (scratch_start + (pad_rows * n) // PAGE_SIZE)[:, None]
+        slots = np.zeros((r, n), dtype=np.int64)
+        slots[:real] = first_pages[:, None] * PAGE_SIZE + past[:, None] + span + 1
+        parts = (start, used, positions.ravel(), table.ravel(), slots.ravel())
+        return np.concatenate(parts).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which ops of :func:`encode_rows` run row by row so that each row keeps its solo bits.
 
     Attributes:
-        drop_mask: run the encoder without the mask.
-        sdpa_backend: the SDPA backend to pin while it runs (None: no pin).
+        gemms: ``(in_features, out_features, bias, rows)`` of the GEMMs that run row by row.
+        convs: buckets whose convolutions run row by row.
     """
 
-    drop_mask: bool
-    sdpa_backend: SDPBackend | None = None
+    gemms: frozenset[tuple[int, int, bool, int]] = frozenset()
+    convs: frozenset[int] = frozenset()
+
+    def describe(self) -> str:
+        gemms = sorted({(k, n) for k, n, _, _ in self.gemms})
+        parts = [
+            "GEMMs " + ", ".join(f"{k}x{n}" for k, n in gemms) + " row by row"
+            if gemms
+            else "every GEMM batched"
+        ]
+        parts.append(
+            f"convolutions row by row at buckets {sorted(self.convs)}"
+            if self.convs
+            else "convolutions batched"
+        )
+        return "; ".join(parts)
 
 
-#: SDPA backends whose kernels add the mask to the scores and nothing else (with the same kernel
-#: pinned, the all-zero mask can go). cuDNN builds another execution plan with a bias, so its choice
-#: keeps the mask.
-ZERO_MASK_FREE_SDPA = frozenset({SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION})
+class RowLinear:
+    """``linear(x, weight, bias)`` over ``rows`` rows of ``chunk`` positions (``x`` ``(rows * chunk,
+    in_features)``, contiguous): one GEMM, or one per row where ``plan`` says a batch rounds
+    differently (each row's GEMM the one ``F.linear`` runs for the row alone)."""
+
+    def __init__(self, plan: RowPlan | None, rows: int, chunk: int) -> None:
+        self.plan, self.rows, self.chunk = plan, rows, chunk
+
+    def per_row(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        key = (weight.shape[1], weight.shape[0], bias is not None, self.rows)
+        return self.plan is not None and self.rows > 1 and key in self.plan.gemms
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.per_row(weight, bias):
+            return nn.functional.linear(x, weight, bias)
+        out = x.new_empty((x.shape[0], weight.shape[0]))
+        for first in range(0, x.shape[0], self.chunk):
+            rows = slice(first, first + self.chunk)
+            if bias is None:
+                torch.mm(x[rows], weight.t(), out=out[rows])
+            else:
+                torch.addmm(bias, x[rows], weight.t(), out=out[rows])
+        return out
 
 
-def zero_mask_plan(attn_implementation: str, sdpa_choice: Callable[[], SDPBackend]) -> ZeroMaskPlan:
-    """The :class:`ZeroMaskPlan` for Whisper's attention implementation; ``sdpa_choice()`` returns
-    SDPA's backend for the eager call's inputs (asked only for ``"sdpa"``)."""
-    if attn_implementation == "eager":
-        return ZeroMaskPlan(drop_mask=True)
-    if attn_implementation == "sdpa":
-        choice = sdpa_choice()
-        if choice in ZERO_MASK_FREE_SDPA:
-            return ZeroMaskPlan(drop_mask=True, sdpa_backend=choice)
-    return ZeroMaskPlan(drop_mask=False)
+def _convolve(apm: nn.Module, mel: torch.Tensor) -> torch.Tensor:
+    """Whisper's convolutions and GELUs: ``(rows, n_mels, frames)`` -> ``(rows, d_model, frames // 2)``."""
+    hidden = nn.functional.gelu(apm.conv1(mel.to(dtype=apm.conv1.weight.dtype)))
+    return nn.functional.gelu(apm.conv2(hidden))
 
 
-def eager_sdpa_choice(apm: nn.Module, device: torch.device, positions: int, total: int) -> SDPBackend:
-    """SDPA's backend for the attention of an eager streaming chunk: ``positions`` queries over
-    ``total`` keys of ``apm``'s heads in its dtype, contiguous, with the ``(1, 1, positions,
-    total)`` mask, scale 1 (Whisper scales the queries itself), no dropout. Host-side only:
-    the tensors are allocated, never written."""
-    heads = apm.config.encoder_attention_heads
-    head_dim, dtype = apm.config.d_model // heads, apm.conv1.weight.dtype
-    query = torch.empty((1, heads, positions, head_dim), dtype=dtype, device=device)
-    key = torch.empty((1, heads, total, head_dim), dtype=dtype, device=device)
-    mask = torch.empty((1, 1, positions, total), dtype=dtype, device=device)
-    return SDPBackend(torch._fused_sdp_choice(query, key, key, mask, 0.0, False, scale=1.0))
+def _gemms(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight, bias)`` of every GEMM :func:`encode_rows` runs (fused layers: q/k/v packed, the
+    output projection and ``fc2`` without their biases; unfused: each projection with its bias)."""
+    found: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    fused = bool(getattr(model.apm, "_fused_layers", False))
+    for layer in model.apm.layers:
+        attn = layer.self_attn
+        if fused:
+            qkv = fused_layers.pack_qkv(attn)
+            found += [(qkv.weight, qkv.bias), (attn.out_proj.weight, None), (layer.fc2.weight, None)]
+        else:
+            found += [
+                (m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, layer.fc2)
+            ]
+        found.append((layer.fc1.weight, layer.fc1.bias))
+    for name in ("linear1", "linear2"):
+        linear = getattr(model.audio_projection_layer, name, None)
+        if linear is not None:
+            found.append((linear.weight, linear.bias))
+    return found
 
 
-# ---------------------------------------------------------------------------
-# The chunk's encoder call
-# ---------------------------------------------------------------------------
+@torch.inference_mode()
+def probe_row_plan(
+    model: nn.Module, buckets: Sequence[int], chunk: int, frames: int, device: torch.device
+) -> RowPlan:
+    """Find, on ``device``, the ops :func:`encode_rows` must run row by row (:class:`RowPlan`).
+
+    Each GEMM shape of the forward and the convolutions of ``frames`` mel frames run once on random
+    inputs of every bucket of rows and once per row; a bucket whose rows differ in any bit from
+    their own calls runs that op row by row. cuBLAS and cuDNN pick kernels by shape, dtype and
+    device, not by value, so one probe per device serves every call. Host reads: outside any capture.
+    """
+    apm, dtype = model.apm, model.apm.conv1.weight.dtype
+    gen = torch.Generator(device=device).manual_seed(0)
+    seen, gemms, convs = set(), set(), set()
+    for weight, bias in _gemms(model):
+        key = (weight.shape[1], weight.shape[0], bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for rows in (b for b in buckets if b > 1):
+            x = torch.randn((rows * chunk, key[0]), generator=gen, device=device, dtype=dtype)
+            alone = [nn.functional.linear(x[r * chunk : (r + 1) * chunk], weight, bias) for r in range(rows)]
+            if not torch.equal(nn.functional.linear(x, weight, bias), torch.cat(alone)):
+                gemms.add((*key, rows))
+    for rows in (b for b in buckets if b > 1):
+        mel = torch.randn((rows, apm.config.num_mel_bins, frames), generator=gen, device=device)
+        if not torch.equal(
+            _convolve(apm, mel), torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])
+        ):
+            convs.add(rows)
+    return RowPlan(frozenset(gemms), frozenset(convs))
 
 
-def encode_audio_streaming(
-    model: nn.Module,
-    wavforms: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    past_key_values: Any,
-    use_extra_context: bool,
-    prefix_extra_frames: int,
-    suffix_extra_frames: int,
-    cnn_min_length: int | None,
-) -> tuple[torch.Tensor, Any]:
-    """Whisper with a KV cache -> projection -> average pooling, for one streaming chunk.
+def paged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    used: torch.Tensor,
+    flash: bool,
+) -> torch.Tensor:
+    """Attention of each row's queries ``(rows, n, heads, head_dim)`` (already scaled) over its pages.
 
-    The one function through which every streaming chunk runs Whisper, eager or graphed.
+    ``keys``/``values``: a layer's pages ``(pages, PAGE_SIZE, heads, head_dim)``; ``table``:
+    ``(rows, pages per row)``; ``used``: ``(rows,)`` valid positions. ``flash``: vLLM's
+    FlashAttention (varlen, block table, one split, so a row's kernel never depends on the others);
+    else SDPA over the gathered pages with the positions past ``used`` masked by ``-inf`` (masked
+    positions must be finite). Graph-safe, no host reads. Returns ``(rows, n, heads, head_dim)``.
+    """
+    rows, n, heads, head_dim = query.shape
+    if flash:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q=query.reshape(rows * n, heads, head_dim),
+            k=keys,
+            v=values,
+            max_seqlen_q=n,
+            cu_seqlens_q=torch.arange(0, (rows + 1) * n, n, dtype=torch.int32, device=query.device),
+            max_seqlen_k=table.shape[1] * PAGE_SIZE,
+            seqused_k=used,
+            softmax_scale=1.0,
+            causal=False,
+            block_table=table,
+            num_splits=1,
+        )
+        return out.view(rows, n, heads, head_dim)
+    k = keys[table.long()].flatten(1, 2).transpose(1, 2)
+    v = values[table.long()].flatten(1, 2).transpose(1, 2)
+    out = nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), k, v, attn_mask=_mask(used, table.shape[1], n, query.dtype), scale=1.0
+    )
+    return out.transpose(1, 2)
+
+
+def _mask(used: torch.Tensor, pages: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(rows, 1, chunk, pages * PAGE_SIZE)`` additive mask: 0 below a row's ``used``, ``-inf`` past it."""
+    positions = torch.arange(pages * PAGE_SIZE, device=used.device)
+    masked = (positions[None, :] >= used[:, None])[:, None, None, :].expand(used.shape[0], 1, chunk, -1)
+    return torch.zeros(masked.shape, dtype=dtype, device=used.device).masked_fill(masked, float("-inf"))
+
+
+class _PagedRows:
+    """The cache :func:`.fused_layers.whisper_encode_layers` runs the rows with: each layer's new
+    keys and values go to the rows' slots; attention reads every row's gathered pages."""
+
+    def __init__(self, pool: KVPagePool, slots: torch.Tensor, table: torch.Tensor) -> None:
+        self.pool, self.slots, self.table = pool, slots, table.long()
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = self.pool.kv[layer_idx]
+        heads, head_dim = self.pool.heads, self.pool.head_dim
+        for side, new in enumerate((key, value)):
+            pages[side].view(-1, heads, head_dim).index_copy_(
+                0, self.slots, new.transpose(1, 2).reshape(-1, heads, head_dim)
+            )
+        return tuple(pages[side][self.table].flatten(1, 2).transpose(1, 2) for side in (0, 1))
+
+
+def _unfused_layers(
+    apm: nn.Module,
+    hidden: torch.Tensor,
+    pool: KVPagePool,
+    slots: torch.Tensor,
+    table: torch.Tensor,
+    used: torch.Tensor,
+    rows: int,
+    chunk: int,
+    linear: RowLinear,
+    flash: bool,
+) -> torch.Tensor:
+    """Whisper's layers module by module over ``(rows * chunk, d_model)``, every GEMM through ``linear``."""
+    heads, head_dim, d_model = pool.heads, pool.head_dim, hidden.shape[-1]
+    for index, layer in enumerate(apm.layers):
+        attn = layer.self_attn
+        normed = layer.self_attn_layer_norm(hidden)
+        query = linear(normed, attn.q_proj.weight, attn.q_proj.bias) * attn.scaling
+        for side, proj in enumerate((attn.k_proj, attn.v_proj)):
+            new = linear(normed, proj.weight, proj.bias).view(-1, heads, head_dim)
+            pool.kv[index, side].view(-1, heads, head_dim).index_copy_(0, slots, new)
+        out = paged_attention(
+            query.view(rows, chunk, heads, head_dim), pool.kv[index, 0], pool.kv[index, 1], table, used, flash
+        )
+        hidden = hidden + linear(out.reshape(rows * chunk, d_model), attn.out_proj.weight, attn.out_proj.bias)
+        normed = layer.final_layer_norm(hidden)
+        hidden = hidden + linear(
+            layer.activation_fn(linear(normed, layer.fc1.weight, layer.fc1.bias)),
+            layer.fc2.weight,
+            layer.fc2.bias,
+        )
+    return apm.layer_norm(hidden)
+
+
+def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor, encoder: Any = None) -> torch.Tensor:
+    """The captured region: Whisper over each row's chunk with its own pages, then projection and pooling.
 
     Args:
-        model: the MiniCPM-o 4.5 thinker (``apm``, ``audio_projection_layer``,
-            ``audio_avg_pooler``, ``audio_encoder_layer``).
-        wavforms: log-mel features ``(1, n_mels, T_mel)`` with the context frames.
-        attention_mask: zeros ``(1, 1, n, past + n)`` in the encoder's dtype, ``n`` the chunk's
-            positions after the context frames are cut; None inside a streaming audio graph
-            whose :class:`ZeroMaskPlan` drops it.
-        past_key_values: the session's cache (None, an ``EncoderDecoderCache``, or a
-            :class:`StreamingAudioKVArenaPast` inside a graph); updated in place.
-        use_extra_context, prefix_extra_frames, suffix_extra_frames, cnn_min_length: as
-            ``get_audio_embedding_streaming`` takes them.
+        model: the thinker (``apm``, ``audio_projection_layer``, ``audio_avg_pooler``, and
+            ``_streaming_audio``, the :class:`StreamingAudioEncoder` whose pool, chunk and
+            attention the call uses).
+        mel: ``(rows, n_mels, 2 * chunk + 2 * CONTEXT_FRAMES)`` float32 log-mel frames (a first
+            chunk's missing frames are zeros at the end; they leave its first ``chunk`` conv
+            positions unchanged).
+        meta: ``(RowLayout.size,)`` int32 per-row data of :class:`RowLayout`.
+        encoder: the :class:`StreamingAudioEncoder` (default ``model._streaming_audio``).
 
     Returns:
-        ``(1, n // audio_pool_step, embed_dim)`` embeddings and the updated cache.
+        ``(rows, chunk // audio_pool_step, embed_dim)``; the rows' new K/V are in their pages.
     """
-    audio_outputs = model.apm(
+    encoder = model._streaming_audio if encoder is None else encoder
+    apm, pool, chunk = model.apm, encoder.pool, encoder.chunk
+    rows = mel.shape[0]
+    start, used, positions, table, codes = RowLayout(rows, chunk, pool.pages_per_session).split(meta)
+    codes = codes.long()
+    scratch = pool.scratch_start * PAGE_SIZE + torch.arange(codes.numel(), device=codes.device)
+    slots = torch.where(codes > 0, codes - 1, scratch)
+    plan = pool.row_plan
+    if plan is not None and rows in plan.convs:
+        hidden = torch.cat([_convolve(apm, mel[r : r + 1]) for r in range(rows)])
+    else:
+        hidden = _convolve(apm, mel)
+    hidden = hidden.permute(0, 2, 1)  # (rows, chunk + 2, d_model)
+    d_model = hidden.shape[-1]
+    picks = (start[:, None] + torch.arange(chunk, device=mel.device)).long()
+    hidden = hidden.gather(1, picks[:, :, None].expand(rows, chunk, d_model))
+    # the position table first, as vllm-omni's streaming encoder adds it (the sum is contiguous)
+    hidden = (apm.embed_positions.weight[positions.long()] + hidden).reshape(rows * chunk, d_model)
+    linear = RowLinear(plan, rows, chunk)
+    if encoder.fused:
+        pages = _PagedRows(pool, slots, table)
+        mask = _mask(used, table.shape[1], chunk, hidden.dtype)
+        hidden, _ = fused_layers.whisper_encode_layers(
+            apm, hidden.view(rows, chunk, d_model), mask, pages, linear=linear
+        )
+        hidden = hidden.reshape(rows * chunk, d_model)
+    else:
+        hidden = _unfused_layers(
+            apm, hidden, pool, slots, table, used, rows, chunk, linear, encoder.attention == "flash"
+        )
+    projector = model.audio_projection_layer
+    parts = [getattr(projector, name, None) for name in ("linear1", "relu", "linear2")]
+    if any(p is None for p in parts):
+        hidden = projector(hidden)
+    else:
+        hidden = linear(
+            parts[1](linear(hidden, parts[0].weight, parts[0].bias)), parts[2].weight, parts[2].bias
+        )
+    return model.audio_avg_pooler(hidden.view(rows, chunk, -1).transpose(1, 2)).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------
+# The original eager code (what the batched forward does not cover)
+# ---------------------------------------------------------------------------
+
+
+def encode_eager(
+    model: nn.Module, wavforms: torch.Tensor, cache: Any, positions: int, context: tuple
+) -> tuple[torch.Tensor, Any]:
+    """vllm-omni's streaming chunk: Whisper with an ``EncoderDecoderCache``, projection, pooling.
+
+    Args:
+        wavforms: ``(1, n_mels, frames)``; cache: None or an ``EncoderDecoderCache`` (a
+            :class:`SessionAudioCache` is copied into one and its pages released);
+        positions: the chunk's positions after the context frames;
+        context: ``(use_extra_context, prefix_extra_frames, suffix_extra_frames, cnn_min_length)``.
+
+    Returns:
+        ``((1, positions // audio_pool_step, embed_dim), the updated cache)``.
+    """
+    if isinstance(cache, SessionAudioCache):
+        self_attention = DynamicCache()
+        kv = cache.pool.positions(cache).unsqueeze(2)
+        for layer in range(kv.shape[0]):
+            self_attention.update(kv[layer, 0].contiguous(), kv[layer, 1].contiguous(), layer)
+        release_cache(cache)
+        cache = EncoderDecoderCache(self_attention, DynamicCache())
+    past = 0 if cache is None else cache.get_seq_length()
+    mask = torch.zeros(
+        (wavforms.shape[0], 1, positions, past + positions),
+        dtype=model.apm.conv1.weight.dtype,
+        device=wavforms.device,
+    )
+    use_extra_context, prefix, suffix, cnn_min_length = context
+    out = model.apm(
         wavforms,
-        past_key_values=past_key_values,
+        past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
-        attention_mask=attention_mask,
+        attention_mask=mask,
         use_extra_context=use_extra_context,
-        prefix_extra_frames=prefix_extra_frames,
-        suffix_extra_frames=suffix_extra_frames,
+        prefix_extra_frames=prefix,
+        suffix_extra_frames=suffix,
         cnn_min_length=cnn_min_length,
     )
-    audio_states = audio_outputs.hidden_states[model.audio_encoder_layer]
-    audio_embeds = model.audio_projection_layer(audio_states)
-    audio_embeds = audio_embeds.transpose(1, 2)
-    audio_embeds = model.audio_avg_pooler(audio_embeds)
-    return audio_embeds.transpose(1, 2), audio_outputs.past_key_values
+    embeds = model.audio_projection_layer(out.hidden_states[model.audio_encoder_layer])
+    embeds = model.audio_avg_pooler(embeds.transpose(1, 2)).transpose(1, 2)
+    return embeds, out.past_key_values
 
 
-def encode_audio_streaming_graphed(
-    model: nn.Module,
-    wavforms: torch.Tensor,
-    arena: StreamingAudioKVArena,
-    side: int,
-    past_length: int,
-    positions: int,
-    mask_plan: ZeroMaskPlan,
-    use_extra_context: bool,
-    prefix_extra_frames: int,
-    suffix_extra_frames: int,
-    cnn_min_length: int | None,
-) -> torch.Tensor:
-    """The region the streaming audio CUDA graph captures (the thinker's
-    ``_encode_audio_streaming_graphed``): :func:`encode_audio_streaming` of a chunk of
-    ``positions`` positions over the ``past_length`` past positions on side ``side`` of
-    ``arena``, writing past and chunk K/V to the other side.
+# ---------------------------------------------------------------------------
+# The encoder: chunks in, (embeddings, cache) out
+# ---------------------------------------------------------------------------
 
-    The zero mask ``get_audio_embedding_streaming`` builds for the eager call is built here
-    (``(1, 1, positions, past_length + positions)``), or left out as ``mask_plan`` says.
-    Every argument but ``wavforms`` is a static argument of the adapter (part of the graph
-    key), so each graph has fixed shapes and fixed arena addresses. A replay re-runs only
-    the GPU work recorded at capture (the arena writes included): keep this and the modules
-    it calls free of Python side effects, as for the stateless audio region.
+
+class StreamingAudioEncoder:
+    """Encodes duplex chunks: covered ones in batched calls of at most the largest bucket, one graph
+    replay each (or the eager forward without graphs), the rest through :func:`encode_eager`.
+
+    Args:
+        model: the thinker.
+        graph: the bucket graphs' adapter over :func:`encode_rows` (None: eager forward).
+        sessions: sessions the page pool holds (``duplex_max_sessions``).
+        chunk: positions per chunk (50 at 1 s).
     """
-    past = StreamingAudioKVArenaPast(arena, side, past_length)
-    context = (use_extra_context, prefix_extra_frames, suffix_extra_frames, cnn_min_length)
-    if not mask_plan.drop_mask:
-        shape = (1, 1, positions, past_length + positions)
-        mask = torch.zeros(shape, dtype=model.apm.conv1.weight.dtype, device=wavforms.device)
-        return encode_audio_streaming(model, wavforms, mask, past, *context)[0]
-    if mask_plan.sdpa_backend is None:
-        return encode_audio_streaming(model, wavforms, None, past, *context)[0]
-    with sdpa_kernel(mask_plan.sdpa_backend):
-        return encode_audio_streaming(model, wavforms, None, past, *context)[0]
+
+    def __init__(self, model: nn.Module, graph: Any, sessions: int, chunk: int) -> None:
+        self.model, self.graph, self.sessions, self.chunk = model, graph, max(1, sessions), chunk
+        self.largest = bucket_for(self.sessions, BUCKETS[-1])
+        self.buckets = tuple(b for b in BUCKETS if b <= self.largest)
+        self.frames = 2 * chunk + 2 * CONTEXT_FRAMES
+        self._pool: KVPagePool | None = None
+        self.attention, self.attention_reason = "reference", "not chosen yet"
+        self._warned_full = False
+        #: rows through the batched forward, calls of it, chunks through the eager code
+        self.rows = self.calls = self.eager_chunks = 0
+
+    @property
+    def fused(self) -> bool:
+        """Whether the rows run the fused Whisper layers (with SDPA over the gathered pages)."""
+        return bool(getattr(self.model.apm, "_fused_layers", False))
+
+    @property
+    def pool(self) -> KVPagePool:
+        """The page pool, allocated (and the device's row plan probed) on first use."""
+        if self._pool is None:
+            apm = self.model.apm
+            device, dtype = apm.conv1.weight.device, apm.conv1.weight.dtype
+            heads = apm.config.encoder_attention_heads
+            self._pool = KVPagePool(
+                layers=len(apm.layers),
+                heads=heads,
+                head_dim=apm.config.d_model // heads,
+                max_positions=apm.embed_positions.weight.shape[0],
+                sessions=self.sessions,
+                rows=self.largest,
+                chunk=self.chunk,
+                dtype=dtype,
+                device=device,
+            )
+            self.attention, self.attention_reason = paged_attention_choice(device, dtype)
+            if self.fused:
+                self.attention, self.attention_reason = (
+                    "reference",
+                    "the fused layers attend with SDPA over the gathered pages",
+                )
+            if device.type == "cuda":
+                self._pool.row_plan = probe_row_plan(
+                    self.model, self.buckets, self.chunk, self.frames, device
+                )
+            plan = self._pool.row_plan.describe() if self._pool.row_plan else "no probe off CUDA"
+            logger.info(
+                "MiniCPM-o 4.5 streaming audio K/V pages: %d sessions, %.1f MiB on %s; attention %s (%s); exact rows: %s",
+                self.sessions,
+                self._pool.nbytes / (1 << 20),
+                device,
+                self.attention,
+                self.attention_reason,
+                plan,
+            )
+        return self._pool
+
+    def pool_bytes(self) -> int:
+        """Bytes :attr:`pool` allocates (whether or not it exists yet)."""
+        apm = self.model.apm
+        return KVPagePool.nbytes_for(
+            layers=len(apm.layers),
+            d_model=apm.config.d_model,
+            itemsize=apm.conv1.weight.element_size(),
+            max_positions=apm.embed_positions.weight.shape[0],
+            sessions=self.sessions,
+            rows=self.largest,
+            chunk=self.chunk,
+        )
+
+    def covers(self, chunk: StreamingAudioChunk) -> bool:
+        """Whether the batched forward encodes ``chunk`` (else the original eager code does)."""
+        model, mel = self.model, chunk.mel
+        return (
+            not model.training
+            and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(model.apm.conv1.weight.device.type)
+            and model.apm.conv1.weight.dtype != torch.float16
+            and chunk.prefix_frames in (0, CONTEXT_FRAMES)
+            and tuple(mel.shape)
+            == (1, model.apm.config.num_mel_bins, self.frames - CONTEXT_FRAMES + chunk.prefix_frames)
+            and (chunk.cache is None or isinstance(chunk.cache, SessionAudioCache))
+        )
+
+    def encode(self, chunks: Sequence[StreamingAudioChunk]) -> list[tuple[torch.Tensor, Any]]:
+        """Encode ``chunks`` (at most one per session): ``(embeddings (1, chunk // pool_step, dim), cache)`` each.
+
+        A cache whose next chunk would reach the position table's end resets first (its pages are
+        reused from position 0), as vllm-omni's ``get_audio_embedding_streaming`` resets it.
+        """
+        results: list[tuple[torch.Tensor, Any] | None] = [None] * len(chunks)
+        rows: list[tuple[int, StreamingAudioChunk, SessionAudioCache]] = []
+        limit = self.model.apm.embed_positions.weight.shape[0]
+        for index, chunk in enumerate(chunks):
+            if chunk.cache is not None and chunk.cache.get_seq_length() + self.chunk >= limit:
+                if isinstance(chunk.cache, SessionAudioCache):
+                    chunk.cache.length = 0  # its pages, from position 0
+                else:
+                    chunk.cache = None
+            cache = chunk.cache
+            if self.covers(chunk):
+                cache = self.pool.acquire() if cache is None else cache
+                if cache is not None:
+                    rows.append((index, chunk, cache))
+                    continue
+                self._warn_full()
+            context = (True, chunk.prefix_frames, CONTEXT_FRAMES, None)
+            mel = chunk.mel.to(self.model.apm.conv1.weight.device)
+            results[index] = encode_eager(self.model, mel, chunk.cache, self.chunk, context)
+            self.eager_chunks += 1
+        for first in range(0, len(rows), self.largest):
+            part = rows[first : first + self.largest]
+            out = self._call([c for _, c, _ in part], [cache for _, _, cache in part])
+            for r, (index, _, cache) in enumerate(part):
+                cache.length += self.chunk
+                results[index] = (out[r : r + 1], cache)
+        return results
+
+    def inputs(
+        self, mels: Sequence[torch.Tensor], caches: Sequence[SessionAudioCache], bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mel, meta)`` of a call of ``bucket`` rows, the real rows first. Host mels travel with
+        ``meta`` in one host-to-device copy."""
+        pool, device = self.pool, self.model.apm.conv1.weight.device
+        layout = RowLayout(bucket, self.chunk, pool.pages_per_session)
+        meta = layout.build(
+            np.fromiter((c.first_page for c in caches), np.int64, len(caches)),
+            np.fromiter((c.length for c in caches), np.int64, len(caches)),
+            np.fromiter((m.shape[-1] < self.frames for m in mels), bool, len(mels)),
+            pool.scratch_start,
+        )
+        n_mels = self.model.apm.config.num_mel_bins
+        on_host = all(m.device.type == "cpu" for m in mels)
+        host_mel = torch.zeros(
+            (bucket, n_mels, self.frames), dtype=torch.float32, device="cpu" if on_host else device
+        )
+        for r, m in enumerate(mels):
+            host_mel[r, :, : m.shape[-1]] = m[0]
+        if not on_host:
+            return host_mel, _to_device(torch.from_numpy(meta), device)
+        packed = torch.cat([torch.from_numpy(meta), host_mel.view(-1).view(torch.int32)])
+        packed = _to_device(packed, device)
+        return packed[meta.size :].view(torch.float32).view(bucket, n_mels, self.frames), packed[: meta.size]
+
+    def padding_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mel, meta)`` of a call of ``bucket`` padding rows (scratch pages only): start-up capture's inputs."""
+        return self.inputs([], [], bucket)
+
+    def _call(
+        self, chunks: Sequence[StreamingAudioChunk], caches: Sequence[SessionAudioCache]
+    ) -> torch.Tensor:
+        mel, meta = self.inputs([c.mel for c in chunks], caches, bucket_for(len(chunks), self.largest))
+        self.rows += len(chunks)
+        self.calls += 1
+        if self.graph is not None:
+            return self.graph(mel, meta)
+        return encode_rows(self.model, mel, meta, self)
+
+    def _warn_full(self) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            logger.warning(
+                "MiniCPM-o 4.5 streaming audio: more live duplex sessions than duplex_max_sessions=%d; a session "
+                "without pages runs the eager streaming encoder. Raise duplex_max_sessions.",
+                self.sessions,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        pool = self._pool
+        return {
+            "rows": self.rows,
+            "calls": self.calls,
+            "eager_chunks": self.eager_chunks,
+            "pool_bytes": 0 if pool is None else pool.nbytes,
+            "free_sessions": self.sessions if pool is None else pool.free_sessions,
+            "attention": self.attention,
+        }
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, copied from pinned memory (the host does not wait)."""
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+FA2_VARLEN_OP = ("_vllm_fa2_C", "varlen_fwd")
+
+
+def paged_attention_choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """``("flash" | "reference", reason)``: vLLM's paged FlashAttention 2 only where it runs (CUDA,
+    compute capability 8.0+, bf16/fp16, its compiled op registered); host-side checks only."""
+    if device.type != "cuda":
+        return "reference", f"a {device.type} device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "reference", f"Whisper in {str(dtype).removeprefix('torch.')}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return "reference", f"compute capability {major}.{minor}"
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface
+    except ImportError as exc:
+        return "reference", f"vllm.vllm_flash_attn does not import ({exc})"
+    if not getattr(flash_attn_interface, "FA2_AVAILABLE", False):
+        return "reference", "vLLM FlashAttention 2 unavailable"
+    if not hasattr(getattr(torch.ops, FA2_VARLEN_OP[0]), FA2_VARLEN_OP[1]):
+        return "reference", "vLLM FlashAttention ops not built"
+    return "flash", f"vLLM FlashAttention 2, compute capability {major}.{minor}"
+
+
+# ---------------------------------------------------------------------------
+# The model file's hooks
+# ---------------------------------------------------------------------------
 
 
 def encode_streaming_chunk(
     model: nn.Module, wavforms: torch.Tensor, positions: int, total_seq_len: int, context: tuple
 ) -> torch.Tensor:
-    """The encoder call of ``get_audio_embedding_streaming`` for one chunk; updates
-    ``model.audio_past_key_values``.
+    """``get_audio_embedding_streaming``'s encoder call for one chunk of the session whose cache is
+    ``model.audio_past_key_values`` (which it updates, as the eager code did).
 
     Args:
-        model: the MiniCPM-o 4.5 thinker.
-        wavforms: log-mel features ``(1, n_mels, T_mel)`` with the context frames.
-        positions: the chunk's positions after the context frames are cut.
-        total_seq_len: past plus chunk positions.
+        wavforms: ``(1, n_mels, frames)`` with the context frames; positions: after they are cut;
+        total_seq_len: past plus chunk positions;
         context: ``(use_extra_context, prefix_extra_frames, suffix_extra_frames, cnn_min_length)``.
 
     Returns:
-        ``(1, positions // audio_pool_step, embed_dim)`` embeddings. Through the streaming audio
-        adapter where :func:`streaming_audio_graph_applies`, else eagerly with the zero mask (a
-        graphed session's cache converted to the eager path's ``EncoderDecoderCache`` first).
+        ``(1, positions // audio_pool_step, embed_dim)`` embeddings.
     """
-    # inside a batched duplex step the chunk is encoded with the step's others (duplex_batch.route)
-    batched = duplex_batch.route(model, wavforms, positions, total_seq_len, context)
-    if batched is not None:
-        return batched
-    if streaming_audio_graph_applies(model, wavforms, total_seq_len):
-        return encode_audio_streaming_with_graph(model, wavforms, positions, context)
-    audio_attention_mask = torch.zeros(
-        (wavforms.shape[0], 1, positions, total_seq_len),
-        dtype=model.apm.conv1.weight.dtype,
-        device=wavforms.device,
+    encoder: StreamingAudioEncoder | None = getattr(model, "_streaming_audio", None)
+    cache = model.audio_past_key_values
+    use_extra_context, prefix, suffix, cnn_min_length = context
+    framed = (
+        encoder is not None
+        and use_extra_context is True
+        and suffix == CONTEXT_FRAMES
+        and cnn_min_length is None
+        and positions == encoder.chunk
+        and total_seq_len <= model.apm.embed_positions.weight.shape[0]
     )
-    if isinstance(model.audio_past_key_values, StreamingAudioKVCache):
-        model.audio_past_key_values = model.audio_past_key_values.to_eager()
-    audio_embeds, model.audio_past_key_values = encode_audio_streaming(
-        model, wavforms, audio_attention_mask, model.audio_past_key_values, *context
-    )
-    return audio_embeds
-
-
-# ---------------------------------------------------------------------------
-# Wiring and session bookkeeping
-# ---------------------------------------------------------------------------
-
-
-def init_streaming_audio_graph(model: nn.Module, vllm_config: Any, options: EncoderCudaGraphOptions) -> None:
-    """Build the streaming audio adapter (``encoder_cuda_graph_streaming_audio``) and log its state.
-
-    Sets ``model._streaming_audio_encoder_graph`` (None when off) and empties
-    ``model._streaming_audio_arenas`` and ``model._streaming_audio_mask_plans``.
-
-    A session's chunks start at past lengths ``0, n, 2n, ...`` below the position table's
-    ``max_source_positions`` rows (then its cache resets), each length its own graph, so
-    the cap is ``encoder_cuda_graph_max_graphs`` chunk forms of
-    ``ceil(max_source_positions / n)`` past lengths, ``n = 50 * audio_chunk_length``.
-    Admission is ``"count"`` whatever ``encoder_cuda_graph_admission`` says: those keys are
-    a fixed schedule that every live session walks once per cache cycle (about 30 s), so a
-    key seen twice is certain to recur, while the ``"cost"`` rule, which estimates a key's
-    recurrence from the calls seen so far, would take several cycles (minutes) to admit
-    them. Off, besides the option, wherever the stateless audio adapter is off
-    (``encoder_cuda_graph`` false, ``--enforce-eager``, LoRA).
-    """
-    model._streaming_audio_arenas = {}
-    model._streaming_audio_mask_plans = {}
-    model._streaming_audio_encoder_graph = None
-    apm = getattr(model, "apm", None)
-    if apm is None:
-        state = "off (no encoder)"
-    elif not options.streaming_audio:
-        state = "off (encoder_cuda_graph_streaming_audio=false)"
+    if framed:
+        ((embeds, model.audio_past_key_values),) = encoder.encode(
+            [StreamingAudioChunk(wavforms, prefix, cache)]
+        )
     else:
-        positions = max(1, round(50 * getattr(model.config, "audio_chunk_length", 1.0)))
-        lengths = math.ceil(apm.embed_positions.weight.shape[0] / positions)
-        cap = options.max_graphs * lengths
-        model._streaming_audio_encoder_graph, state = make_encoder_cuda_graph(
-            model._encode_audio_streaming_graphed,
+        embeds, model.audio_past_key_values = encode_eager(model, wavforms, cache, positions, context)
+    return embeds
+
+
+def init_streaming_audio(model: nn.Module, vllm_config: Any, options: EncoderCudaGraphOptions) -> None:
+    """Build ``model._streaming_audio`` (:class:`StreamingAudioEncoder`) and its bucket graphs; log one line.
+
+    The encoder exists whenever the model has Whisper; its page pool, for ``duplex_max_sessions``
+    sessions, is allocated on first use (or by start-up capture). The bucket graphs' adapter
+    exists where the stateless audio one may (``encoder_cuda_graph``, no ``--enforce-eager``, no
+    LoRA on the audio modules) and ``encoder_cuda_graph_streaming_audio`` is on; it captures by
+    the ``"count"`` rule, one graph per bucket.
+    """
+    model._streaming_audio = None
+    if getattr(model, "apm", None) is None:
+        logger.info("MiniCPM-o 4.5 streaming audio: off (no encoder)")
+        return
+    sessions = int(getattr(getattr(vllm_config, "model_config", None), "duplex_max_sessions", 1) or 1)
+    chunk = max(1, round(50 * getattr(model.config, "audio_chunk_length", 1.0)))
+    buckets = sum(1 for b in BUCKETS if b <= bucket_for(max(1, sessions), BUCKETS[-1]))
+    buckets = buckets if options.max_graphs else 0  # encoder_cuda_graph_max_graphs=0: no capture
+    graph, state = None, "off (encoder_cuda_graph_streaming_audio=false)"
+    if options.streaming_audio:
+        graph, state = make_encoder_cuda_graph(
+            types.MethodType(encode_rows, model),
             vllm_config,
-            replace(options, max_graphs=cap, admission="count"),
+            replace(options, max_graphs=buckets, admission="count"),
             name="streaming audio",
-            static_args=True,
             captured_modules=AUDIO_CAPTURED_MODULES,
             lora_reason=lora_may_reach(vllm_config, model, AUDIO_CAPTURED_MODULES),
         )
-        if state == "on":
-            state = (
-                f"on, up to {cap} graphs ({options.max_graphs} chunk forms x {lengths} past lengths), "
-                'admission "count" (each past length recurs once per cache cycle)'
-            )
-    logger.info("MiniCPM-o 4.5 streaming audio encoder CUDA graphs: %s", state)
-    duplex_batch.init_duplex_batch(model, vllm_config, options)
-
-
-def streaming_audio_graph_applies(model: nn.Module, wavforms: torch.Tensor, total_seq_len: int) -> bool:
-    """Whether this streaming chunk goes through the streaming audio adapter.
-
-    Not in training, with autograd or autocast on, for FP16 Whisper (its inf/nan clamp
-    reads values on the host), past the position table, or for a session whose cache
-    the eager path made (it stays eager until its cache resets).
-    """
-    return (
-        model._streaming_audio_encoder_graph is not None
-        and not model.training
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled(wavforms.device.type)
-        and model.apm.conv1.weight.dtype != torch.float16
-        and total_seq_len <= model.apm.embed_positions.weight.shape[0]
-        and (
-            model.audio_past_key_values is None
-            or isinstance(model.audio_past_key_values, StreamingAudioKVCache)
-        )
+    encoder = model._streaming_audio = StreamingAudioEncoder(model, graph, sessions, chunk)
+    logger.info(
+        "MiniCPM-o 4.5 streaming audio: paged batched forward, up to %d rows per call (buckets %s), K/V pages for "
+        "%d sessions; CUDA graphs %s",
+        encoder.largest,
+        ", ".join(map(str, encoder.buckets)),
+        encoder.sessions,
+        state if graph is None or state != "on" else f"on, one per bucket ({buckets})",
     )
-
-
-def encode_audio_streaming_with_graph(
-    model: nn.Module, wavforms: torch.Tensor, positions: int, context: tuple
-) -> torch.Tensor:
-    """Encode one chunk of ``positions`` positions through the streaming audio adapter;
-    updates ``model.audio_past_key_values``.
-
-    The session bookkeeping (copy into the arena, copy of the new K/V out) runs here,
-    outside the captured region.
-    """
-    cache = model.audio_past_key_values
-    if cache is None:
-        cache = StreamingAudioKVCache()
-    arena = streaming_audio_arena(model, wavforms.device)
-    arena.load(cache)
-    past_length = cache.length
-    plan = streaming_audio_mask_plan(model, wavforms.device, positions, past_length + positions)
-    audio_embeds = model._streaming_audio_encoder_graph(
-        wavforms, arena, arena.side(cache), past_length, positions, plan, *context
-    )
-    arena.save(cache, positions)
-    model.audio_past_key_values = cache
-    return audio_embeds
-
-
-def streaming_audio_mask_plan(
-    model: nn.Module, device: torch.device, positions: int, total: int
-) -> ZeroMaskPlan:
-    """The :class:`ZeroMaskPlan` of a chunk of ``positions`` over ``total`` positions on ``device``
-    (SDPA's choice is asked once per shape and kept in ``model._streaming_audio_mask_plans``).
-    """
-    key = (device, positions, total)
-    plan = model._streaming_audio_mask_plans.get(key)
-    if plan is None:
-        plan = _decide_mask_plan(model, device, positions, total)
-        model._streaming_audio_mask_plans[key] = plan
-    return plan
-
-
-def _decide_mask_plan(model: nn.Module, device: torch.device, positions: int, total: int) -> ZeroMaskPlan:
-    """:func:`streaming_audio_mask_plan`'s decision for a shape it has not planned yet."""
-    # With the fused Whisper layers the mask goes and nothing is pinned: their streaming attention
-    # pins its own backends, which give the same bits with the all-zero mask and without it
-    # (fused_layers.whisper_streaming_drops_zero_mask).
-    if fused_layers.whisper_streaming_drops_zero_mask(model.apm):
-        return ZeroMaskPlan(drop_mask=True)
-    return zero_mask_plan(
-        model.apm.config._attn_implementation,
-        lambda: eager_sdpa_choice(model.apm, device, positions, total),
-    )
-
-
-def streaming_audio_arena(model: nn.Module, device: torch.device) -> StreamingAudioKVArena:
-    """The arena of ``device`` and its current stream (created on first use, kept in
-    ``model._streaming_audio_arenas``)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    arena = model._streaming_audio_arenas.get((device, stream))
-    if arena is None:
-        heads = model.apm.config.encoder_attention_heads
-        arena = StreamingAudioKVArena(
-            layers=len(model.apm.layers),
-            heads=heads,
-            head_dim=model.apm.config.d_model // heads,
-            max_positions=model.apm.embed_positions.weight.shape[0],
-            dtype=model.apm.conv1.weight.dtype,
-            device=device,
-        )
-        model._streaming_audio_arenas[(device, stream)] = arena
-    return arena

@@ -40,14 +40,12 @@ from .options import (
 from .shapes import ExactShapeEncoder, GraphKey
 
 # isort: split
-from .shapes import STATIC_ARG
 
 
 __all__ = [
     "CAPTURE_ERROR_MODE",
     "HF_OVERRIDE_KEYS",
     "MISS_KINDS",
-    "STATIC_ARG",
     "STATS_KEYS",
     "Admission",
     "CaptureAdmission",

@@ -28,9 +28,6 @@ from .backend import CudaGraphBackend, EncoderGraphBackend, ReplayableGraph, _re
 from .options import EncoderCudaGraphOptions
 from .shapes import ExactShapeEncoder, GraphKey, _describe, _is_static, _tensor_entries
 
-# isort: split
-from .shapes import _key_entry
-
 
 logger = init_logger(__name__)
 
@@ -89,8 +86,6 @@ class EncoderCudaGraph:
         max_graphs, min_capture_calls, min_free_bytes, share_pools, admission, max_bytes,
             log_interval_s: see :class:`EncoderCudaGraphOptions`.
         name: encoder name for logs (``"vision"``, ``"audio"``).
-        static_args: whether inputs other than tensors and None are static
-            arguments, keyed by value (the design overview); False makes such calls ineligible.
         captured_modules: the modules ``forward`` calls, dotted names relative to the module owning
             the bound method ``forward`` (checked for hooks); None: the owner's whole tree.
         backend: the device seam, :class:`CudaGraphBackend` by default; the attribute ``backend``
@@ -122,7 +117,6 @@ class EncoderCudaGraph:
         max_bytes: int = 0,
         log_interval_s: float = 60.0,
         name: str = "encoder",
-        static_args: bool = False,
         captured_modules: Sequence[str] | None = None,
         backend: EncoderGraphBackend | None = None,
     ) -> None:
@@ -139,7 +133,6 @@ class EncoderCudaGraph:
         self.forward = forward
         self.vllm_config = vllm_config
         self.name = name
-        self.static_args = bool(static_args)
         self.captured_modules = None if captured_modules is None else tuple(captured_modules)
         self.backend: EncoderGraphBackend = backend if backend is not None else CudaGraphBackend()
         self.admission = CaptureAdmission(max_graphs, min_capture_calls)
@@ -195,8 +188,6 @@ class EncoderCudaGraph:
         if device is None:
             self.admission.record_ineligible()
             return self.forward(*inputs)
-        if self.static_args:
-            return self._call_with_statics(inputs, device)
         try:
             entries = tuple([None if x is None else (x.shape, x.dtype) for x in inputs])
         except AttributeError:  # an input that is neither a tensor nor None
@@ -264,27 +255,13 @@ class EncoderCudaGraph:
             "graphs": graphs,
         }
 
-    def _call_with_statics(self, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
-        self._calls += 1
-        key: GraphKey = (self.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
-        try:
-            manager = self.graphs.get(key)
-        except TypeError as exc:  # an unhashable static argument
-            raise TypeError(
-                f"{self.name} encoder CUDA graph: every static argument must be hashable, got "
-                f"{[type(x).__name__ for x in inputs if _is_static(x)]} ({exc})"
-            ) from exc
-        if manager is not None:
-            return self._replay(manager, inputs)
-        return self._miss(key, inputs, device)
-
     def _miss(self, key: GraphKey, inputs: Sequence[Any], device: torch.device) -> torch.Tensor:
         if not self._profiling_over and self._in_profile_run():
             self.admission.record_miss("profile")
             return self.forward(*inputs)
-        # Never captured, so the hit path needs no check: more inputs than buffer keys, or, without
-        # static_args, an input that has a shape and a dtype but is no tensor (e.g. a NumPy array).
-        if len(inputs) > len(_BUFFER_KEYS) or (not self.static_args and any(map(_is_static, inputs))):
+        # Never captured, so the hit path needs no check: more inputs than buffer keys, or an input
+        # that has a shape and a dtype but is no tensor (e.g. a NumPy array).
+        if len(inputs) > len(_BUFFER_KEYS) or any(map(_is_static, inputs)):
             self.admission.record_ineligible()
             return self.forward(*inputs)
         decision = self.admission.admit(key)

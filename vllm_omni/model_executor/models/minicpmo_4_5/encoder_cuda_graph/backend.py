@@ -367,7 +367,7 @@ class CudaGraphBackend:
         device = None
         for x in inputs:
             if not isinstance(x, torch.Tensor):
-                continue  # None or a static argument
+                continue  # None (a non-tensor input never gets here: ineligible)
             if not x.is_cuda:
                 return None
             if device is None:

@@ -60,14 +60,13 @@ def make_encoder_cuda_graph(
     options: EncoderCudaGraphOptions,
     *,
     name: str,
-    static_args: bool = False,
     captured_modules: Sequence[str] | None = None,
     lora_reason: str | None = None,
 ) -> EncoderCudaGraphSetup:
     """Build the adapter for one encoder, or None when encoder graphs are off for it.
 
     Args:
-        forward, vllm_config, name, static_args, captured_modules: see :class:`EncoderCudaGraph`.
+        forward, vllm_config, name, captured_modules: see :class:`EncoderCudaGraph`.
         options: from :meth:`EncoderCudaGraphOptions.from_hf_config`.
         lora_reason: why LoRA may reach this encoder, or None.
 
@@ -100,7 +99,6 @@ def make_encoder_cuda_graph(
         max_bytes=options.max_bytes,
         log_interval_s=options.log_interval_s,
         name=name,
-        static_args=static_args,
         captured_modules=captured_modules,
     )
     state = "off (encoder_cuda_graph_max_graphs=0)" if options.max_graphs == 0 else "on"

@@ -12,7 +12,7 @@ import torch
 from .adapter import _BUFFER_KEYS, EncoderCudaGraph, EncoderCudaGraphCaptureFailedError
 from .admission import _KeyRecord, in_memory_profiling
 from .backend import ReplayableGraph
-from .shapes import GraphKey, _is_static, _key_entry
+from .shapes import GraphKey, _is_static
 
 __all__ = ["capture_now"]
 
@@ -35,12 +35,12 @@ def capture_now(adapter: EncoderCudaGraph, *inputs: Any) -> tuple[torch.Tensor, 
     device = None
     if adapter.eager_reason is None and not torch.is_grad_enabled():
         device = adapter.backend.eligible_device(inputs)
-    static = any(map(_is_static, inputs))
-    if device is None or len(inputs) > len(_BUFFER_KEYS) or (static and not adapter.static_args):
+    if device is None or len(inputs) > len(_BUFFER_KEYS) or any(map(_is_static, inputs)):
         return adapter.forward(*inputs), "ineligible"
     if in_memory_profiling(adapter.vllm_config):
         return adapter.forward(*inputs), "profile"
-    key: GraphKey = (adapter.backend.replay_stream(device), device, tuple(map(_key_entry, inputs)))
+    entries = tuple(None if x is None else (x.shape, x.dtype) for x in inputs)
+    key: GraphKey = (adapter.backend.replay_stream(device), device, entries)
     manager = adapter.graphs.get(key)
     if manager is not None:
         return _replay_uncounted(adapter, manager, inputs), "present"

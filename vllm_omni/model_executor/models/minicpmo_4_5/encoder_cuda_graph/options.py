@@ -198,26 +198,16 @@ HF_OVERRIDE_KEYS: dict[str, HfOverrideKey] = _registry(
         name="encoder_cuda_graph_streaming_audio",
         kind="bool",
         default=True,
-        doc="also replay the streaming (duplex) audio chunks, bitwise equal to eager; "
-        'cap max_graphs x 30 KV past lengths; admission "count"',
+        doc="also replay the streaming (duplex) audio forward from CUDA graphs, one per batch bucket "
+        '(1, 2, 4, ... up to duplex_max_sessions, at most 32), bitwise equal to its eager run; admission "count"',
     ),
     HfOverrideKey(
         name="encoder_cuda_graph_startup_capture",
         kind="bool",
         default=True,
-        doc="duplex deployments: capture the streaming audio graphs of a session's chunks (first chunk, "
-        "steady chunk at every past length) and the camera frame's graph while the worker warms up, "
-        "before serving; false = capture them lazily, as sessions reach them",
-    ),
-    HfOverrideKey(
-        name="encoder_cuda_graph_duplex_batch",
-        kind="bool",
-        default=False,
-        doc="opt-in, for many concurrent duplex sessions: encode the audio chunks of every duplex session "
-        "scheduled in one engine step in one batched call (one graph replay per step; each row bitwise "
-        "equal to its session's own encode with the fused Whisper layers and the SDPA reference attention, "
-        "else within four bf16 steps; slower than the per-session graph for a single session); "
-        "false = each session's chunk on its own, bitwise equal to eager",
+        doc="duplex deployments: allocate the streaming audio K/V pages and capture the streaming audio graph "
+        "of every batch bucket and the camera frame's graph while the worker warms up, before the KV cache "
+        "is sized; false = capture them lazily, as sessions reach them",
     ),
     HfOverrideKey(
         name=siglip_attention.VISION_ATTN_KEY,
@@ -352,7 +342,6 @@ class EncoderCudaGraphOptions:
     log_interval_s: float = _hf_field("encoder_cuda_graph_log_interval_s")
     streaming_audio: bool = _hf_field("encoder_cuda_graph_streaming_audio")
     startup_capture: bool = _hf_field("encoder_cuda_graph_startup_capture")
-    duplex_batch: bool = _hf_field("encoder_cuda_graph_duplex_batch")
 
     def __post_init__(self) -> None:
         # the type and the minimum: values read from --hf-overrides were range-checked by

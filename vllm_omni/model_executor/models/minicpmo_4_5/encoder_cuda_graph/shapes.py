@@ -16,31 +16,20 @@ from vllm.v1.worker.encoder_cudagraph_defs import (
     EncoderItemSpec,
 )
 
-__all__ = [
-    "STATIC_ARG",
-    "ExactShapeEncoder",
-    "GraphKey",
-]
+__all__ = ["ExactShapeEncoder", "GraphKey"]
 
 GraphKey = tuple[Hashable, ...]
-"""``(replay stream id, device, per input: (shape, dtype), None, or (STATIC_ARG, value))``."""
-
-#: Tags a static argument's entry in a graph key: ``(STATIC_ARG, value)`` never equals a tensor's
-#: ``(shape, dtype)`` entry, whose first item is a ``torch.Size``.
-STATIC_ARG = "static"
+"""``(replay stream id, device, per input: (shape, dtype) or None)``."""
 
 
 def _is_static(x: Any) -> bool:
+    """A positional input that is neither a tensor nor None: a call with one is ineligible."""
     return x is not None and not isinstance(x, torch.Tensor)
 
 
-def _key_entry(x: Any) -> Hashable:
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype)
-    return None if x is None else (STATIC_ARG, x)
-
-
-#: Replay padding logic ``padding_logic(dst, src)``: an in-place copy (the key makes shapes equal).
+#: Replay padding logic, ``padding_logic(dst, src)``: copy in place (shapes are equal by
+#: construction of the key). The unbound tensor method itself, so a replay runs no Python frame of
+#: ours per input.
 _copy_exact = torch.Tensor.copy_
 
 
@@ -49,7 +38,6 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
     Attributes:
         templates: per positional input ``(shape, dtype, device)`` of a tensor, or None.
-        statics: position -> value of each static argument.
         keys: buffer keys of the tensor inputs.
         output_shape: the eager output's shape, recorded at the key's first sighting.
         output_dtype: the eager output's dtype (default: ``dtype``).
@@ -70,7 +58,6 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         self.arity = len(inputs)
         tensors = [isinstance(x, torch.Tensor) for x in inputs]
         self.templates = [(x.shape, x.dtype, x.device) if t else None for x, t in zip(inputs, tensors)]
-        self.statics = {i: x for i, x in enumerate(inputs) if _is_static(x)}
         self.keys = [str(i) for i, t in enumerate(tensors) if t]
         self.output_shape = torch.Size(output_shape)
         self.tokens = max(1, math.prod(self.output_shape[:-1]))
@@ -86,8 +73,7 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
         return inputs + math.prod(self.output_shape) * self.output_dtype.itemsize
 
     def _call(self, values: dict[str, Any]) -> torch.Tensor:
-        statics = self.statics
-        return self._forward(*(statics[i] if i in statics else values.get(str(i)) for i in range(self.arity)))
+        return self._forward(*(values.get(str(i)) for i in range(self.arity)))
 
     def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
         return EncoderCudaGraphConfig(
@@ -163,11 +149,10 @@ class ExactShapeEncoder(SupportsEncoderCudaGraph):
 
 
 def _describe(key: GraphKey) -> list[Any]:
-    return [
-        t if t is None else t[1] if t[0] == STATIC_ARG else (tuple(t[0]), str(t[1]).replace("torch.", ""))
-        for t in key[2]
-    ]
+    """Readable inputs of a key for logs: ``[(shape, dtype) | None, ...]``."""
+    return [t if t is None else (tuple(t[0]), str(t[1]).replace("torch.", "")) for t in key[2]]
 
 
 def _tensor_entries(key: GraphKey) -> Iterator[tuple[torch.Size, torch.dtype]]:
-    return (t for t in key[2] if t is not None and t[0] != STATIC_ARG)
+    """The ``(shape, dtype)`` entries of a key's tensor inputs (not None)."""
+    return (t for t in key[2] if t is not None)
