@@ -2,25 +2,12 @@
 """A step's duplex audio appends, encoded together in vllm-omni's ``preprocess_batch`` pre-pass.
 
 vllm-omni's model runner calls ``model.preprocess_batch(req_ids, model_intermediate_buffer,
-device)`` once per step (``_maybe_run_batch_preprocess``), before its per-request
-``preprocess``. The stage model answers with :func:`preprocess_batch`:
-
-1. **Collect.** Every scheduled request carrying a duplex data-plane append that its session has
-   not prepared yet (its ``(epoch, seq)`` differs from the session's prepared append), of a
-   session past its first chunk, with the streaming encoder on.
-2. **Plan.** Each append's complete audio chunks, as the stage's own loop would cut them from the
-   session's buffer (the session's streaming processor turns each into log-mel frames; the
-   buffer itself is left to the stage).
-3. **Encode.** The first chunk of every append in one :meth:`StreamingAudioEncoder.encode` call,
-   then the second of those that have one, and so on (a session's chunks are in order).
-4. **Hand out.** Each session's ``(features, embeddings)`` pairs go to its
-   ``planned_audio_chunks`` (vllm-omni patch 0011 adds the field), and its cache back to its
-   ``audio_past_key_values``; the request's own ``preprocess`` then builds its append from them,
-   encoding nothing.
-
-A request the pre-pass leaves alone (a session's first append, a chunk the forward does not cover)
-is encoded in its own ``preprocess`` through the same forward (a batch of one). Host work: the
-stage's own per-append work, then one encoder call per wave of chunks.
+device)`` once per step before each request's ``preprocess``. :func:`preprocess_batch` collects
+the appends its sessions have not prepared, plans each append's chunks as the stage would cut
+them, encodes the chunks wave by wave in one :meth:`StreamingAudioEncoder.encode` call each, and
+hands each session its ``planned_audio_chunks`` (patch 0011) and cache. A request it leaves alone
+(a session's first append, a chunk the forward does not cover) is encoded in its own
+``preprocess`` through the same forward.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fused layer paths for MiniCPM-o 4.5's SigLIP and Whisper encoder layers, same parameters.
 
-- one q/k/v GEMM on weights packed once (:func:`pack_qkv`; the modules' parameters become views,
-  so memory, ``state_dict`` and weight loading are unchanged);
-- bias + GELU in the GEMM epilogue where the activation is that math (SigLIP's tanh GELU);
-- the residual add fused with the LayerNorm after it (:func:`~.ops.add_layer_norm`);
-- SDPA on packed q/k/v with pinned backends; SigLIP's patch embedding as a GEMM and the resampler's
-  attention through SDPA; Whisper's streaming graphs drop the all-zero mask.
-
-Numerics: each piece rounds where the unfused layer rounds where that is cheap; the rest (GELU
-epilogue, other GEMM and attention kernels) is bounded by the CUDA tests in
-``test_fused_layers_cuda.py``. Graphed and eager calls run the same functions, so a replay is
-bitwise equal to its eager call. ``--hf-overrides encoder_fused_layers`` chooses the encoders
-(:func:`configure_fused_layers`); SigLIP runs them only with its SDPA attention, and only inference
-calls (eval, no autograd, no autocast, not FP16 Whisper) take them.
+One q/k/v GEMM on weights packed once (:func:`pack_qkv`), bias + GELU in the GEMM epilogue where
+that is the activation's math, the residual add fused with the next LayerNorm
+(:func:`~.ops.add_layer_norm`), and SDPA on packed q/k/v with pinned backends. Error against the
+unfused layers is bounded by ``test_fused_layers_cuda.py``; graphed and eager calls run the same
+functions, so a replay is bitwise equal to its eager call. Only inference calls take them
+(eval, no autograd, no autocast, not FP16 Whisper); ``encoder_fused_layers`` chooses the encoders.
 """
 
 from __future__ import annotations

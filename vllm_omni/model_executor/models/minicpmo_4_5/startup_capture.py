@@ -1,22 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Start-up capture: the encoder CUDA graphs every duplex session needs, captured before serving.
 
-Lazily, the first duplex sessions after a start-up would meet uncaptured graphs (a capture, tens of
-ms, on a session's critical path), and so would every new worker. The keys are known in advance:
-every duplex chunk runs the streaming audio forward (``streaming_audio.encode_rows``), whose graph
-key is its batch bucket alone, so :func:`capture_at_startup` captures one graph per bucket in one
-loop over explicit inputs (:meth:`~.streaming_audio.StreamingAudioEncoder.padding_inputs`: padding
-rows that touch only scratch K/V pages), after allocating the page pool for the deployment's
-``duplex_max_sessions``; and a camera frame is one 448x448 slice, captured through
-``get_vision_hidden_states`` with the vision adapter's call turned into
-:func:`~.encoder_cuda_graph.capture_now`.
-
-vllm-omni's AR model runner calls it from ``profile_cudagraph_memory`` (where vLLM measures its own
-graphs' memory before sizing the KV cache; patch 0008) and again from ``capture_model`` (it captures
-once), through the stage model's ``capture_graphs_at_startup``. The bytes it returns (graphs and page
-pool) are added to vLLM's estimate, so the KV cache is sized without them. Before each capture the
-free memory must be at least ``encoder_cuda_graph_min_free_bytes``; below it the capture stops with one
-WARNING and the rest is captured lazily. ``encoder_cuda_graph_startup_capture: false`` turns it off.
+:func:`capture_at_startup` allocates the streaming K/V page pool for ``duplex_max_sessions``,
+captures one streaming audio graph per batch bucket in one loop over explicit padding inputs, and
+one camera frame's vision graph. vllm-omni's model runner calls it from ``profile_cudagraph_memory``
+(patch 0008), so the bytes it returns are counted before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -129,11 +117,9 @@ def capture_at_startup(
 ) -> StartupCapture:
     """Capture the graphs a duplex session needs, before serving; one INFO line (or WARNING).
 
-    Runs only on a duplex deployment (:func:`is_duplex_deployment`) with
-    ``encoder_cuda_graph_startup_capture`` on: the streaming audio forward's page pool (also
-    without graphs), its graph of every batch bucket where its adapter exists, and the vision
-    adapter's graph of one camera frame. Graph caps, the byte budget and module hooks apply as to any
-    capture; the free-memory floor is checked before the pool and before each capture.
+    Runs on a duplex deployment with ``encoder_cuda_graph_startup_capture`` on. Caps, the byte
+    budget and hooks apply as to any capture; the free-memory floor is checked before the pool and
+    before each capture, and below it the rest is left to the lazy path.
 
     Args:
         thinker: ``MiniCPMO45OmniLLMForConditionalGeneration`` with its adapters wired.
@@ -144,8 +130,7 @@ def capture_at_startup(
         What was captured; ``total_bytes`` is what the graphs and the page pool hold.
 
     Raises:
-        whatever a capture raises (the fatal capture contract: restart the worker, optionally with
-        ``encoder_cuda_graph_startup_capture: false``).
+        whatever a capture raises (the fatal capture contract).
     """
     report = StartupCapture()
     options = EncoderCudaGraphOptions.from_hf_config(thinker.config)

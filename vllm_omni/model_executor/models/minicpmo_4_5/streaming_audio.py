@@ -1,37 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """MiniCPM-o 4.5's streaming (duplex) Whisper chunks: one paged, batched forward, one graph per bucket.
 
-A full-duplex session encodes its audio as 1 s chunks, each attending to the session's earlier
-chunks through Whisper's self-attention cache. Every chunk, a session alone included (a batch of
-one), runs through one forward, :func:`encode_rows`:
-
-- **Explicit data.** A :class:`StreamingAudioChunk` (log-mel frames, framing, the session's
-  :class:`SessionAudioCache`) goes in; ``(embeddings, cache)`` comes out
-  (:meth:`StreamingAudioEncoder.encode`). A session's cache is a range of pages of one
-  :class:`KVPagePool` and a length; the duplex stage's session state holds it, and it goes back to
-  the pool explicitly (:func:`release_cache`) when the cache resets and when the session closes.
-- **Paged K/V.** ``encode_rows`` writes each row's new keys and values into its own pages and
-  attends over its own pages only (rows never see each other), so every past length of the
-  1500-position cache cycle, a first chunk and a reset session share one graph per batch bucket
-  (:data:`BUCKETS`). Every per-row number (position-table rows, page table, lengths, slots) is
-  data in one int32 tensor (:class:`RowLayout`), built on the host with array operations and
-  copied to the device once per call, together with the log-mel frames when they are on the host.
-- **Batch invariance.** Each row is bitwise equal to its session encoded alone, whatever shares the
-  step, and the graphed call bitwise equal to the eager forward: attention per row (masked SDPA over
-  the row's gathered pages, or vLLM's FlashAttention with a block table and one split), and the
-  GEMMs and convolutions whose kernel choice depends on the row count on this device (found once by
-  :func:`probe_row_plan`, e.g. Whisper's ``fc2``) run row by row (:class:`RowLinear`).
-- **What it does not cover** (training, autograd, autocast, FP16 Whisper, other framings, chunks
-  past the position table, a cache the eager path made, a full pool) runs the original eager code
-  (:func:`encode_eager`), as vllm-omni's ``get_audio_embedding_streaming`` did.
-
-The stage's pre-pass (``duplex_step.py``) hands a step's chunks of every session to
-:meth:`StreamingAudioEncoder.encode` at once; ``get_audio_embedding_streaming`` hands one chunk
-(:func:`encode_streaming_chunk`).
-
-What a real row reads: its own positions, and zeros (a session's pages are zeroed when it takes
-them). Padding rows write and read scratch pages only. A NaN in scratch or in a free page never
-reaches a real row.
+Every chunk, a session alone included, runs through :func:`encode_rows`: a
+:class:`StreamingAudioChunk` in, ``(embeddings, cache)`` out (:meth:`StreamingAudioEncoder.encode`).
+A session's :class:`SessionAudioCache` is a page range of one :class:`KVPagePool`, released
+explicitly (:func:`release_cache`). Rows attend over their own pages only, so every past length
+shares one graph per bucket (:data:`BUCKETS`); per-row data is one int32 tensor
+(:class:`RowLayout`), copied once per call. Each row is bitwise equal to its session encoded alone
+(GEMMs whose kernel depends on the row count run row by row, :func:`probe_row_plan`). What the
+forward does not cover runs the original eager code (:func:`encode_eager`). Padding rows touch
+scratch pages only, so a NaN there or in a free page never reaches a real row. Design:
+``docs/design/minicpmo_encoder_cuda_graph/streaming_audio.md``.
 """
 
 from __future__ import annotations
@@ -86,9 +65,7 @@ def bucket_for(rows: int, largest: int) -> int:
     return next(b for b in BUCKETS if b >= min(rows, largest))
 
 
-# ---------------------------------------------------------------------------
-# Sessions' caches: pages of one pool
-# ---------------------------------------------------------------------------
+# -- Sessions' caches: pages of one pool
 
 
 class SessionAudioCache:
@@ -219,9 +196,7 @@ class StreamingAudioChunk:
     cache: Any = None
 
 
-# ---------------------------------------------------------------------------
-# The batched forward (the captured region)
-# ---------------------------------------------------------------------------
+# -- The batched forward (the captured region)
 
 
 @dataclass(frozen=True)
@@ -551,9 +526,7 @@ def encode_rows(model: nn.Module, mel: torch.Tensor, meta: torch.Tensor, encoder
     return model.audio_avg_pooler(hidden.view(rows, chunk, -1).transpose(1, 2)).transpose(1, 2)
 
 
-# ---------------------------------------------------------------------------
-# The original eager code (what the batched forward does not cover)
-# ---------------------------------------------------------------------------
+# -- The original eager code (what the batched forward does not cover)
 
 
 def encode_eager(
@@ -600,9 +573,7 @@ def encode_eager(
     return embeds, out.past_key_values
 
 
-# ---------------------------------------------------------------------------
-# The encoder: chunks in, (embeddings, cache) out
-# ---------------------------------------------------------------------------
+# -- The encoder: chunks in, (embeddings, cache) out
 
 
 class StreamingAudioEncoder:
@@ -823,9 +794,7 @@ def paged_attention_choice(device: torch.device, dtype: torch.dtype) -> tuple[st
     return "flash", f"vLLM FlashAttention 2, compute capability {major}.{minor}"
 
 
-# ---------------------------------------------------------------------------
-# The model file's hooks
-# ---------------------------------------------------------------------------
+# -- The model file's hooks
 
 
 def encode_streaming_chunk(
