@@ -5,7 +5,7 @@
   names a file or folder of the checkout and, when it carries an anchor into a Markdown file, one
   of that file's headings (GitHub's anchors).
 - The design overview stays an overview (at most 250 lines) and links every topic page, which link
-  back to it.
+  back to it; the overview and its topic pages together hold at most 40,000 characters.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 DESIGN = "docs/design/minicpmo_encoder_cuda_graph.md"
 TOPICS = "docs/design/minicpmo_encoder_cuda_graph"
 OVERVIEW_MAX_LINES = 250
+DESIGN_MAX_CHARS = 40_000
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
@@ -129,3 +130,10 @@ def test_design_overview_is_short_and_links_every_topic_page():
     for page in pages:
         back = {resolve(page, t)[0] for _, t in relative_links((REPO / page).read_text(encoding="utf-8"))}
         assert DESIGN in back, f"{page} does not link back to the overview"
+
+
+def test_design_pages_stay_within_their_character_budget():
+    pages = [REPO / DESIGN, *sorted((REPO / TOPICS).glob("*.md"))]
+    sizes = {p.relative_to(REPO).as_posix(): len(p.read_text(encoding="utf-8")) for p in pages}
+    total = sum(sizes.values())
+    assert total <= DESIGN_MAX_CHARS, f"design pages total {total} characters (limit {DESIGN_MAX_CHARS}): {sizes}"
