@@ -1,5 +1,4 @@
-"""MiniCPM-o 4.5's thinker configuration at the checkpoint's values, without the checkpoint.
-"""
+"""MiniCPM-o 4.5's thinker configuration at the checkpoint's values, without the checkpoint."""
 
 from __future__ import annotations
 

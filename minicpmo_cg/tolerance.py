@@ -1,5 +1,4 @@
-"""The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one.
-"""
+"""The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one."""
 
 from __future__ import annotations
 
