@@ -122,9 +122,6 @@ def resolve_size(*, quick: bool, full: bool, cuda: bool) -> str:
     return "full" if cuda else "reduced"
 
 
-# The patch check (before any heavy import)
-
-
 def patch_problems(plan: Any) -> list[str]:
     """What keeps the installation described by a patch tool plan from being patched (empty: patched)."""
     from minicpmo_cg import resources
@@ -161,9 +158,6 @@ def check_patched() -> None:
             f"the encoder CUDA graph patch set is not applied to {install.site} ({'; '.join(problems)}); "
             f"{APPLY_HINT}"
         )
-
-
-# Results
 
 
 @dataclass
@@ -305,9 +299,6 @@ def format_report(report: dict[str, Any], results: list[InputResult]) -> str:
     return "\n".join(lines)
 
 
-# Setup
-
-
 @dataclass
 class Demo:
     """Everything one run uses: device, dtype, size, the model, its inputs and the timer."""
@@ -426,9 +417,6 @@ def _attention(demo: Demo, item: Any) -> str:
     """The attention implementation of the encoder that serves ``item``."""
     info = demo.model.build_info
     return info.vision_attn if item.modality == "image" else info.audio_attn
-
-
-# The passes
 
 
 def _duplex_session(demo: Demo, item: Any) -> tuple[list[float], list[Any]]:
@@ -568,9 +556,6 @@ def cpu_routing_check(demo: Demo, results: list[InputResult], eager_out: dict[st
             r.ok = False
             r.problems.append(f"call through the wired adapter differs from eager by {diff:.3g}")
     return check
-
-
-# Run
 
 
 def _report_header(demo: Demo) -> dict[str, Any]:

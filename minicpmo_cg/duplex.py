@@ -1,27 +1,4 @@
-"""A full-duplex session's audio path outside vllm-omni's duplex stage: chunk framing, real speech, caches.
-
-vllm-omni's duplex stage (``MiniCPMO45Stage0DuplexRuntime``, ``minicpmo_4_5/duplex/stage0.py`` in
-vllm-omni 0.30.0) encodes a live session's audio one 1 s chunk at a time through the thinker's
-``get_audio_embedding_streaming``, with the session's Whisper KV cache swapped into the model around
-each call. The call and the swap (:class:`DuplexChunk`, :class:`DuplexSession`, :data:`CONTEXT_FRAMES`)
-are :mod:`minicpmo_cg.duplex_session`'s, re-exported here; this module adds, for standalone runs and
-the tests:
-
-- :func:`frame_chunks` cuts a log-mel stream into the stage's chunks: chunk ``i`` covers frames
-  ``[100 i, 100 i + 100)`` plus :data:`CONTEXT_FRAMES` frames of context on each side (none before
-  the first chunk), so a chunk is 102 (first) or 104 mel frames, 50 encoder positions after the
-  context is cut, 10 embeddings after pooling. (The checkpoint's streaming mel processor computes
-  the frames incrementally; the shapes, and so the encoder's work, are the same.)
-- :func:`speech_mel` is such a stream from the speech files vllm-omni ships.
-- :func:`cache_bytes` is what a session's cache holds.
-- :func:`encode_frame` is the stage's vision call for a camera frame (``_encode_processed_vision``):
-  ``get_vision_hidden_states`` under ``torch.no_grad()``.
-- :func:`stage_frame_data` is that call's argument: the processed frame's slices in the model dtype,
-  ``tgt_sizes`` as int64.
-
-A session's cache resets when past + new positions would reach the position table's 1500 rows:
-before its 30th chunk (:func:`past_lengths`).
-"""
+"""A full-duplex session's audio path outside vllm-omni's duplex stage: chunk framing, real speech, caches."""
 
 from __future__ import annotations
 
@@ -57,13 +34,7 @@ CHUNK_POSITIONS = CHUNK_FRAMES // 2
 
 @dataclass
 class DuplexInput:
-    """One duplex session's chunks as one input (float32 features on the CPU).
-
-    Attributes:
-        name: table label.
-        source: where the audio comes from.
-        chunks: the session's chunks, in order.
-    """
+    """One duplex session's chunks as one input (float32 features on the CPU)."""
 
     name: str
     source: str
@@ -96,11 +67,6 @@ def frame_chunks(
 ) -> list[DuplexChunk]:
     """The first ``count`` duplex chunks of the log-mel stream ``mel``.
 
-    Args:
-        mel: ``(n_mels, T)`` frames, ``T >= count * CHUNK_FRAMES + CONTEXT_FRAMES``.
-        count: chunks (seconds).
-        device, dtype: of the chunks' features.
-
     Raises:
         ValueError: ``mel`` is too short.
     """
@@ -117,12 +83,7 @@ def frame_chunks(
 
 
 def speech_mel(seconds: int) -> torch.Tensor:
-    """``(80, T)`` log-mel frames of vllm-omni's shipped voices, repeated to cover ``seconds`` chunks.
-
-    Each voice file (``default_female``, ``default_male``) goes through Whisper's feature extractor
-    as MiniCPM-o's processor runs it (:func:`minicpmo_cg.inputs.mel_features`); the streams are
-    concatenated and repeated until ``seconds`` chunks and their trailing context fit.
-    """
+    """``(80, T)`` log-mel frames of vllm-omni's shipped voices, repeated to cover ``seconds`` chunks."""
     from minicpmo_cg import inputs
 
     extractor = inputs.make_feature_extractor()
@@ -136,11 +97,7 @@ def speech_mel(seconds: int) -> torch.Tensor:
 
 
 def past_lengths(count: int, positions: int = 1500, chunk: int = CHUNK_POSITIONS) -> list[int]:
-    """KV past length at each of a session's first ``count`` chunks (the model's reset rule).
-
-    ``get_audio_embedding_streaming`` drops a cache whose length plus the chunk's positions
-    reaches ``positions`` (the position table's rows): 0, 50, ..., 1400, then 0 again.
-    """
+    """KV past length at each of a session's first ``count`` chunks (the model's reset rule)."""
     lengths, past = [], 0
     for _ in range(count):
         if past + chunk >= positions:
@@ -151,11 +108,7 @@ def past_lengths(count: int, positions: int = 1500, chunk: int = CHUNK_POSITIONS
 
 
 def cache_bytes(cache: Any) -> int:
-    """Bytes of the K/V tensors a session cache holds (0 for None).
-
-    Reads the paged path's ``streaming_audio.SessionAudioCache`` (its positions in its pool) and the
-    eager path's ``EncoderDecoderCache`` (the self-attention ``DynamicCache``'s layers).
-    """
+    """Bytes of the K/V tensors a session cache holds (0 for None)."""
     if cache is None:
         return 0
     pool = getattr(cache, "pool", None)
@@ -173,17 +126,7 @@ def cache_bytes(cache: Any) -> int:
 def stage_frame_data(
     pixel_values: list[torch.Tensor], tgt_sizes: torch.Tensor, *, device: Any, dtype: torch.dtype
 ) -> dict[str, Any]:
-    """A camera frame's ``get_vision_hidden_states`` argument as the duplex stage builds it.
-
-    ``MiniCPMO45Stage0DuplexRuntime._encode_processed_vision`` moves the processed frame's slices to
-    the vision tower's device and dtype and ``tgt_sizes`` to int64; the tensors are normal (not
-    inference) tensors, made outside ``torch.inference_mode``.
-
-    Args:
-        pixel_values: the frame's slices ``(3, 14, 14 * h_i * w_i)`` (one for a 448x448 frame).
-        tgt_sizes: ``(slices, 2)`` patch grids.
-        device, dtype: the vision tower's.
-    """
+    """A camera frame's ``get_vision_hidden_states`` argument as the duplex stage builds it."""
     with torch.inference_mode(False):
         return {
             "pixel_values": [p.to(device=device, dtype=dtype) for p in pixel_values],
@@ -192,10 +135,6 @@ def stage_frame_data(
 
 
 def encode_frame(model: Any, data: dict[str, Any]) -> torch.Tensor:
-    """The duplex stage's vision call: ``get_vision_hidden_states`` under ``torch.no_grad()``.
-
-    The stage runs it outside ``torch.inference_mode``, so this leaves any enclosing inference mode
-    first. Returns ``(slices, query_num, hidden_size)``.
-    """
+    """The duplex stage's vision call: ``get_vision_hidden_states`` under ``torch.no_grad()``."""
     with torch.inference_mode(False), torch.no_grad():
         return model.get_vision_hidden_states(data)

@@ -1,13 +1,4 @@
-"""One full-duplex session's streaming audio calls: a chunk's call arguments and the session's KV cache.
-
-vllm-omni's duplex stage (``MiniCPMO45Stage0DuplexRuntime``, ``minicpmo_4_5/duplex/stage0.py`` in
-vllm-omni 0.30.0) encodes a live session's audio one chunk at a time through the thinker's
-``get_audio_embedding_streaming(data, use_extra_context=True, prefix_extra_frames=0 if first else 2,
-suffix_extra_frames=2)``. Before each call it puts the session's Whisper KV cache into
-``thinker.audio_past_key_values`` and afterwards takes the updated one back, so sessions interleave
-on one model. :class:`DuplexChunk` is one such call, :class:`DuplexSession` one session's cache
-swapped in and out around it, released by :meth:`DuplexSession.close`. Neither reads audio files: the caller gives the log-mel frames.
-"""
+"""One full-duplex session's streaming audio calls: a chunk's call arguments and the session's KV cache."""
 
 from __future__ import annotations
 
@@ -22,13 +13,7 @@ CONTEXT_FRAMES = 2
 
 @dataclass(frozen=True)
 class DuplexChunk:
-    """One ``get_audio_embedding_streaming`` call of a duplex session.
-
-    Attributes:
-        features: log-mel frames ``(1, 80, T)`` with the context frames (T = 102 or 104 at 1 s).
-        prefix_extra_frames: 0 for a session's first chunk, else :data:`CONTEXT_FRAMES`.
-        suffix_extra_frames: :data:`CONTEXT_FRAMES`.
-    """
+    """One ``get_audio_embedding_streaming`` call of a duplex session."""
 
     features: torch.Tensor
     prefix_extra_frames: int
@@ -42,23 +27,13 @@ class DuplexChunk:
 
 
 class DuplexSession:
-    """One duplex session: its own Whisper KV cache, swapped into the model around each call.
-
-    Attributes:
-        cache: the session's ``audio_past_key_values`` between calls (None before the first).
-    """
+    """One duplex session: its own Whisper KV cache, swapped into the model around each call."""
 
     def __init__(self) -> None:
         self.cache: Any = None
 
     def encode(self, model: Any, chunk: DuplexChunk) -> torch.Tensor:
-        """``model.get_audio_embedding_streaming`` on ``chunk`` with this session's cache.
-
-        The model's own ``audio_past_key_values`` is restored afterwards, also when the call raises.
-
-        Returns:
-            the chunk's embeddings, ``(positions // audio_pool_step, embed_dim)``.
-        """
+        """``model.get_audio_embedding_streaming`` on ``chunk`` with this session's cache."""
         previous = model.audio_past_key_values
         model.audio_past_key_values = self.cache
         try:

@@ -1,5 +1,4 @@
-"""Real inputs through MiniCPM-o's own preprocessing, for tests and measurements outside an engine.
-"""
+"""Real inputs through MiniCPM-o's own preprocessing, for tests and measurements outside an engine."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ MAX_CLIP_SECONDS = 30.0
 MAX_SLICE_NUMS = 9
 SCALE_RESOLUTION = 448
 PATCH_SIZE = 14
-
-
-# Input containers
 
 
 @dataclass
@@ -96,9 +92,6 @@ class AudioInput:
         return {"audio_features": audio_features, "audio_feature_lens": lens}
 
 
-# Photos
-
-
 def load_photo(name: str) -> Any:
     """Return ``skimage.data.<name>()`` as an RGB ``PIL.Image``.
 
@@ -165,9 +158,6 @@ def vision_input(processor: Any, name: str, photos: list[str], *, frame: bool = 
     pixel_values, tgt_sizes = process_images(processor, images)
     source = ", ".join(f"{label} {img.size[0]}x{img.size[1]}" for label, img in zip(labels, images))
     return VisionInput(name, source, pixel_values, tgt_sizes, num_images=len(images))
-
-
-# Speech
 
 
 def voice_files() -> list[Path]:
@@ -257,9 +247,6 @@ def audio_input(
     return AudioInput(name, ", ".join(parts), features, as_list=as_list)
 
 
-# The demo's input sets
-
-
 #: ``scale_resolution`` of the reduced size (``--quick``): slices of about 16 x 16 = 256 patches
 #: instead of 1024.
 QUICK_SCALE_RESOLUTION = 224
@@ -295,5 +282,3 @@ def build_inputs(*, quick: bool = False) -> list[VisionInput | AudioInput]:
             audio_input(extractor, "speech_pair", [("default_male", None), ("default_female", None)]),
         ]
     return items
-
-

@@ -1,5 +1,4 @@
-"""A vllm-omni general plugin: MiniCPM-o 4.5's thinker as a pipeline of its own (text out).
-"""
+"""A vllm-omni general plugin: MiniCPM-o 4.5's thinker as a pipeline of its own (text out)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Where the patch set's payload lives: the source tree (editable install) or ``_payload`` (wheel).
-"""
+"""Where the patch set's payload lives: the source tree (editable install) or ``_payload`` (wheel)."""
 
 from __future__ import annotations
 

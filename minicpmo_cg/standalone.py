@@ -1,5 +1,4 @@
-"""MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights.
-"""
+"""MiniCPM-o 4.5's thinker encoders, built from vllm-omni's own classes with random weights."""
 
 from __future__ import annotations
 

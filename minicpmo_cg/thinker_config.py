@@ -1,5 +1,4 @@
-"""MiniCPM-o 4.5's thinker configuration at the checkpoint's values, without the checkpoint.
-"""
+"""MiniCPM-o 4.5's thinker configuration at the checkpoint's values, without the checkpoint."""
 
 from __future__ import annotations
 
@@ -8,14 +7,8 @@ from typing import Any
 
 MODEL_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
 
-# ---------------------------------------------------------------------------------------------
-# Dimensions of MiniCPM-o 4.5's thinker encoders, and where each value comes from.
-#
-# "MiniCPMOConfig default" = a default of MiniCPMOConfig.__init__ / default_vision_config in the
-# installed minicpmo_4_5_omni_llm.py (a test checks each against the installed file).
-# "checkpoint" = a value of the MiniCPM-o 4.5 checkpoint's config.json that differs from (or is
-# absent in) the MiniCPMOConfig defaults, as the model's own comments name them.
-# ---------------------------------------------------------------------------------------------
+# Where each value comes from: "MiniCPMOConfig default" = a default in the installed
+# minicpmo_4_5_omni_llm.py (a test checks each); "checkpoint" = the checkpoint's config.json value.
 
 #: Thinker LLM (Qwen3-8B): only ``hidden_size`` matters to the encoders (resampler embed dim and
 #: audio projection width, ``num_heads = hidden_size // 128`` = 32). Checkpoint values; the

@@ -1,18 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MiniCPM-o 4.5's thinker stage through vLLM's engine, in one process, and what it answered.
-
-Builds vLLM's ``LLMEngine`` from vllm-omni's stage arguments (``OmniEngineArgs`` with
-``model_stage="llm"``, vllm-omni's AR worker and model runner), so a request goes through vLLM's
-input processor, vllm-omni's multimodal processor and the project's HF processor, the scheduler,
-the worker's memory profiling and KV cache sizing, and the thinker's encoders and decoder. Sends
-fixed greedy prompts (one image of 1 and of 10 slices, 1 s and 30 s of speech, image + audio),
-each :data:`REPEATS` times, and writes one JSON record: token ids and first-token logprobs per
-prompt, the KV cache's block count, the adapters' stats and the engine's timings.
-
-Run it in a fresh interpreter per mode (a GPU engine does not release all its memory)::
-
-    python -m minicpmo_cg.thinker_engine --model DIR --mode graphed --out rec.json
-"""
+"""MiniCPM-o 4.5's thinker stage through vLLM's engine, in one process, and what it answered."""
 
 from __future__ import annotations
 
@@ -160,12 +147,7 @@ def _variant(prompt: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def _first_tokens(engine: Any, prompts: list[Any], tag: str) -> tuple[list[float], int]:
-    """Submit ``prompts`` at once and step until all finish.
-
-    Returns:
-        Each request's milliseconds to its first token, sorted, and the token count of a prompt
-        after the multimodal processor expanded its placeholders.
-    """
+    """Submit ``prompts`` at once and step until all finish."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)

@@ -1,19 +1,12 @@
-"""The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one.
-"""
+"""The graph-vs-eager tolerance and the comparisons of a graphed output with the eager one."""
 
 from __future__ import annotations
 
 from typing import Any
 
-#: Largest accepted ``max|graphed - eager|``, relative to ``max|eager|``, by dtype name.
-#:
-#: A replay runs the very kernels the eager call runs, on the same shapes and weights, so the
-#: difference is expected to be exactly 0 (the CUDA tests assert where it must be). The margin
-#: leaves room for one thing only: a library choosing another kernel variant (or split-K
-#: order) while a stream is captured, which changes the float32 accumulation order and can
-#: move a bfloat16 output by one rounding step of its magnitude, 2**-8. float32 outputs get
-#: 1e-4, far above float32 rounding and far below what a real fault produces (stale inputs, a
-#: wrong mask or another graph's buffers move the output by O(1) of its magnitude).
+#: Largest accepted ``max|graphed - eager|``, relative to ``max|eager|``, by dtype name. A replay
+#: runs the eager call's kernels, so 0 is expected; the margin covers a library picking another
+#: kernel variant under capture (one bfloat16 rounding step, 2**-8), far below a real fault's O(1).
 GRAPH_REL_TOL: dict[str, float] = {"bfloat16": 2.0**-8, "float32": 1e-4}
 
 

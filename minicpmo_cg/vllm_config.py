@@ -1,5 +1,4 @@
-"""A ``VllmConfig`` for running the encoders outside an engine (tests and measurements).
-"""
+"""A ``VllmConfig`` for running the encoders outside an engine (tests and measurements)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A vLLM general plugin: say in the server log when the patch set is not applied.
-"""
+"""A vLLM general plugin: say in the server log when the patch set is not applied."""
 
 from __future__ import annotations
 

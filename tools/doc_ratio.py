@@ -1,9 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Docstring and comment lines as a share of all lines: ``python tools/doc_ratio.py [FILE|DIR ...]``.
-
-A line counts when it lies in a docstring (module, class or function) or holds only a comment.
-Without arguments it measures the product, ``vllm_omni/**/*.py``; it prints each file and the total.
-"""
+"""Docstring and comment lines as a share of all lines: ``python tools/doc_ratio.py [FILE|DIR ...]``."""
 
 import ast
 import io

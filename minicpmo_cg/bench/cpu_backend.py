@@ -1,5 +1,4 @@
-"""The CPU stand-in for graph capture used by ``--allow-cpu`` (and only there).
-"""
+"""The CPU stand-in for graph capture used by ``--allow-cpu`` (and only there)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,4 @@
-"""Scenario ``duplex``: what a duplex session encodes, eager vs graphed in one run.
-
-One simulated full-duplex session: each second, one 448x448 camera frame through the thinker's
-``get_vision_hidden_states`` (the duplex stage's vision call: int64 ``tgt_sizes``, under
-``torch.no_grad()``), then one 1 s speech chunk through ``get_audio_embedding_streaming``, framed as
-vllm-omni's duplex stage frames them (prefix 0 on the first chunk, else 2; suffix 2) and with the
-session's Whisper KV cache swapped in and out around each call as the stage does
-(:mod:`minicpmo_cg.duplex`). The cache resets before chunks 29, 58, ... (1500 positions). Runs, each
-call timed at its call site (:class:`minicpmo_cg.measure.Timer`):
-
-- eager (graphs off), after a short untimed warm-up session;
-- graphed, default options: the *cold* session of a fresh adapter (warmup misses and captures
-  included, what a new worker's first session pays), then the next session's first chunk (it
-  captures the first-chunk form), then a *warm* session on the same audio (replays);
-- two sessions interleaved chunk by chunk (each with its own K/V pages; audio only).
-
-Every graphed chunk and frame must equal the eager one of the same session bitwise (the claim the
-options' defaults rest on); a difference is a problem (exit status 1). Reported: per-chunk and
-per-frame median, p90 and max, session encoder time (frames + chunks, and chunks alone), both
-adapters' stats, graph memory in total (K/V pages + static buffers + graph pool, and the frame's
-vision graph) and per session (the session's own cache, on either path). Then the first :data:`LAYERS_CHUNKS` chunks once
-more with Whisper's fused layers (``--hf-overrides encoder_fused_layers``, the default) and once
-without them (the same weights, :func:`minicpmo_cg.bench.kernels.fused_layers`), each with fresh
-graphs: the warm graphed chunk times side by side, each bitwise against its own eager session, and the
-per-kernel profile of the fused graphed chunk (``layers``). Targets: graphed median <= 2 ms per 1 s
-chunk, warm session encoder time (frames + chunks) >= 3x lower than eager.
-"""
+"""Scenario ``duplex``: what a duplex session encodes, eager vs graphed in one run."""
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""Scenario ``duplex_concurrency``: N duplex sessions sharing engine steps, one interleaved run.
-
-N = 1, 2, 4, 8, 16, 32 sessions (CPU dry run: 1, 2). Per step every session sends one 1 s chunk of
-the shipped voices, framed as vllm-omni's duplex stage frames it (float32 log-mel on the host, as
-the stage's processor hands it to the ``preprocess_batch`` pre-pass; prefix 0 on a session's first
-chunk, else 2; suffix 2). The sessions start together, so their caches reset in the same step. Three
-ways, interleaved step by step (one step of each, then the next):
-
-- ``eager``: the streaming audio forward (``streaming_audio.encode_rows``) run eagerly, its own page
-  pool;
-- ``paged``: the path serving runs, ``StreamingAudioEncoder.encode`` of the step's chunks (one
-  host-to-device copy, one replay of the bucket's graph, captured at start-up);
-- ``floor``: a plain ``torch.cuda.CUDAGraph`` of the same fused Whisper layers, projection and
-  pooling over N rows of one chunk without any cache (each row attends to its own chunk only): what
-  the GPU needs at batch N at least (CPU dry run: run eagerly).
-
-Per N: the audio encoder ms per step of each way (CUDA events around the call, median), the host
-ms per step of ``paged`` (the call's own time on the host; the device idle before it), and
-``paged`` against ``eager`` bitwise (a problem otherwise). Then a fresh wiring of a deployment of
-:data:`STARTUP_SESSIONS` sessions: start-up capture's seconds, bytes and graphs, and the first
-chunks of the first session after it (through ``get_audio_embedding_streaming``, as a session's
-first append arrives), each timed.
-
-JSON: ``{"sessions": {"8": {"step_ms": {"eager": .., "paged": .., "floor": ..}, "host_ms": ..}, ...},
-"first_chunk_ms": .., "startup": {"s": .., "bytes": .., "graphs": {..}}, "detail": {..}}``.
-"""
+"""Scenario ``duplex_concurrency``: N duplex sessions sharing engine steps, one interleaved run."""
 
 from __future__ import annotations
 

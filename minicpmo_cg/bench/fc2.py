@@ -1,18 +1,4 @@
-"""A micro-benchmark of batch-invariant GEMMs for Whisper-medium's ``fc2`` (K = 4096, N = 1024, bf16).
-
-``python -m minicpmo_cg.bench.fc2 [--json PATH] [--repeats R]`` (CUDA only). For M = 50 rows per session
-and 1, 2, 4, 8, 16, 32 sessions, each way's milliseconds per GEMM (CUDA events, median) and whether
-every session's 50 rows are bitwise those of its own GEMM of 50 rows (batch invariance):
-
-- ``batched``: one ``F.linear`` (cuBLAS's default choice; the speed to match, often not invariant);
-- ``row_by_row``: one GEMM per session into its slice of the output (``streaming_audio.RowLinear``);
-- ``workspace``: one ``F.linear`` in a child process with ``CUBLAS_WORKSPACE_CONFIG=:16:8`` and reduced-
-  precision reductions off (a small workspace, so cuBLAS never picks split-K), as vLLM's batch-invariant
-  mode sets it;
-- ``triton``: a fixed-tile Triton GEMM (one tile shape and one K order for every M, no split-K).
-
-Prints one table and writes the JSON; the decision (which the forward uses) is the reader's.
-"""
+"""A micro-benchmark of batch-invariant GEMMs for Whisper-medium's ``fc2`` (K = 4096, N = 1024, bf16)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Fused vs unfused encoder layers, and where a graphed call's GPU time goes, kernel by kernel.
-"""
+"""Fused vs unfused encoder layers, and where a graphed call's GPU time goes, kernel by kernel."""
 
 from __future__ import annotations
 

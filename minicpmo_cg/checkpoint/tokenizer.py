@@ -1,5 +1,4 @@
-"""The checkpoint's tokenizer: byte-level, built with ``tokenizers``, no download.
-"""
+"""The checkpoint's tokenizer: byte-level, built with ``tokenizers``, no download."""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""The upstream pull requests: ``minicpmo-cg-export OUT [--verify]`` (``python -m minicpmo_cg.export``).
-"""
+"""The upstream pull requests: ``minicpmo-cg-export OUT [--verify]`` (``python -m minicpmo_cg.export``)."""

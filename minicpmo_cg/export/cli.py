@@ -1,5 +1,4 @@
-"""``minicpmo-cg-export OUT [--verify]``: each PR of :data:`.stack.STACK` as a ``git format-patch`` series.
-"""
+"""``minicpmo-cg-export OUT [--verify]``: each PR of :data:`.stack.STACK` as a ``git format-patch`` series."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The stack of upstream pull requests, in merge order: the changes that need no graph first.
-"""
+"""The stack of upstream pull requests, in merge order: the changes that need no graph first."""
 
 from __future__ import annotations
 

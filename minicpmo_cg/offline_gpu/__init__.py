@@ -1,2 +1,1 @@
-"""Run this project's CUDA tests, demo and benchmark on an offline GPU host.
-"""
+"""Run this project's CUDA tests, demo and benchmark on an offline GPU host."""

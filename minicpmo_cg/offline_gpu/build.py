@@ -1,5 +1,4 @@
-"""``bundle``: build the offline GPU bundle of one or more lanes, on a machine that reaches PyPI.
-"""
+"""``bundle``: build the offline GPU bundle of one or more lanes, on a machine that reaches PyPI."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Command line of the offline GPU runner: ``python -m minicpmo_cg.offline_gpu {bundle,check,env,run}``.
-"""
+"""Command line of the offline GPU runner: ``python -m minicpmo_cg.offline_gpu {bundle,check,env,run}``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A host-like Python 3.12 environment, to check a bundle's imports before it goes to a GPU host.
-"""
+"""A host-like Python 3.12 environment, to check a bundle's imports before it goes to a GPU host."""
 
 from __future__ import annotations
 

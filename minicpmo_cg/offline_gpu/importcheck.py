@@ -1,5 +1,4 @@
-"""Import the GPU-side modules from a bundle the way a GPU host will, on a machine without a GPU.
-"""
+"""Import the GPU-side modules from a bundle the way a GPU host will, on a machine without a GPU."""
 
 from __future__ import annotations
 

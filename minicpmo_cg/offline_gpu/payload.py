@@ -1,5 +1,4 @@
-"""A lane bundle on disk: its payload fingerprint, archive, manifest and freshness.
-"""
+"""A lane bundle on disk: its payload fingerprint, archive, manifest and freshness."""
 
 from __future__ import annotations
 

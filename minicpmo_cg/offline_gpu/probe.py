@@ -1,5 +1,4 @@
-"""Print the interpreter, torch, CUDA devices, package versions and vLLM platform of this environment.
-"""
+"""Print the interpreter, torch, CUDA devices, package versions and vLLM platform of this environment."""
 
 from __future__ import annotations
 

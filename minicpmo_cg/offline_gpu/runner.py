@@ -1,5 +1,4 @@
-"""``run``: the CUDA tests, the demo and the benchmark of one lane against its bundle, on the GPU host.
-"""
+"""``run``: the CUDA tests, the demo and the benchmark of one lane against its bundle, on the GPU host."""
 
 from __future__ import annotations
 

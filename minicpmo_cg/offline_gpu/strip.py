@@ -1,5 +1,4 @@
-"""What of the upstream wheels goes into an offline GPU bundle, and what is dropped (and why).
-"""
+"""What of the upstream wheels goes into an offline GPU bundle, and what is dropped (and why)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Fetching and installing the CPython 3.12 manylinux wheels of a bundle with pip.
-"""
+"""Fetching and installing the CPython 3.12 manylinux wheels of a bundle with pip."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``minicpmo-cg-patch``: install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM.
-"""
+"""``minicpmo-cg-patch``: install the MiniCPM-o 4.5 encoder CUDA graph patch set into vllm-omni / vLLM."""
 
 from __future__ import annotations
 

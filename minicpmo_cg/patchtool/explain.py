@@ -1,5 +1,4 @@
-"""Why a patch does not apply, in words that point at the fix.
-"""
+"""Why a patch does not apply, in words that point at the fix."""
 
 from __future__ import annotations
 

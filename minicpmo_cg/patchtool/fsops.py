@@ -1,5 +1,4 @@
-"""Every write the patch tool makes, in one place, one observable step at a time.
-"""
+"""Every write the patch tool makes, in one place, one observable step at a time."""
 
 from __future__ import annotations
 

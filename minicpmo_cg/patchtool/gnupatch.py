@@ -1,5 +1,4 @@
-"""Apply one unified diff to in-memory file contents with GNU ``patch``.
-"""
+"""Apply one unified diff to in-memory file contents with GNU ``patch``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``patches/INDEX.md``: a one-page index of the series, generated from the patch headers.
-"""
+"""``patches/INDEX.md``: a one-page index of the series, generated from the patch headers."""
 
 from __future__ import annotations
 

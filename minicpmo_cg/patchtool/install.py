@@ -1,5 +1,4 @@
-"""The installation being patched: where it is, which lane it is, and what pip says is pristine.
-"""
+"""The installation being patched: where it is, which lane it is, and what pip says is pristine."""
 
 from __future__ import annotations
 

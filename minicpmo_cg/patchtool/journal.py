@@ -1,5 +1,4 @@
-"""The crash-safe write protocol shared by ``apply`` and ``revert``.
-"""
+"""The crash-safe write protocol shared by ``apply`` and ``revert``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Owned files: this project's modules installed into vllm-omni's tree.
-"""
+"""Owned files: this project's modules installed into vllm-omni's tree."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The patch series format shared by every upstream folder under ``patches/``.
-"""
+"""The patch series format shared by every upstream folder under ``patches/``."""
 
 from __future__ import annotations
 
@@ -65,9 +64,6 @@ class PatchFormatError(ValueError):
 def canonical_package(name: str) -> str:
     """Normalise a distribution name the PEP 503 way (``vllm_omni`` -> ``vllm-omni``)."""
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-# Versions
 
 
 def parse_version(text: str):
@@ -141,9 +137,6 @@ def _parse_spec(text: str, where: str, field: str) -> VersionSpec:
     except ValueError as exc:
         raise PatchFormatError(f"{where}: {field}: {exc}") from None
     return VersionSpec(package, op, version)
-
-
-# Patches
 
 
 @dataclass(frozen=True)

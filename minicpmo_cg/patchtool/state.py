@@ -1,5 +1,4 @@
-"""What ``minicpmo-cg-patch`` remembers inside an installation: the journal and the originals.
-"""
+"""What ``minicpmo-cg-patch`` remembers inside an installation: the journal and the originals."""
 
 from __future__ import annotations
 
