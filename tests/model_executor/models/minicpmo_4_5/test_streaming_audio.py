@@ -137,19 +137,13 @@ def test_the_row_layout_puts_every_row_in_its_own_pages_and_padding_in_scratch()
     assert slots.tolist() == [1, 2, 3, 96 + 17 + 1, 96 + 18 + 1, 96 + 19 + 1] + [0] * 6
 
 
+def _cpu_pool(**dims: int) -> sa.KVPagePool:
+    return sa.KVPagePool(dtype=torch.float32, device="cpu", **dims)
+
+
 @pytest.mark.cpu
 def test_the_pool_gives_zeroed_pages_lowest_first_and_takes_them_back_explicitly():
-    pool = sa.KVPagePool(
-        layers=2,
-        heads=2,
-        head_dim=4,
-        max_positions=40,
-        sessions=3,
-        rows=2,
-        chunk=10,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    pool = _cpu_pool(layers=2, heads=2, head_dim=4, max_positions=40, sessions=3, rows=2, chunk=10)
     assert pool.pages_per_session == 3 and pool.scratch_start == 9 and pool.kv.shape[2] == 9 + 2
     assert pool.nbytes == sa.KVPagePool.nbytes_for(
         layers=2, d_model=8, itemsize=4, max_positions=40, sessions=3, rows=2, chunk=10
@@ -166,17 +160,7 @@ def test_the_pool_gives_zeroed_pages_lowest_first_and_takes_them_back_explicitly
     assert pool.free_sessions == 2
     assert pool.acquire().first_page == 0 and pool.acquire().first_page == 6 and pool.acquire() is None
     with pytest.raises(ValueError, match="sessions >= 1"):
-        sa.KVPagePool(
-            layers=1,
-            heads=1,
-            head_dim=1,
-            max_positions=1,
-            sessions=0,
-            rows=1,
-            chunk=1,
-            dtype=torch.float32,
-            device="cpu",
-        )
+        _cpu_pool(layers=1, heads=1, head_dim=1, max_positions=1, sessions=0, rows=1, chunk=1)
 
 
 @pytest.mark.cpu
